@@ -1,66 +1,122 @@
 """Run a function on N real ranks: spawned processes joined in a gloo process group on loopback.
 
-``run_world(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` in every rank and returns the list of
-return values, by rank. A rank that raises fails the test with its traceback; ranks still running at the deadline
-are killed and the test fails as a hang, so no test can block CI.
+``run_world(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and returns the return
+values, by rank. ``fn`` must be a module-level function (it is pickled by reference).
+
+Starting a rank costs seconds (a fresh interpreter importing torch, then the rendezvous), so a world of each size
+is started once and reused by later calls: its ranks wait for the next function. A rank that raises fails the
+call with its traceback; ranks still busy at the deadline are killed and the call fails as a hang, so no test can
+block CI. After any failure the world is torn down and the next call starts a fresh one.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import multiprocessing as mp
 import os
 import pickle
+import queue
 import tempfile
+import time
 import traceback
-from pathlib import Path
+
+_ERROR_GRACE_S = 5.0  # after one rank fails, how long to wait for the others' reports before killing the world
 
 
-def _entry(fn, rank: int, world_size: int, init_file: str, out_dir: str, args: tuple, backend: str) -> None:
+def _serve(rank: int, world_size: int, init_file: str, backend: str, tasks, results) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # 2 cores shared by up to 4 ranks: oversubscribed BLAS threads only add noise
-    out = Path(out_dir) / f"rank{rank}"
+    torch.set_num_threads(1)  # 2 cores shared by up to 4 ranks: extra BLAS threads only add noise
     try:
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=60))
-        try:
-            result = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        out.with_suffix(".pkl").write_bytes(pickle.dumps(result))
     except BaseException:
-        out.with_suffix(".err").write_text(traceback.format_exc())
-        raise SystemExit(1)
+        results.put((rank, "err", traceback.format_exc()))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args = pickle.loads(task)
+        try:
+            results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
+        except BaseException:
+            results.put((rank, "err", traceback.format_exc()))
+    dist.destroy_process_group()
 
 
-def run_world(fn, world_size: int, *args, timeout: float = 120, backend: str = "gloo") -> list:
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, tmp, args, backend), daemon=True)
-                 for r in range(world_size)]
-        for p in procs:
+class _World:
+    def __init__(self, world_size: int, backend: str):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self._tmp = tempfile.TemporaryDirectory()
+        init_file = os.path.join(self._tmp.name, "store")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [ctx.Process(target=_serve, args=(r, world_size, init_file, backend, self._tasks[r],
+                                                        self._results), daemon=True) for r in range(world_size)]
+        for p in self._procs:
             p.start()
-        deadline = _now() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - _now()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        errors = {r: (Path(tmp) / f"rank{r}.err").read_text() for r in range(world_size)
-                  if (Path(tmp) / f"rank{r}.err").exists()}
+
+    def run(self, fn, args: tuple, timeout: float) -> list:
+        payload = pickle.dumps((fn, args))
+        for q in self._tasks:
+            q.put(payload)
+        outcomes: dict[int, tuple[str, object]] = {}
+        deadline = time.monotonic() + timeout
+        while len(outcomes) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if any(kind == "err" for kind, _ in outcomes.values()):
+                remaining = min(remaining, _ERROR_GRACE_S)
+            try:
+                rank, kind, value = self._results.get(timeout=max(remaining, 0.01))
+            except queue.Empty:
+                break
+            outcomes[rank] = (kind, value)
+            if remaining <= 0:
+                break
+        errors = {r: v for r, (k, v) in outcomes.items() if k == "err"}
         if errors:
             first = min(errors)
             raise AssertionError(f"rank {first} failed:\n{errors[first]}")
-        if hung:
-            raise AssertionError(f"ranks {hung} still running after {timeout:.0f}s: hang")
-        return [pickle.loads((Path(tmp) / f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
+        if len(outcomes) < self.world_size:
+            missing = sorted(set(range(self.world_size)) - set(outcomes))
+            raise AssertionError(f"ranks {missing} still running after {timeout:.0f}s: hang")
+        return [pickle.loads(outcomes[r][1]) for r in range(self.world_size)]
+
+    def close(self, graceful: bool = True) -> None:
+        if graceful:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._tmp.cleanup()
 
 
-def _now() -> float:
-    return datetime.datetime.now().timestamp()
+_worlds: dict[tuple[int, str], _World] = {}
+
+
+def run_world(fn, world_size: int, *args, timeout: float = 120, backend: str = "gloo") -> list:
+    key = (world_size, backend)
+    world = _worlds.get(key)
+    if world is None:
+        world = _worlds[key] = _World(world_size, backend)
+    try:
+        return world.run(fn, args, timeout)
+    except BaseException:
+        # A failed or hung call may leave collectives half-matched: never reuse that world.
+        _worlds.pop(key).close(graceful=False)
+        raise
+
+
+@atexit.register
+def _close_all() -> None:
+    while _worlds:
+        _worlds.popitem()[1].close()
