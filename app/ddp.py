@@ -41,6 +41,11 @@ from app.comm_hooks import allreduce_hook
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 
+# The first bucket is capped lower than the rest, as in PyTorch (dist._DEFAULT_FIRST_BUCKET_BYTES): the last
+# layers' gradients arrive first, and a small first bucket gets communication going while most of backward is
+# still ahead. With one 25 MB bucket for a 24 MB model, nothing could overlap at all.
+FIRST_BUCKET_BYTES = 1024 * 1024
+
 
 @dataclass
 class CommStats:
@@ -161,6 +166,9 @@ class DistributedDataParallel(nn.Module):
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._param_names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
         self._buffers_to_sync = list(module.buffers())
+        if not self._params:
+            raise ValueError("the module has no parameter that requires a gradient: there is nothing for "
+                             "DistributedDataParallel to synchronise; run it unwrapped")
 
         self._check_same_model_everywhere()
         # 1. Everyone starts from rank 0's weights: ranks seeded differently would otherwise drift apart forever.
@@ -175,7 +183,7 @@ class DistributedDataParallel(nn.Module):
         self._sync_this_backward = False
         self._pending: list[int] = []  # per bucket: parameters not yet ready
         self._ready: list[bool] = []  # per parameter: gradient already copied into its bucket
-        self._next_bucket = 0  # buckets are launched strictly in index order (see _mark_bucket_ready)
+        self._next_bucket = 0  # buckets are launched strictly in index order (see _launch_ready_buckets)
         self._futures: list[torch.futures.Future | None] = []
         self._launch_times: list[float] = []
         self._done_times: list[float] = []
@@ -206,7 +214,7 @@ class DistributedDataParallel(nn.Module):
 
         Backward runs roughly from the last layer to the first, so the last-registered parameters get their
         gradients first: putting them in bucket 0 lets the first all-reduce start while the earlier layers'
-        gradients are still being computed. That is the overlap.
+        gradients are still being computed. That is the overlap. Bucket 0 is capped at FIRST_BUCKET_BYTES.
         """
         groups: list[list[int]] = []
         current: list[int] = []
@@ -215,7 +223,8 @@ class DistributedDataParallel(nn.Module):
             p = self._params[index]
             nbytes = p.numel() * p.element_size()
             first = self._params[current[0]] if current else None
-            starts_new = first is not None and (current_bytes + nbytes > self.bucket_cap_bytes
+            cap = min(self.bucket_cap_bytes, FIRST_BUCKET_BYTES) if not groups else self.bucket_cap_bytes
+            starts_new = first is not None and (current_bytes + nbytes > cap
                                                 or (p.dtype, p.device) != (first.dtype, first.device))
             if starts_new:
                 groups.append(current)
