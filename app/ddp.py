@@ -80,6 +80,8 @@ class GradBucket:
         self._offsets = [sum(self._numels[:i]) for i in range(len(params))]
         # All parameters of one bucket share dtype and device (see _build_buckets), so one buffer fits all.
         self._buffer = torch.zeros(sum(self._numels), dtype=params[0].dtype, device=params[0].device)
+        # Views made once: slicing per gradient per step would cost Python time on the backward's critical path.
+        self._views = [self._buffer[o: o + n].view_as(p) for o, n, p in zip(self._offsets, self._numels, params)]
 
     # -- PyTorch's GradBucket interface, what comm hooks may call ------------------------------------------------
     def index(self) -> int:
@@ -103,7 +105,7 @@ class GradBucket:
     # -- ours ----------------------------------------------------------------------------------------------------
     def view(self, i: int) -> torch.Tensor:
         """The slice of the flat buffer that belongs to parameter ``i``, shaped like the parameter."""
-        return self._buffer[self._offsets[i]: self._offsets[i] + self._numels[i]].view_as(self._params[i])
+        return self._views[i]
 
     @property
     def nbytes(self) -> int:
@@ -340,11 +342,11 @@ class DistributedDataParallel(nn.Module):
         self._ready[index] = True
         bucket_index, pos = self._slot[index]
         bucket = self._buckets[bucket_index]
-        with torch.no_grad():
-            if grad is None:
-                bucket.view(pos).zero_()
-            else:
-                bucket.view(pos).copy_(grad)
+        # (Autograd runs hooks with grad mode off, and the buffer is no leaf of any graph: a plain copy suffices.)
+        if grad is None:
+            bucket.view(pos).zero_()
+        else:
+            bucket.view(pos).copy_(grad)
         self._pending[bucket_index] -= 1
         if self._pending[bucket_index] == 0:
             self._launch_ready_buckets()
@@ -381,21 +383,27 @@ class DistributedDataParallel(nn.Module):
                 f"forward skips them on purpose, or make sure the loss depends on them")
 
         globally_used = self._all_reduce_used_flags() if self.find_unused_parameters else None
-        wait_start = time.perf_counter()
-        results = [fut.wait() for fut in self._futures]
-        waited = time.perf_counter() - wait_start
-
+        waited = 0.0
         with torch.no_grad():
-            for bucket, averaged in zip(self._buckets, results):
+            for bucket, fut in zip(self._buckets, self._futures):
+                # Wait bucket by bucket and copy each out as soon as it is back: the copy of bucket i overlaps
+                # the reduction of bucket i+1. Only the waiting counts as exposed communication.
+                wait_start = time.perf_counter()
+                averaged = fut.wait()
+                waited += time.perf_counter() - wait_start
                 if averaged.data_ptr() != bucket.buffer().data_ptr():
                     bucket.buffer().copy_(averaged)  # hooks may return a new tensor rather than the buffer
+                dst, src = [], []
                 for pos, (p, index) in enumerate(zip(bucket.parameters(), bucket.param_indices)):
                     if globally_used is not None and not globally_used[index]:
                         continue  # no rank used it: leave p.grad untouched (None), as PyTorch does
                     if p.grad is None:
                         p.grad = bucket.view(pos).clone()
                     else:
-                        p.grad.copy_(bucket.view(pos))
+                        dst.append(p.grad)
+                        src.append(bucket.view(pos))
+                if dst:
+                    torch._foreach_copy_(dst, src)  # one call for the bucket instead of one per parameter
 
         seconds = [done - launch for done, launch in zip(self._done_times, self._launch_times)]
         s = self.stats
