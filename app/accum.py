@@ -9,9 +9,10 @@ The recipe (what ``accumulation_step`` does, and the traps it avoids):
             loss.backward()                                 # grads add up in p.grad; synced only on the last
     optimizer.step()                                        # once per effective batch: Adam's state too
 
-    effective_batch = micro_batch × grad_accum_steps × world_size
+    effective_batch = micro_batch × grad_accum_steps × world_size      (grad_accum_steps is per rank)
 
-Used by the trainer (``app.train``) and shown across real ranks by ``make accum``.
+Used by the trainer (``app.train``); shown across real ranks, with every claim measured, by ``make accum``
+(``bench/accum.py``); tested by ``python -m pytest tests/test_accum.py``.
 """
 
 from __future__ import annotations
@@ -23,11 +24,17 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or inf; raised *before* the optimizer step so the parameters stay good."""
+    """The loss became NaN or inf on some rank; raised on *every* rank, before the optimizer step, so the
+    parameters stay good everywhere. ``local`` says whether this rank's own loss was the non-finite one."""
+
+    def __init__(self, message: str, local: bool = True):
+        super().__init__(message)
+        self.local = local
 
 
 def effective_batch_size(micro_batch: int, grad_accum_steps: int, world_size: int) -> int:
@@ -41,6 +48,12 @@ def resolve_grad_accum_steps(micro_batch: int, world_size: int, grad_accum_steps
 
     Raises ValueError with a one-line message naming the field and the fix when they do not fit together.
     """
+    if micro_batch < 1:
+        raise ValueError(f"micro_batch={micro_batch} must be >= 1")
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    if grad_accum_steps is not None and grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps={grad_accum_steps} must be >= 1 (1 means no accumulation)")
     if grad_accum_steps is not None and effective_batch is not None:
         if effective_batch_size(micro_batch, grad_accum_steps, world_size) != effective_batch:
             raise ValueError(
@@ -54,20 +67,40 @@ def resolve_grad_accum_steps(micro_batch: int, world_size: int, grad_accum_steps
                 f"effective_batch={effective_batch} is not a positive multiple of micro_batch × world_size = "
                 f"{micro_batch} × {world_size} = {per_step}; choose a multiple of {per_step} or change micro_batch")
         return effective_batch // per_step
-    steps = 1 if grad_accum_steps is None else grad_accum_steps
-    if steps < 1:
-        raise ValueError(f"grad_accum_steps={steps} must be >= 1")
-    return steps
+    return 1 if grad_accum_steps is None else grad_accum_steps
 
 
 @dataclass
 class StepResult:
-    loss: float  # mean loss over the micro-batches of this rank (the unscaled value a user expects to see)
+    loss: float  # mean loss over the samples of this rank's micro-batches (the unscaled value a user expects)
     samples: int  # samples this rank processed
     syncs: int  # backward passes that synchronised gradients (1 with sync on last, K when syncing every one)
     forward_seconds: float
     backward_seconds: float
     optimizer_seconds: float
+
+
+def _process_group(model: nn.Module):
+    """The group a DDP wrapper (ours or PyTorch's) syncs over; None for a bare module or a world of one."""
+    group = getattr(model, "process_group", None)
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return None
+    return group
+
+
+def _any_rank_true(model: nn.Module, local: bool) -> bool:
+    """OR of ``local`` over the wrapper's ranks: one 4-byte all-reduce per optimizer step.
+
+    A NaN loss on one rank must stop *every* rank: a rank that raised alone would leave the others blocked in
+    their next gradient sync until the collective timeout (and the averaged gradients they hold carry its NaNs).
+    """
+    group = _process_group(model)
+    if group is None:
+        return local
+    device = next(model.parameters()).device  # NCCL reduces only device tensors
+    flag = torch.tensor([1.0 if local else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 def accumulation_step(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -77,17 +110,23 @@ def accumulation_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                       check_finite: bool = True, synchronize: Callable[[], None] = lambda: None) -> StepResult:
     """One optimizer step over ``K = len(micro_batches)`` micro-batches.
 
-    ``model`` is our DDP, PyTorch's DDP or a bare module (no ``no_sync``: nothing to skip).
+    ``model`` is our DDP, PyTorch's DDP or a bare module (no ``no_sync``: nothing to skip). ``loss_fn`` returns
+    the *mean* over its micro-batch, as PyTorch's losses do by default.
     ``sync_every_micro_batch`` and ``scale_loss=False`` exist only to demonstrate the two classic mistakes.
-    ``synchronize`` is called before each clock read (``torch.cuda.synchronize`` on GPU, so times are real).
+    ``check_finite`` stops every rank together (NonFiniteLossError) before the step if any rank's loss is not
+    finite. ``synchronize`` is called before each clock read (``torch.cuda.synchronize`` on GPU, so times are
+    real).
     """
     k = len(micro_batches)
     if k == 0:
         raise ValueError("accumulation_step needs at least one micro-batch")
+    sizes = [x.shape[0] for x, _ in micro_batches]
+    total = sum(sizes)
     has_no_sync = hasattr(model, "no_sync")
     optimizer.zero_grad(set_to_none=True)
-    total_loss = 0.0
-    samples = syncs = 0
+    # The loss stays on its device until the end: a .item() per micro-batch would stall a GPU queue K times a step.
+    loss_sum: torch.Tensor | float = 0.0
+    syncs = 0
     fwd = bwd = 0.0
     for i, (x, y) in enumerate(micro_batches):
         last = i == k - 1
@@ -101,24 +140,28 @@ def accumulation_step(model: nn.Module, optimizer: torch.optim.Optimizer,
             loss = loss_fn(model(x), y)
             synchronize()
             t1 = time.perf_counter()
-            # Each micro-batch loss is a mean over its samples; dividing by K makes the accumulated gradient the
-            # mean over all K×micro samples, exactly the gradient of one big batch.
-            (loss / k if scale_loss else loss).backward()
+            # Each micro-batch loss is a mean over its samples; weighting it by its share of the samples (1/K when
+            # the micro-batches are equal) makes the accumulated gradient the mean over all of them: exactly the
+            # gradient of one big batch. Unequal micro-batches (a short last one) keep their true weight.
+            weight = sizes[i] / total if scale_loss else 1.0
+            (loss * weight).backward()
             synchronize()
             t2 = time.perf_counter()
         fwd += t1 - t0
         bwd += t2 - t1
-        total_loss += loss.item()
-        samples += x.shape[0]
-        syncs += 0 if skip_sync or not has_no_sync else 1
-    mean_loss = total_loss / k
-    if check_finite and not math.isfinite(mean_loss):
+        loss_sum = loss_sum + loss.detach().double() * sizes[i]
+        syncs += 1 if has_no_sync and not skip_sync else 0
+    mean_loss = float(loss_sum) / total
+    local = not math.isfinite(mean_loss)
+    if check_finite and _any_rank_true(model, local):
         optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteLossError(f"loss is {mean_loss}; stopping before the optimizer step so the parameters and "
-                                 f"the last checkpoint stay good. Lower the learning rate or check the data")
+        where = "this rank" if local else f"another rank (here {mean_loss:.6g})"
+        raise NonFiniteLossError(f"loss is {mean_loss if local else 'NaN/inf'} on {where}; every rank stops before "
+                                 f"the optimizer step so the parameters and the last checkpoint stay good. Lower the "
+                                 f"learning rate or check the data", local=local)
     t3 = time.perf_counter()
     optimizer.step()  # once per effective batch: momentum and Adam moments advance once, not K times
     synchronize()
     opt = time.perf_counter() - t3
-    return StepResult(loss=mean_loss, samples=samples, syncs=syncs, forward_seconds=fwd, backward_seconds=bwd,
+    return StepResult(loss=mean_loss, samples=total, syncs=syncs, forward_seconds=fwd, backward_seconds=bwd,
                       optimizer_seconds=opt)

@@ -1,0 +1,259 @@
+"""Gradient accumulation (app/accum.py): each claim of ``make accum``, on real gloo ranks where ranks matter.
+
+    .venv/bin/python -m pytest tests/test_accum.py -q
+
+One world of 2 ranks (the ``world`` fixture) measures every multi-rank claim once; the tests below read it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from app.accum import NonFiniteLossError, accumulation_step, effective_batch_size, resolve_grad_accum_steps
+from app.ddp import DistributedDataParallel
+from app.models import MiniMLP
+from bench import accum as bench_accum
+from tests.world import run_world
+
+K, MICRO = 4, 4
+
+
+def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(size, 32, generator=g), torch.randint(0, 8, (size,), generator=g)
+
+
+def split(x, y, sizes):
+    return list(zip(x.split(sizes), y.split(sizes)))
+
+
+def max_diff(a, b, grads: bool) -> float:
+    a, b = getattr(a, "module", a), getattr(b, "module", b)
+    return max(((p.grad - q.grad) if grads else (p - q)).abs().max().item()
+               for p, q in zip(a.parameters(), b.parameters()))
+
+
+def train_pair(model, *, rank=0, world=1, steps=3, sizes=MICRO, make_opt=lambda p: torch.optim.SGD(p, lr=0.1,
+               momentum=0.9), ref_sizes=None, **step_kwargs) -> tuple[float, float, torch.optim.Optimizer]:
+    """``model`` accumulates micro-batches of ``sizes`` on this rank's slice of each global batch; a bare copy
+    trains on the whole batch (or accumulates ``ref_sizes``). Returns worst max |Δgrad|, final max |Δparam|."""
+    ref = copy.deepcopy(getattr(model, "module", model))
+    ref_opt, opt = make_opt(ref.parameters()), make_opt(model.parameters())
+    dgrad = 0.0
+    for step in range(steps):
+        x, y = batch(step, K * MICRO * world)
+        if ref_sizes is None:
+            ref_opt.zero_grad()
+            F.cross_entropy(ref(x), y).backward()
+            ref_opt.step()
+        else:
+            accumulation_step(ref, ref_opt, split(x, y, ref_sizes), F.cross_entropy)
+        accumulation_step(model, opt, split(x.chunk(world)[rank], y.chunk(world)[rank], sizes), F.cross_entropy,
+                          **step_kwargs)
+        dgrad = max(dgrad, max_diff(ref, model, grads=True))
+    return dgrad, max_diff(ref, model, grads=False), opt
+
+
+# -- configuration: grad_accum_steps or effective_batch ------------------------------------------------------------
+def test_effective_batch_counts_every_rank_and_micro_batch():
+    assert effective_batch_size(micro_batch=4, grad_accum_steps=4, world_size=2) == 32
+
+
+def test_effective_batch_derives_grad_accum_steps():
+    assert resolve_grad_accum_steps(micro_batch=4, world_size=2, effective_batch=32) == 4
+    assert resolve_grad_accum_steps(micro_batch=4, world_size=2, grad_accum_steps=3) == 3
+    assert resolve_grad_accum_steps(micro_batch=4, world_size=2, grad_accum_steps=4, effective_batch=32) == 4
+    assert resolve_grad_accum_steps(micro_batch=4, world_size=2) == 1
+
+
+@pytest.mark.parametrize("kwargs, names", [
+    ({"effective_batch": 30}, ["effective_batch=30", "multiple of 8"]),
+    ({"effective_batch": 0}, ["effective_batch=0"]),
+    ({"grad_accum_steps": 2, "effective_batch": 32}, ["effective_batch=32", "grad_accum_steps=2", "only one"]),
+    ({"grad_accum_steps": 0}, ["grad_accum_steps=0", ">= 1"]),
+])
+def test_settings_that_do_not_fit_are_refused_in_one_line(kwargs, names):
+    with pytest.raises(ValueError) as err:
+        resolve_grad_accum_steps(micro_batch=4, world_size=2, **kwargs)
+    message = str(err.value)
+    assert "\n" not in message
+    assert all(name in message for name in names), message
+
+
+# -- one process ---------------------------------------------------------------------------------------------------
+def test_one_batch_of_16_equals_4_micro_batches_of_4():
+    torch.manual_seed(0)
+    dgrad, dparam, _ = train_pair(MiniMLP())
+    assert dgrad < 1e-4 and dparam < 1e-4, (dgrad, dparam)
+
+
+def test_2x8_and_4x4_agree_to_float_rounding():
+    # Same 16 per-sample gradients summed in a different order: fp32 rounding only (measured ~1.5e-8).
+    torch.manual_seed(0)
+    dgrad, dparam, _ = train_pair(MiniMLP(), ref_sizes=8)
+    assert dgrad < 1e-6 and dparam < 1e-6, (dgrad, dparam)
+
+
+def test_unequal_micro_batches_still_give_the_big_batch_gradient():
+    # A short last micro-batch (6 + 6 + 4): dividing each loss by K would over-weight its 4 samples.
+    torch.manual_seed(0)
+    dgrad, dparam, _ = train_pair(MiniMLP(), sizes=[6, 6, 4])
+    assert dgrad < 1e-4 and dparam < 1e-4, (dgrad, dparam)
+
+
+def test_non_finite_loss_stops_before_the_step():
+    torch.manual_seed(0)
+    model = MiniMLP()
+    before = copy.deepcopy(model)
+    x, y = batch(0, 16)
+    x[5] = float("nan")
+    with pytest.raises(NonFiniteLossError, match="nan"):
+        accumulation_step(model, torch.optim.SGD(model.parameters(), lr=0.1), split(x, y, 4), F.cross_entropy)
+    assert max_diff(before, model, grads=False) == 0.0
+    assert all(p.grad is None for p in model.parameters())
+
+
+# -- real ranks ----------------------------------------------------------------------------------------------------
+def _claims(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    base = MiniMLP()
+    out = {}
+    dgrad, dparam, _ = train_pair(DistributedDataParallel(copy.deepcopy(base)), rank=rank, world=world)
+    out["ours"] = (dgrad, dparam)
+    torch_ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    out["torch"] = train_pair(torch_ddp, rank=rank, world=world)[:2]
+
+    for variant in ("last", "every", "forward_outside"):
+        ddp = DistributedDataParallel(copy.deepcopy(base))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        counted = 0
+        for step in range(3):
+            x, y = batch(step, K * MICRO * world)
+            micro = split(x.chunk(world)[rank], y.chunk(world)[rank], MICRO)
+            if variant == "forward_outside":  # the trap: only backward() inside no_sync()
+                opt.zero_grad()
+                for i, (xm, ym) in enumerate(micro):
+                    loss = F.cross_entropy(ddp(xm), ym) / K
+                    if i < K - 1:
+                        with ddp.no_sync():
+                            loss.backward()
+                    else:
+                        loss.backward()
+                opt.step()
+            else:
+                counted += accumulation_step(ddp, opt, micro, F.cross_entropy,
+                                             sync_every_micro_batch=variant == "every").syncs
+        out[f"syncs_{variant}"] = (ddp.stats.sync_calls, counted, ddp.stats.bytes_reduced)
+
+    start = torch.cat([p.detach().flatten() for p in base.parameters()])
+    moved = {}
+    for scale in (True, False):
+        ddp = DistributedDataParallel(copy.deepcopy(base))
+        _, dparam, _ = train_pair(ddp, rank=rank, world=world, steps=1, make_opt=lambda p: torch.optim.SGD(p, lr=0.1),
+                                  scale_loss=scale)
+        moved[scale] = ((torch.cat([p.detach().flatten() for p in ddp.parameters()]) - start).norm().item(), dparam)
+    out["wrong_scale"] = (moved[False][0] / moved[True][0], moved[False][1])
+
+    _, dparam, opt = train_pair(DistributedDataParallel(copy.deepcopy(base)), rank=rank, world=world, steps=5,
+                                make_opt=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    out["adamw"] = (sorted({int(s["step"]) for s in opt.state.values()}), dparam)
+
+    # A NaN on rank 1 only: every rank must stop before its step, and the world must stay usable afterwards.
+    ddp = DistributedDataParallel(copy.deepcopy(base))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    x, y = batch(0, K * MICRO * world)
+    xs, ys = x.chunk(world)[rank].clone(), y.chunk(world)[rank]
+    if rank == 1:
+        xs[0] = float("nan")
+    try:
+        accumulation_step(ddp, opt, split(xs, ys, MICRO), F.cross_entropy)
+        out["nan_raised"] = None
+    except NonFiniteLossError as err:
+        out["nan_raised"] = "here" if err.local else "elsewhere"
+    out["nan_params_untouched"] = max_diff(base, ddp, grads=False) == 0.0
+    calls = ddp.stats.sync_calls
+    accumulation_step(ddp, opt, split(x.chunk(world)[rank], ys, MICRO), F.cross_entropy)
+    out["after_nan_syncs"] = ddp.stats.sync_calls - calls
+    return out
+
+
+@pytest.fixture(scope="module")
+def world() -> list[dict]:
+    return run_world(_claims, 2, timeout=120)
+
+
+def test_accumulation_under_ddp_equals_one_big_batch(world):
+    for rank in world:
+        for wrapper in ("ours", "torch"):
+            dgrad, dparam = rank[wrapper]
+            assert dgrad < 1e-4 and dparam < 1e-4, (wrapper, dgrad, dparam)
+
+
+def test_gradients_sync_once_per_effective_step(world):
+    for rank in world:
+        sync_calls, counted, nbytes = rank["syncs_last"]
+        assert sync_calls == 3 and counted == 3  # 3 optimizer steps of K=4 micro-batches
+        assert rank["syncs_every"][2] == K * nbytes  # syncing every micro-batch puts K times the bytes on the wire
+
+
+def test_syncing_every_micro_batch_costs_k_syncs(world):
+    for rank in world:
+        assert rank["syncs_every"][:2] == (3 * K, 3 * K)
+
+
+def test_forward_outside_no_sync_silently_syncs_every_micro_batch(world):
+    for rank in world:
+        assert rank["syncs_forward_outside"][0] == 3 * K
+
+
+def test_loss_not_divided_by_k_makes_the_step_k_times_too_big(world):
+    for rank in world:
+        ratio, dparam = rank["wrong_scale"]
+        assert ratio == pytest.approx(K, rel=1e-3)
+        assert dparam > 1e-3  # far outside the 1e-4 that the right scale stays within
+
+
+def test_adamw_state_advances_once_per_effective_step(world):
+    for rank in world:
+        steps, dparam = rank["adamw"]
+        assert steps == [5]  # 5 optimizer steps of K=4 micro-batches: not 20
+        assert dparam < 1e-4
+
+
+def test_non_finite_loss_on_one_rank_stops_every_rank(world):
+    assert [rank["nan_raised"] for rank in world] == ["elsewhere", "here"]
+    assert all(rank["nan_params_untouched"] for rank in world)
+    assert [rank["after_nan_syncs"] for rank in world] == [1, 1]  # still in step: the next step syncs normally
+
+
+# -- make accum ---------------------------------------------------------------------------------------------------
+def test_make_accum_writes_the_sweep_and_the_plot(tmp_path, capsys):
+    # main() in this process: the same code as `make accum` (its own 2 spawned ranks), with a tiny sweep.
+    argv = ["--accum-steps", "1,2", "--steps", "1", "--warmup", "0", "--width", "32", "--depth", "2",
+            "--out", str(tmp_path), "--timeout", "120"]
+    assert bench_accum.main(argv) == 0
+    printed = capsys.readouterr().out
+    doc = json.loads((tmp_path / "accum-curve.json").read_text())
+    assert doc["schema"] == "accum-curve.v1" and doc["failed"] == []
+    fields = {"effective_batch", "accum_steps", "micro_batch", "avg_loss", "samples_per_sec", "median_step_ms",
+              "sync_calls", "steps"}
+    assert [(p["sync_mode"], p["effective_batch"], p["sync_calls"]) for p in doc["points"]] == [
+        ("last", 16, 1), ("every", 16, 1), ("last", 32, 1), ("every", 32, 2)]
+    assert all(fields <= p.keys() and p["samples_per_sec"] > 0 for p in doc["points"])
+    assert (tmp_path / "accum-curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "max|Δgrad|" in printed and "sync_on_last" in printed and "samples/s" in printed
+
+
+@pytest.mark.parametrize("argv, flag", [(["--accum-steps", "1,0"], "--accum-steps"), (["--steps", "-3"], "--steps"),
+                                        (["--warmup", "-1"], "--warmup")])
+def test_make_accum_refuses_a_bad_flag_in_one_line(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench_accum.parse_args(argv)
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert flag in error and "error" in error
