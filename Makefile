@@ -38,11 +38,32 @@ bench: venv ## DDP step time side by side (ours vs torch's vs the lesson's loop)
 accum: venv ## gradient accumulation on 2 CPU ranks: equivalence, sync counts, sweep; JSON + PNG in bench/results/
 	$(PY) -m bench.accum
 
-.PHONY: k8s-validate k8s-emulate
+# -- the training worker on this machine (app/train.py; README section "training") ---------------------------------
+# `make run STEPS=100` works too: STEPS is the demo's (20) unless given on the command line or in the environment.
+RUN_STEPS ?= $(if $(filter command line environment,$(origin STEPS)),$(STEPS),300)
+MODEL ?= mini_mlp   # mini_mlp | tiny_transformer
+METRICS_PORT ?= 9400 # rank r serves http://localhost:<METRICS_PORT + r>/metrics; 0 = no metrics
+CHECKPOINT_DIR ?=    # e.g. /tmp/ckpt: checkpoints there, Ctrl-C saves one, the next `make run` resumes
+RUN_ARGS ?=          # any other flags of app.train, e.g. RUN_ARGS="--effective-batch 256 --lr 0.01"
+
+.PHONY: run bench-metrics
+run: venv ## train WORKERS ranks under torchrun here: progress from rank 0, live /metrics per rank (RUN_STEPS, MODEL)
+	$(TORCHRUN) --standalone --nproc-per-node=$(strip $(WORKERS)) -m app.train --model $(strip $(MODEL)) \
+	  --steps $(strip $(RUN_STEPS)) --ddp $(strip $(DDP)) --bucket-cap-mb $(strip $(BUCKET_MB)) \
+	  --metrics-port $(strip $(METRICS_PORT)) $(if $(strip $(CHECKPOINT_DIR)),--checkpoint-dir $(strip $(CHECKPOINT_DIR))) \
+	  $(RUN_ARGS)
+
+bench-metrics: venv ## step time with Prometheus metrics on vs off (2 ranks, interleaved); JSON in bench/results/
+	$(PY) -m bench.metrics_overhead
+
+.PHONY: k8s-validate k8s-emulate k8s-dashboard
 k8s-validate: venv ## check k8s/ offline: API schemas, the Python client, the wiring (no cluster needed)
 	$(PY) -m pytest tests/test_k8s.py $(PYTEST_ARGS)
 
-k8s-emulate: venv ## run k8s/cpu/job.yaml's pods as Docker containers named like the pods (needs `make image`)
+k8s-dashboard: venv ## regenerate k8s/monitoring/grafana-dashboard.yaml from docker/grafana/dashboards/
+	$(PY) -c "from tests.test_k8s import write_dashboard_config_map; write_dashboard_config_map()"
+
+k8s-emulate: venv image ## run k8s/cpu/job.yaml's pod template for real: Docker containers named like the pods
 	$(PY) -m pytest tests/e2e/test_k8s_emulation.py $(PYTEST_ARGS)
 
 # -- the cluster: one container per rank (docker/, compose.yaml; README section "cluster") ------------------------
@@ -50,27 +71,26 @@ k8s-emulate: venv ## run k8s/cpu/job.yaml's pods as Docker containers named like
 # ../shared/docker/setup-engine.sh): `make docker-setup` builds the stand-in local/python:3.11-slim and a wheelhouse,
 # and compose.local.yaml replaces the images that cannot be pulled (Prometheus from Debian's package, no Grafana).
 SETUP_ENGINE ?= ../shared/docker/setup-engine.sh
-IMAGE ?= ddp-cluster:latest
 BASE_IMAGE ?= $(if $(wildcard $(SETUP_ENGINE)),local/python:3.11-slim,python:3.11-slim)
 TORCH_VARIANT ?= cpu
-PIP_OFFLINE ?= $(if $(filter local/%,$(BASE_IMAGE)),1,0)
 COMPOSE_FILE ?= compose.yaml$(if $(filter local/%,$(BASE_IMAGE)),:compose.local.yaml)
-RUN_ID ?= run-$(shell date +%Y%m%d-%H%M%S)
 export BASE_IMAGE COMPOSE_FILE
+# `make image` and `up` both build with Compose (BuildKit in the engine; `docker build` here is the legacy builder):
+# one build cache. No buildx here, so no Bake.
+export COMPOSE_BAKE ?= false
 
 .PHONY: docker-setup image up down logs e2e
 docker-setup: ## Docker engine + Compose v2 (+ local base image and docker/wheels/ where no registry is reachable)
-	@if [ -x $(SETUP_ENGINE) ]; then WHEELS=$(CURDIR)/docker/wheels $(SETUP_ENGINE); \
+	@if [ -f $(SETUP_ENGINE) ]; then WHEELS=$(CURDIR)/docker/wheels bash $(SETUP_ENGINE); \
 	elif docker compose version >/dev/null 2>&1; then echo "docker-setup: docker and compose are there"; \
 	else echo "docker-setup: install Docker with the Compose v2 plugin (docs.docker.com/engine/install)" >&2; exit 2; fi
 
 image: ## build the worker image ddp-cluster:latest (BASE_IMAGE=..., TORCH_VARIANT=cpu|cuda|cu128)
-	docker build -f docker/Dockerfile -t $(IMAGE) --build-arg BASE_IMAGE=$(BASE_IMAGE) \
-	  --build-arg TORCH_VARIANT=$(TORCH_VARIANT) --build-arg PIP_OFFLINE=$(PIP_OFFLINE) .
+	TORCH_VARIANT=$(TORCH_VARIANT) docker compose build worker
 
 up: ## start the cluster: WORKERS containers, one rank each, + Prometheus (127.0.0.1:9090) and Grafana (:3000)
-	RUN_ID=$(RUN_ID) WORKERS=$(strip $(WORKERS)) docker compose up -d --build --scale worker=$(strip $(WORKERS))
-	@echo "training under rendezvous id $(RUN_ID): make logs to follow, make down to stop and clean up"
+	WORKERS=$(strip $(WORKERS)) docker compose up -d --scale worker=$(strip $(WORKERS))
+	@echo "Grafana http://127.0.0.1:3000, Prometheus http://127.0.0.1:9090; make logs to follow, make down to stop"
 
 down: ## stop the cluster and remove its containers, network and volumes (checkpoints, metrics)
 	docker compose down -v --remove-orphans

@@ -64,6 +64,10 @@ class TinyTransformer(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.tok.weight
+        # GPT-2's init: N(0, 0.02) embeddings. PyTorch's N(0, 1) default would, through the tied head, start the
+        # model with logits of size ~sqrt(dim) and a loss near 35 instead of ln(vocab) ≈ 4.
+        nn.init.normal_(self.tok.weight, std=0.02)
+        nn.init.normal_(self.pos.weight, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]

@@ -1,0 +1,292 @@
+"""The trainer's configuration: one documented dataclass, filled from defaults, a YAML file, the environment, flags.
+
+Precedence, highest first::
+
+    CLI flag --field-name   >   env DDP_FIELD_NAME   >   YAML file (--config PATH or env DDP_CONFIG)   >   default
+
+So ``DDP_STEPS=100 torchrun ... -m app.train --config configs/example.yaml --lr 0.01`` takes ``lr`` from the flag,
+``steps`` from the environment and the rest from the file or the defaults. The names are flat (``micro_batch``,
+not ``train.micro_batch``) because the environment and the flags are flat: one name per setting everywhere.
+
+A bad value raises ``ConfigError``, whose message is one line naming the field, where the value came from and the
+fix; ``app.train`` prints it and exits with code 2. This module does not import torch, so a bad flag fails fast.
+
+Run ``python -m app.train --help`` for the flags with their documentation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+ENV_PREFIX = "DDP_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"  # the YAML file's path, when not given with --config
+
+MODEL_CHOICES = ("mini_mlp", "tiny_transformer")
+DDP_CHOICES = ("scratch", "torch", "none")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; ``str()`` is the one-line message shown to the user."""
+
+
+def _doc(text: str, default: Any = MISSING) -> Any:
+    # The text becomes the flag's --help line and the README's table: one line, with the unit.
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run can be told. Validated on construction (``__post_init__``)."""
+
+    # -- workload -------------------------------------------------------------------------------------------------
+    model: str = _doc("model to train: mini_mlp | tiny_transformer", "mini_mlp")
+    steps: int = _doc("optimizer steps in the whole run (a resumed run continues up to this step)", 200)
+    micro_batch: int = _doc("samples per forward/backward on one rank", 32)
+    grad_accum_steps: int | None = _doc("micro-batches per optimizer step, per rank (default 1; or set "
+                                        "effective_batch instead)", None)
+    effective_batch: int | None = _doc("samples per optimizer step over all ranks; must be a multiple of "
+                                       "micro_batch × world_size (sets grad_accum_steps)", None)
+    lr: float = _doc("AdamW learning rate", 0.003)
+    seed: int = _doc("seed of the parameters and the data (same on every rank); per-rank randomness uses "
+                     "seed + rank", 0)
+    dataset_size: int = _doc("samples in the generated data set (generated deterministically from seed)", 16384)
+    seq_len: int = _doc("tokens per sequence (tiny_transformer only)", 32)
+    # -- distribution ---------------------------------------------------------------------------------------------
+    ddp: str = _doc("gradient synchronisation: scratch (app.ddp, ours) | torch (PyTorch's DDP) | none "
+                    "(world size 1 only)", "scratch")
+    bucket_cap_mb: float = _doc("DDP bucket size in MiB", 25.0)
+    device: str = _doc("auto (CUDA + NCCL when a GPU is visible, else CPU + gloo) | cpu | cuda", "auto")
+    rendezvous_timeout_seconds: float = _doc("seconds to reach MASTER_ADDR:MASTER_PORT and form the group; also "
+                                             "the collective timeout (a silent peer is detected after this long)",
+                                             60.0)
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+    checkpoint_dir: str = _doc('directory for checkpoints, shared by all ranks ("" = no checkpoints)', "")
+    checkpoint_every: int = _doc("write a checkpoint every this many optimizer steps (and at the end)", 50)
+    keep_checkpoints: int = _doc("checkpoints to keep (older ones are deleted)", 3)
+    # -- observability --------------------------------------------------------------------------------------------
+    metrics_port: int = _doc("base port of the Prometheus /metrics endpoint; each process listens on "
+                             "metrics_port + LOCAL_RANK (0 = no metrics)", 9400)
+    metrics_linger_seconds: float = _doc("keep /metrics up this long after training, so Prometheus scrapes the "
+                                         "final values", 0.0)
+    log_every: int = _doc("rank 0 logs a progress line every this many steps", 10)
+    # -- stopping -------------------------------------------------------------------------------------------------
+    stop_timeout_seconds: float = _doc("after SIGTERM/SIGINT, force-exit (code 1) if the graceful stop has not "
+                                       "finished within this many seconds", 10.0)
+    inject_nan_at_step: int = _doc("failure drill: the last rank's loss becomes NaN at this step (0 = off)", 0)
+
+    def __post_init__(self) -> None:
+        _choice("model", self.model, MODEL_CHOICES)
+        _choice("ddp", self.ddp, DDP_CHOICES)
+        _choice("device", self.device, DEVICE_CHOICES)
+        for name in ("steps", "micro_batch", "dataset_size", "seq_len", "checkpoint_every", "keep_checkpoints",
+                     "log_every"):
+            _at_least(name, getattr(self, name), 1)
+        for name in ("grad_accum_steps", "effective_batch"):
+            if getattr(self, name) is not None:
+                _at_least(name, getattr(self, name), 1)
+        for name in ("lr", "bucket_cap_mb", "rendezvous_timeout_seconds", "stop_timeout_seconds"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")
+        if self.metrics_linger_seconds < 0:
+            raise ConfigError(f"metrics_linger_seconds={self.metrics_linger_seconds}: must be >= 0")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port={self.metrics_port}: must be a TCP port 1..65535, or 0 for no metrics")
+        if self.inject_nan_at_step < 0:
+            raise ConfigError(f"inject_nan_at_step={self.inject_nan_at_step}: must be >= 0 (0 = off)")
+        if self.model == "tiny_transformer" and self.seq_len > 64:
+            raise ConfigError(f"seq_len={self.seq_len}: tiny_transformer has 64 positions; choose seq_len <= 64")
+
+    def check_world(self, world_size: int) -> int:
+        """Checks that need the world size; returns ``grad_accum_steps`` per rank."""
+        if self.ddp == "none" and world_size > 1:
+            raise ConfigError(f"ddp=none with world_size={world_size}: unsynchronised ranks would train "
+                              f"{world_size} different models; use ddp=scratch or ddp=torch, or run one process")
+        from app.accum import resolve_grad_accum_steps  # imports torch: only once the flags are known good
+
+        try:
+            return resolve_grad_accum_steps(self.micro_batch, world_size, self.grad_accum_steps,
+                                            self.effective_batch)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r}: must be one of {' | '.join(choices)}")
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise ConfigError(f"{name}={value}: must be an integer >= {low}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading: file < env < flags
+# ----------------------------------------------------------------------------------------------------------------
+FIELDS = {f.name: f for f in fields(TrainConfig)}
+
+
+def field_doc(name: str) -> str:
+    return FIELDS[name].metadata["doc"]
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(name: str) -> type:
+    """int / float / str for a field, unwrapping ``X | None``."""
+    hint = typing.get_type_hints(TrainConfig)[name]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def _optional(name: str) -> bool:
+    return FIELDS[name].default is None
+
+
+def convert(name: str, raw: Any, source: str) -> Any:
+    """Turn a raw value (a string from env/flags, or a YAML scalar) into the field's type."""
+    kind = _base_type(name)
+    if raw is None or (isinstance(raw, str) and raw.strip() == "" and kind is not str):
+        if _optional(name):
+            return None
+        raise ConfigError(f"{name} (from {source}) is empty: give a {kind.__name__}")
+    try:
+        if kind is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError
+            return int(raw) if not isinstance(raw, str) else int(raw.strip())
+        if kind is float:
+            if isinstance(raw, bool):
+                raise ValueError
+            return float(raw)
+        if isinstance(raw, (dict, list)):
+            raise ValueError
+        return str(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} (from {source}): must be {'an' if kind is int else 'a'} "
+                          f"{kind.__name__}") from None
+
+
+def _unknown(name: str, source: str) -> ConfigError:
+    close = difflib.get_close_matches(name, FIELDS, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(FIELDS)}"
+    return ConfigError(f"unknown setting {name!r} in {source}{hint}")
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    source = f"config file {path}"
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"config={path}: cannot read it ({e.strerror}); pass an existing YAML file") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" line {where.line + 1}" if where is not None else ""
+        raise ConfigError(f"config={path}: not valid YAML{line} ({getattr(e, 'problem', e)})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config={path}: must be a mapping of setting: value, got a {type(data).__name__}")
+    for key in data:
+        if key not in FIELDS:
+            raise _unknown(str(key), source)
+    return {key: convert(key, value, source) for key, value in data.items()}
+
+
+def read_env(environ: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
+    """Values from ``DDP_*`` variables, and the names of ``DDP_*`` variables that match no field (typos)."""
+    values: dict[str, Any] = {}
+    unknown = []
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX) or key == CONFIG_ENV:
+            continue
+        name = key[len(ENV_PREFIX):].lower()
+        if name in FIELDS:
+            values[name] = convert(name, raw, f"env {key}")
+        else:
+            unknown.append(key)
+    return values, unknown
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:  # argparse prints usage + message; we want one line
+        raise ConfigError(f"{message}; run with --help for the flags")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog="python -m app.train", description="Data-parallel training worker (run it "
+                            "under torchrun). Every flag also reads env DDP_<NAME> and the YAML file.",
+                            argument_default=argparse.SUPPRESS)  # absent flags stay absent: precedence needs it
+    parser.add_argument("--config", help=f"YAML file of settings (or env {CONFIG_ENV})")
+    for f in fields(TrainConfig):
+        default = "unset" if f.default is None else repr(f.default)
+        parser.add_argument(flag_name(f.name), dest=f.name, metavar=_base_type(f.name).__name__.upper(),
+                            help=f"{f.metadata['doc']} [env {env_name(f.name)}; default {default}]")
+    return parser
+
+
+@dataclass
+class Resolved:
+    config: TrainConfig
+    sources: dict[str, str]  # field -> "default" | "config file X" | "env DDP_X" | "flag --x"
+    warnings: list[str]
+
+
+def load_config(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> Resolved:
+    """Resolve the configuration from flags (``argv``), ``environ`` and the YAML file; raise ConfigError."""
+    environ = os.environ if environ is None else environ
+    args = vars(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
+    config_path = args.pop("config", None) or environ.get(CONFIG_ENV) or None
+
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {name: "default" for name in FIELDS}
+    if config_path:
+        for name, value in read_yaml(config_path).items():
+            values[name], sources[name] = value, f"config file {config_path}"
+    env_values, unknown = read_env(environ)
+    for name, value in env_values.items():
+        values[name], sources[name] = value, f"env {env_name(name)}"
+    for name, raw in args.items():
+        values[name], sources[name] = convert(name, raw, f"flag {flag_name(name)}"), f"flag {flag_name(name)}"
+
+    try:
+        config = TrainConfig(**values)
+    except ConfigError as e:
+        # Say where the bad value came from: the field name starts the message.
+        name = str(e).split("=", 1)[0].split(" ", 1)[0]
+        if name in sources and sources[name] != "default":
+            raise ConfigError(f"{e} (set by {sources[name]})") from None
+        raise
+    warnings = [f"ignoring {key}: no setting {key[len(ENV_PREFIX):].lower()!r} (typo?)" for key in unknown]
+    return Resolved(config, sources, warnings)
+
+
+def describe(resolved: Resolved) -> str:
+    """The resolved configuration, one field per line with its source, for rank 0's start-up log."""
+    width = max(map(len, FIELDS))
+    lines = [f"  {name:<{width}} = {value!r:<12} ({resolved.sources[name]})"
+             for name, value in resolved.config.as_dict().items()]
+    return "configuration:\n" + "\n".join(lines)

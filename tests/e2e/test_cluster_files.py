@@ -1,0 +1,85 @@
+"""The cluster's files, checked without running them: what would break `--scale`, Grafana's wiring or the contract.
+
+The real run is test_compose_cluster.py; these catch the mistakes that run cannot see here (Grafana does not run
+here) or that only bite a user elsewhere (a published port on every interface, a floating image tag).
+
+    .venv/bin/python -m pytest tests/e2e/test_cluster_files.py
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+from tests.e2e.cluster_files import (COMPOSE, COMPOSE_LOCAL, DATASOURCES, ROOT, compose_services, dashboard,
+                                     exported_metric_names, metric_names, panel_queries)
+
+
+def test_every_panel_query_reads_only_metrics_the_worker_exports():
+    exported = exported_metric_names() | {"up"}  # `up`: Prometheus' own, one per scrape target
+    queries = panel_queries()
+    assert len(queries) >= 15
+    unknown = {f"{q.panel} [{q.ref}]": sorted(metric_names(q.expr) - exported) for q in queries
+               if metric_names(q.expr) - exported}
+    assert not unknown, f"panels query metrics app/metrics.py does not export: {unknown}"
+    assert all(metric_names(q.expr) for q in queries), "a panel query names no metric at all"
+
+
+def test_every_alert_reads_only_metrics_the_worker_exports():
+    exported = exported_metric_names() | {"up"}
+    rules = yaml.safe_load((ROOT / "docker/prometheus/alerts.yml").read_text())["groups"][0]["rules"]
+    assert {r["alert"] for r in rules} >= {"DDPRankDown", "DDPTrainingStalled", "DDPStraggler",
+                                           "DDPCommunicationBound"}
+    unknown = {r["alert"]: sorted(metric_names(r["expr"]) - exported) for r in rules
+               if metric_names(r["expr"]) - exported}
+    assert not unknown, f"alerts on metrics app/metrics.py does not export: {unknown}"
+
+
+def test_dashboard_names_the_provisioned_datasource_by_uid():
+    (source,) = yaml.safe_load(DATASOURCES.read_text())["datasources"]
+    dash = dashboard()
+    uids = {t["datasource"]["uid"] for p in dash["panels"] for t in p.get("targets", [])}
+    uids |= {p["datasource"]["uid"] for p in dash["panels"] if "datasource" in p}
+    uids |= {v["datasource"]["uid"] for v in dash["templating"]["list"]}
+    assert uids == {source["uid"]} == {"prometheus"}
+    assert source["url"] == "http://prometheus:9090"  # the compose service's name and port
+
+
+def test_dashboard_answers_the_questions_it_is_opened_for():
+    titles = " | ".join(q.panel for q in panel_queries()).lower()
+    for needed in ("step time p50 / p95", "all-reduce latency per bucket", "exposed communication share",
+                   "bus bandwidth", "samples/s", "loss", "world size", "ranks up", "slowest", "median",
+                   "time since last step"):
+        assert needed in titles, f"no panel for {needed!r}"
+
+
+def test_compose_scales_and_publishes_only_on_loopback():
+    text = COMPOSE.read_text() + COMPOSE_LOCAL.read_text()
+    assert "container_name" not in re.sub(r"#.*", "", text), "container_name blocks --scale"
+    services = compose_services(COMPOSE)
+    assert "hostname" not in services["worker"], "a fixed hostname makes every replica the same rendezvous node"
+    for name, svc in services.items():
+        for port in svc.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} beyond this machine"
+    assert {n for n, s in services.items() if s.get("ports")} == {"prometheus", "grafana"}
+    command = " ".join(services["worker"]["command"])
+    assert "--nnodes=${WORKERS:-4}" in command and "--rdzv-endpoint=rendezvous:29400" in command
+    assert services["worker"]["deploy"]["replicas"] == "${WORKERS:-4}"  # the world size and the replica count
+
+
+def test_compose_pins_third_party_images():
+    services = compose_services(COMPOSE)
+    for name in ("prometheus", "grafana"):
+        image = services[name]["image"]
+        assert re.fullmatch(r"[a-z/]+:v?\d+\.\d+\.\d+", image), f"{name}: {image} is not pinned to a version"
+
+
+@pytest.mark.parametrize("service", ["rendezvous", "worker"])
+def test_workers_and_store_are_one_image_running_as_non_root(service):
+    assert compose_services(COMPOSE)[service]["image"] == "ddp-cluster:latest"
+    dockerfile = (ROOT / "docker/Dockerfile").read_text()
+    final_stage = dockerfile.rsplit("\nFROM ", 1)[1]
+    assert re.search(r"^USER 10001", final_stage, re.M), "the runtime stage must not run as root"
+    assert "/tmp/wheels" not in final_stage, "the wheelhouse must stay in the build stage"

@@ -1,0 +1,99 @@
+"""Configuration: precedence (flag > env > file > default) and one-line errors with exit code 2.
+
+The exit-code tests run the real worker (``python -m app.train``) as a user would; a bad value fails before torch
+is imported or any process group is joined.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from app.config import ConfigError, TrainConfig, load_config
+from tests.trainer_run import PYTHON, REPO, clean_env
+
+
+def write(tmp_path, text: str) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_are_the_contracts():
+    cfg = load_config([], {}).config
+    assert (cfg.model, cfg.steps, cfg.micro_batch, cfg.seed, cfg.ddp) == ("mini_mlp", 200, 32, 0, "scratch")
+    assert (cfg.bucket_cap_mb, cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints) == (25, "", 50, 3)
+    assert (cfg.metrics_port, cfg.metrics_linger_seconds, cfg.rendezvous_timeout_seconds, cfg.log_every) == \
+        (9400, 0, 60, 10)
+    assert cfg.check_world(1) == 1  # grad_accum_steps defaults to 1
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path):
+    path = write(tmp_path, "steps: 11\nlr: 0.5\nmicro_batch: 8\nseed: 3\n")
+    env = {"DDP_STEPS": "22", "DDP_LR": "0.25"}
+    resolved = load_config(["--config", path, "--steps", "33"], env)
+    cfg = resolved.config
+    assert cfg.steps == 33  # flag beats env and file
+    assert cfg.lr == 0.25  # env beats file
+    assert (cfg.micro_batch, cfg.seed) == (8, 3)  # file beats default
+    assert cfg.model == "mini_mlp"  # default
+    assert resolved.sources["steps"] == "flag --steps"
+    assert resolved.sources["lr"] == "env DDP_LR"
+    assert resolved.sources["seed"] == f"config file {path}"
+
+
+def test_config_file_from_env_and_example_file_loads():
+    resolved = load_config([], {"DDP_CONFIG": str(REPO / "configs" / "example.yaml")})
+    assert resolved.sources["model"].startswith("config file")
+    assert resolved.config.checkpoint_every >= 1
+
+
+def test_effective_batch_sets_accumulation_per_world_size():
+    cfg = load_config(["--effective-batch", "256", "--micro-batch", "32"], {}).config
+    assert cfg.check_world(4) == 2 and cfg.check_world(2) == 4
+    with pytest.raises(ConfigError, match="effective_batch=256"):
+        cfg.check_world(3)
+
+
+def test_unknown_env_setting_is_a_warning_not_silence():
+    resolved = load_config([], {"DDP_STPES": "5"})
+    assert resolved.config.steps == 200
+    assert any("DDP_STPES" in w for w in resolved.warnings)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"steps": 0}, "steps"), ({"model": "resnet"}, "model"), ({"ddp": "horovod"}, "ddp"), ({"lr": 0.0}, "lr"),
+    ({"metrics_port": 70000}, "metrics_port"), ({"grad_accum_steps": 0}, "grad_accum_steps"),
+    ({"model": "tiny_transformer", "seq_len": 65}, "seq_len"),
+])
+def test_validation_names_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=rf"^{field}="):
+        TrainConfig(**kwargs)
+
+
+# The real worker, as a user runs it: one line on stderr naming the field, exit code 2, no traceback.
+BAD = {
+    "negative steps": (["--steps", "-5"], {}, "steps=-5"),
+    "unknown model": (["--model", "resnet50"], {}, "model='resnet50'"),
+    "unknown ddp": (["--ddp", "horovod"], {}, "ddp='horovod'"),
+    "non-dividing effective_batch": (["--effective-batch", "100"], {"WORLD_SIZE": "2"}, "effective_batch=100"),
+    "non-numeric env": ([], {"DDP_MICRO_BATCH": "lots"}, "micro_batch='lots' (from env DDP_MICRO_BATCH)"),
+    "bad yaml key": (["--config", "@bad.yaml"], {}, "unknown setting 'stpes'"),
+    "ddp none with 2 ranks": (["--ddp", "none"], {"WORLD_SIZE": "2"}, "ddp=none with world_size=2"),
+    "unknown flag": (["--stpes", "5"], {}, "--stpes"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_exits_2_with_one_line(case, tmp_path):
+    args, env, expected = BAD[case]
+    (tmp_path / "bad.yaml").write_text("stpes: 5\n")
+    args = [str(tmp_path / a[1:]) if a.startswith("@") else a for a in args]
+    result = subprocess.run([PYTHON, "-m", "app.train", "--metrics-port", "0", *args], cwd=REPO,
+                            env=clean_env(**env), capture_output=True, text=True, timeout=60)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1, result.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in result.stderr

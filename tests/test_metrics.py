@@ -1,0 +1,179 @@
+"""Prometheus metrics: the contract's names and labels, promtool-clean, and scraped by a real Prometheus.
+
+The end-to-end test (``-m e2e``) needs the ``prometheus`` and ``promtool`` binaries (Debian's ``prometheus``
+package; ``.ci/run`` installs it when missing). It starts its own Prometheus on loopback with a 1 s scrape interval,
+runs 2 real ranks, and asks Prometheus's HTTP API for each rank's step time and all-reduce latency.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+from prometheus_client import generate_latest
+
+from app.metrics import CommSample, TrainMetrics
+from tests.trainer_run import free_port, start_torchrun
+
+CONTRACT = {  # name in the exposition -> type
+    "ddp_step_duration_seconds": "histogram", "ddp_forward_duration_seconds": "histogram",
+    "ddp_backward_duration_seconds": "histogram", "ddp_optimizer_duration_seconds": "histogram",
+    "ddp_allreduce_duration_seconds": "histogram", "ddp_exposed_comm_duration_seconds": "histogram",
+    "ddp_allreduce_bytes_total": "counter", "ddp_allreduce_bus_bandwidth_bytes_per_second": "gauge",
+    "ddp_samples_total": "counter", "ddp_optimizer_steps_total": "counter", "ddp_gradient_syncs_total": "counter",
+    "ddp_loss": "gauge", "ddp_learning_rate": "gauge", "ddp_world_size": "gauge",
+    "ddp_last_step_timestamp_seconds": "gauge", "ddp_checkpoint_duration_seconds": "histogram",
+    "ddp_last_checkpoint_step": "gauge", "ddp_rank_info": "gauge",
+}
+PROMTOOL = shutil.which("promtool")
+PROMETHEUS = shutil.which("prometheus")
+
+
+def test_bus_bandwidth_is_nccl_tests_busbw():
+    sample = CommSample(bucket_seconds=[0.25, 0.25], bucket_bytes=[500, 500])
+    assert sample.bus_bandwidth(4) == pytest.approx(1000 / 0.5 * 2 * 3 / 4)  # algbw × 2(n−1)/n
+    assert sample.bus_bandwidth(1) == 0.0  # nothing crosses a wire in a world of one
+
+
+def exposition() -> str:
+    m = TrainMetrics(rank=3, local_rank=1, world_size=4, node="1", host="node-b")
+    m.observe_step(step_seconds=0.02, forward_seconds=0.005, backward_seconds=0.01, optimizer_seconds=0.002,
+                   comm=CommSample([0.001, 0.002], [4096, 8192], 0.0005), samples=32, syncs=1, loss=1.5, lr=0.003)
+    m.observe_checkpoint(50, 0.04)
+    return generate_latest(m.registry).decode()
+
+
+def test_exposition_has_the_contracts_names_types_and_labels():
+    text = exposition()
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.MULTILINE))
+    for name, kind in CONTRACT.items():
+        assert types.get(name) == kind, (name, types.get(name))
+    for line in text.splitlines():
+        if line.startswith("ddp_") and not line.startswith("ddp_rank_info"):
+            labels = re.search(r"\{(.*)\}", line).group(1)
+            assert re.fullmatch(r'(le="[^"]+",)?rank="3"', labels), line  # only rank (and a histogram's le)
+    assert 'ddp_rank_info{host="node-b",local_rank="1",node="1",rank="3"} 1.0' in text
+    assert 'ddp_allreduce_duration_seconds_count{rank="3"} 2.0' in text
+    assert 'ddp_allreduce_bytes_total{rank="3"} 12288.0' in text
+    assert "_created" not in text
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus; .ci/run does)")
+def test_exposition_is_promtool_clean():
+    check = subprocess.run([PROMTOOL, "check", "metrics"], input=exposition(), capture_output=True, text=True,
+                           timeout=30)
+    assert check.returncode == 0 and check.stdout.strip() == "" and check.stderr.strip() == "", check
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.read().decode()
+
+
+def wait_for_finished(proc, ranks: int, timeout: float = 150) -> None:
+    deadline = time.monotonic() + timeout
+    seen = 0
+    while seen < ranks and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"worker exited {proc.returncode}: {proc.stderr.read()[-3000:]}")
+        seen += line.startswith("FINISHED")
+    assert seen == ranks, "no FINISHED lines in time"
+
+
+def test_torch_ddp_reports_allreduce_per_bucket():
+    port = free_port(2)
+    proc = start_torchrun("--ddp", "torch", "--steps", "30", "--metrics-port", str(port), "--bucket-cap-mb",
+                          "0.01", "--metrics-linger-seconds", "30", "--log-every", "30")
+    try:
+        wait_for_finished(proc, 2)
+        bodies = [get(f"http://127.0.0.1:{port + r}/metrics") for r in range(2)]
+    finally:
+        proc.terminate()  # ends the linger early: SIGTERM is forwarded, the workers stop waiting
+        proc.communicate(timeout=60)
+    for rank, body in enumerate(bodies):
+        count = float(re.search(rf'ddp_allreduce_duration_seconds_count{{rank="{rank}"}} (\S+)', body).group(1))
+        # MiniMLP's 6 tensors (~19 KB) in 10 KB buckets: several all-reduces per step, each observed on its own.
+        assert count > 30, body
+        assert re.search(rf'ddp_allreduce_bytes_total{{rank="{rank}"}} [1-9]', body)
+        # Exposed communication happens inside PyTorch's C++ reducer: not reported for --ddp torch.
+        assert f'ddp_exposed_comm_duration_seconds_count{{rank="{rank}"}} 0.0' in body
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(PROMETHEUS is None or PROMTOOL is None,
+                    reason="prometheus/promtool not installed (apt-get install prometheus; .ci/run does)")
+def test_real_prometheus_scrapes_both_ranks(tmp_path):
+    port, web = free_port(2), free_port()
+    (tmp_path / "prometheus.yml").write_text(json.dumps({  # JSON is YAML
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+        "scrape_configs": [{"job_name": "ddp-worker",
+                            "static_configs": [{"targets": [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]}]}],
+    }))
+    prometheus = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
+                                   f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{web}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        _wait_ready(f"http://127.0.0.1:{web}/-/ready", prometheus)
+        steps = 150
+        worker = start_torchrun("--steps", str(steps), "--metrics-port", str(port), "--metrics-linger-seconds", "5",
+                                "--log-every", "50")
+        wait_for_finished(worker, 2)
+        body = get(f"http://127.0.0.1:{port}/metrics")  # a real body, during the linger
+        out, err = worker.communicate(timeout=60)
+        assert worker.returncode == 0, err[-3000:]
+        check = subprocess.run([PROMTOOL, "check", "metrics"], input=body, capture_output=True, text=True, timeout=30)
+        assert check.returncode == 0 and not check.stderr.strip(), check
+
+        def query(expr: str) -> dict[str, float]:
+            url = f"http://127.0.0.1:{web}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+            data = json.loads(get(url))
+            assert data["status"] == "success", data
+            return {r["metric"].get("rank", ""): float(r["value"][1]) for r in data["data"]["result"]}
+
+        # The worker has exited, so its series are stale now: ask for the last scraped value of each.
+        def last(name: str) -> str:
+            return f'last_over_time({name}{{job="ddp-worker"}}[10m])'
+
+        step_count = query(last("ddp_step_duration_seconds_count"))
+        assert step_count == {"0": steps, "1": steps}  # the final values: scraped during the linger
+        step_mean = query(f"{last('ddp_step_duration_seconds_sum')} / {last('ddp_step_duration_seconds_count')}")
+        allreduce_count = query(last("ddp_allreduce_duration_seconds_count"))
+        allreduce_mean = query(f"{last('ddp_allreduce_duration_seconds_sum')} / "
+                               f"{last('ddp_allreduce_duration_seconds_count')}")
+        p50 = query(f"histogram_quantile(0.5, sum by (rank, le) ({last('ddp_allreduce_duration_seconds_bucket')}))")
+        for rank in ("0", "1"):
+            assert 0 < step_mean[rank] < 5, step_mean
+            assert allreduce_count[rank] >= steps, allreduce_count  # one bucket per step for MiniMLP
+            assert 0 < allreduce_mean[rank] < step_mean[rank], allreduce_mean
+            assert 0 < p50[rank] < 5, p50
+        assert len(query(last("ddp_rank_info"))) == 2
+    finally:
+        for proc in (worker, prometheus):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def _wait_ready(url: str, proc, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"prometheus exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        try:
+            get(url)
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"prometheus not ready at {url} within {timeout}s")
