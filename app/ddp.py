@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from app.comm_hooks import allreduce_hook
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 
@@ -178,7 +177,7 @@ class DistributedDataParallel(nn.Module):
                              src=self._src_rank, group=self.process_group)
 
         self._buckets, self._slot = self._build_buckets()
-        self._comm_hook: CommHook = allreduce_hook
+        self._comm_hook: CommHook | None = None  # None: the built-in all-reduce (see _launch_ready_buckets)
         self._comm_state: Any = self.process_group
 
         # Per-backward state, reset by _prepare_for_backward() in each synchronising forward.
@@ -361,13 +360,21 @@ class DistributedDataParallel(nn.Module):
             i = self._next_bucket
             bucket = self._buckets[i]
             self._launch_times[i] = time.perf_counter()
-            fut = self._comm_hook(self._comm_state, bucket)
+            if self._comm_hook is None:
+                # Built-in path: all-reduce with SUM, in place. The division by the world size happens when the
+                # result is copied back into p.grad (_finalize_backward): fused into that copy, it costs no extra
+                # pass over the gradients (PyTorch's Reducer fuses it into its copy *into* the bucket instead).
+                fut = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.SUM, group=self.process_group,
+                                      async_op=True).get_future()
+            else:
+                fut = self._comm_hook(self._comm_state, bucket)  # the hook averages, as with PyTorch's DDP
 
             def record_done(f: torch.futures.Future, i=i) -> torch.Tensor:
                 # Runs on the communication thread when the reduction completes: launch -> done is the
                 # all-reduce latency the metrics report, independent of when backward gets around to waiting.
                 self._done_times[i] = time.perf_counter()
-                return f.value()
+                value = f.value()
+                return value[0] if isinstance(value, list) else value  # all_reduce's future holds a list
 
             self._futures[i] = fut.then(record_done)
             self._next_bucket += 1
@@ -383,6 +390,8 @@ class DistributedDataParallel(nn.Module):
                 f"forward skips them on purpose, or make sure the loss depends on them")
 
         globally_used = self._all_reduce_used_flags() if self.find_unused_parameters else None
+        # The built-in all-reduce leaves the SUM in the bucket; a comm hook leaves the average.
+        divisor = self.world_size if self._comm_hook is None else 1
         waited = 0.0
         with torch.no_grad():
             for bucket, fut in zip(self._buckets, self._futures):
@@ -393,17 +402,16 @@ class DistributedDataParallel(nn.Module):
                 waited += time.perf_counter() - wait_start
                 if averaged.data_ptr() != bucket.buffer().data_ptr():
                     bucket.buffer().copy_(averaged)  # hooks may return a new tensor rather than the buffer
-                dst, src = [], []
                 for pos, (p, index) in enumerate(zip(bucket.parameters(), bucket.param_indices)):
                     if globally_used is not None and not globally_used[index]:
                         continue  # no rank used it: leave p.grad untouched (None), as PyTorch does
+                    view = bucket.view(pos)
                     if p.grad is None:
-                        p.grad = bucket.view(pos).clone()
+                        p.grad = view / divisor if divisor != 1 else view.clone()
+                    elif divisor != 1:
+                        torch.div(view, divisor, out=p.grad)  # SUM ÷ world size, written straight into p.grad
                     else:
-                        dst.append(p.grad)
-                        src.append(bucket.view(pos))
-                if dst:
-                    torch._foreach_copy_(dst, src)  # one call for the bucket instead of one per parameter
+                        p.grad.copy_(view)
 
         seconds = [done - launch for done, launch in zip(self._done_times, self._launch_times)]
         s = self.stats
