@@ -44,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-cap-mb", type=float, default=25, help="DDP bucket size in MiB (default 25)")
     p.add_argument("--ddp", choices=["scratch", "torch"], default="scratch",
                    help="scratch: app.ddp (ours); torch: torch.nn.parallel.DistributedDataParallel")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
+    p.add_argument("--lr", type=float, default=0.3, help="SGD learning rate (default 0.3)")
     args = p.parse_args(argv)
     for name in ("steps", "per_rank_batch"):
         if getattr(args, name) < 1:
