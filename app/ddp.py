@@ -29,6 +29,7 @@ Try it: ``make demo`` (4 CPU ranks under torchrun, compared step by step with si
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -61,6 +62,9 @@ class CommStats:
     last_bucket_seconds: list[float] = field(default_factory=list)  # per bucket, in launch order
     last_bucket_bytes: list[int] = field(default_factory=list)
     last_wait_seconds: float = 0.0
+    # First bucket's launch -> last bucket's completion: the wall time the reduction took. Buckets overlap and
+    # queue behind each other, so the sum of last_bucket_seconds double-counts; bandwidth uses this span.
+    last_comm_span_seconds: float = 0.0
 
 
 class GradBucket:
@@ -188,7 +192,8 @@ class DistributedDataParallel(nn.Module):
         self._futures: list[torch.futures.Future | None] = []
         self._launch_times: list[float] = []
         self._done_times: list[float] = []
-        self._unused: list[int] = []
+        self._unused: list[int] = []  # not reached by this forward's graph (find_unused_parameters)
+        self._locally_unused: list[int] = []  # ... and without any gradient accumulated under no_sync()
         self._callback_queued = False
 
         # 2. One hook per parameter, fired by autograd right after the parameter's .grad has been accumulated.
@@ -200,15 +205,18 @@ class DistributedDataParallel(nn.Module):
     # ------------------------------------------------------------------------------------------------------------
     def _check_same_model_everywhere(self) -> None:
         """Fail clearly, on every rank, if ranks wrapped different models (a bucket mismatch would hang later)."""
-        shape = torch.tensor([len(self._params), sum(p.numel() for p in self._params)], dtype=torch.int64,
-                             device=self._params[0].device if self._params else "cpu")
-        low, high = shape.clone(), shape.clone()
+        # Count, total size and a fingerprint of every parameter's (shape, dtype): two models with the same
+        # number of elements but other shapes would otherwise average unrelated tensors without a word.
+        layout = hashlib.sha256(repr([(tuple(p.shape), str(p.dtype)) for p in self._params]).encode()).digest()
+        mine = torch.tensor([len(self._params), sum(p.numel() for p in self._params),
+                             int.from_bytes(layout[:7], "little")], dtype=torch.int64, device=self._params[0].device)
+        low, high = mine.clone(), mine.clone()
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.process_group)
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.process_group)
         if not torch.equal(low, high):
-            raise RuntimeError(f"ranks wrap different models: parameter count/numel {shape.tolist()} here, "
-                               f"between {low.tolist()} and {high.tolist()} across ranks; build the same model "
-                               f"on every rank")
+            raise RuntimeError(f"ranks wrap different models: {len(self._params)} parameters, {mine[1].item()} "
+                               f"elements, layout fingerprint {layout[:7].hex()} here, but the ranks disagree; "
+                               f"build the same model on every rank")
 
     def _build_buckets(self) -> tuple[list[GradBucket], list[tuple[int, int]]]:
         """Group parameters into buckets of at most ``bucket_cap_bytes``, in *reverse* registration order.
@@ -271,6 +279,9 @@ class DistributedDataParallel(nn.Module):
         The future must resolve to the bucket's *averaged* gradients (the hook divides by the world size).
         ``app.comm_hooks`` has plain, fp16 and bf16 hooks; PyTorch's ``ddp_comm_hooks`` work too.
         """
+        if self._comm_hook is not None:
+            # As PyTorch: swapping reductions between steps would silently mix two averaging schemes.
+            raise RuntimeError("register_comm_hook can be called only once, before training")
         self._comm_hook = hook
         self._comm_state = state
 
@@ -325,19 +336,22 @@ class DistributedDataParallel(nn.Module):
                 # (PyTorch's Reducer does the same from C++.)
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
-                # Parameters the forward never reached count as ready now (zeros in their slots), as PyTorch
-                # does at the first hook, so their buckets can complete.
+                # Parameters the forward never reached count as ready now, as PyTorch does at the first hook, so
+                # their buckets can complete. Their slot gets what p.grad holds: zeros, or gradient accumulated
+                # under no_sync() by earlier micro-batches that did use them (it must still be averaged).
+                self._locally_unused = [i for i in self._unused if self._params[i].grad is None]
                 for unused in self._unused:
-                    self._mark_ready(unused, grad=None)
+                    self._mark_ready(unused, grad=self._params[unused].grad)
             self._mark_ready(index, grad=param.grad)
         return hook
 
     def _mark_ready(self, index: int, grad: torch.Tensor | None) -> None:
         if self._ready[index]:
-            # A parameter used twice in one graph still gets one hook call after accumulation; a second call means
-            # a second backward through the same forward (retain_graph), which DDP cannot sync twice.
-            raise RuntimeError(f"parameter {self._param_names[id(self._params[index])]!r} got two gradients in one "
-                               f"synchronised backward; run a forward before each backward")
+            # A parameter used twice in one graph still gets one hook call after accumulation. A second call means
+            # the graph walk called it unused, yet backward reached it: the loss used it outside forward's output.
+            raise RuntimeError(f"parameter {self._param_names[id(self._params[index])]!r} got a gradient although "
+                               f"forward's output does not depend on it (find_unused_parameters marked it unused): "
+                               f"the loss uses it outside forward; route every use through forward")
         self._ready[index] = True
         bucket_index, pos = self._slot[index]
         bucket = self._buckets[bucket_index]
@@ -423,12 +437,13 @@ class DistributedDataParallel(nn.Module):
         s.last_bucket_seconds = seconds
         s.last_bucket_bytes = [b.nbytes for b in self._buckets]
         s.last_wait_seconds = waited
+        s.last_comm_span_seconds = max(self._done_times) - min(self._launch_times)
         self._sync_this_backward = False
 
     def _all_reduce_used_flags(self) -> torch.Tensor:
         """Which parameters some rank used: only those get a gradient. One tiny extra all-reduce, as in PyTorch."""
         used = torch.ones(len(self._params), dtype=torch.int32, device=self._buckets[0].buffer().device)
-        used[self._unused] = 0
+        used[self._locally_unused] = 0  # not reached by this forward and no gradient accumulated under no_sync()
         # int32 rather than bool: NCCL and gloo both reduce int32 with SUM.
         dist.all_reduce(used, op=dist.ReduceOp.SUM, group=self.process_group)
         return used.bool().tolist()

@@ -194,6 +194,33 @@ def find_unused(rank, world):
     return diffs, model.never.weight.grad is None, model.b.weight.grad is not None
 
 
+def find_unused_with_no_sync(rank, world):
+    """Micro-batch 1 (inside no_sync) uses branch b on rank 1 only; micro-batch 2 (synced) uses branch a
+    everywhere. b's gradient exists only as rank 1's local accumulation, and must still be averaged."""
+    torch.manual_seed(0)
+    model = Branchy()
+    reference = copy.deepcopy(model)
+    ddp = DDP(model, find_unused_parameters=True)
+    opt, ref_opt = make_opt("sgd", ddp.parameters()), make_opt("sgd", reference.parameters())
+    x, y = batch(0, 8 * world)
+    chunk = lambda r, i: slice((2 * r + i) * 4, (2 * r + i + 1) * 4)  # noqa: E731
+    uses_b = lambda r, i: i == 0 and r == 1  # noqa: E731
+    opt.zero_grad()
+    with ddp.no_sync():
+        (F.mse_loss(ddp(x[chunk(rank, 0)], uses_b(rank, 0)), y[chunk(rank, 0)]) / 2).backward()
+    (F.mse_loss(ddp(x[chunk(rank, 1)], uses_b(rank, 1)), y[chunk(rank, 1)]) / 2).backward()
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    opt.step()
+    ref_opt.zero_grad()
+    ref_loss = sum(F.mse_loss(reference(x[chunk(r, i)], uses_b(r, i)), y[chunk(r, i)]) / 2
+                   for r in range(world) for i in range(2)) / world
+    ref_loss.backward()
+    ref_opt.step()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, grads)
+    return max_diff(model, reference), gathered
+
+
 def unused_without_flag(rank, world):
     ddp = DDP(Branchy())
     x = torch.randn(4, 8)
@@ -275,8 +302,11 @@ def overlap_and_counters(rank, world):
     return events[:len(ddp.bucket_sizes) + 1], ddp.stats, param_bytes, len(ddp.bucket_sizes), steps
 
 
-def mismatched_models(rank, world):
-    model = MiniMLP(hidden=16 if rank == 0 else 32)
+def mismatched_models(rank, world, same_numel):
+    if same_numel:  # same count and number of elements, transposed shapes
+        model = nn.Linear(8, 4, bias=False) if rank == 0 else nn.Linear(4, 8, bias=False)
+    else:
+        model = MiniMLP(hidden=16 if rank == 0 else 32)
     try:
         DDP(model)
     except RuntimeError as e:
@@ -386,11 +416,39 @@ def test_first_bucket_is_reduced_while_backward_still_runs():
     assert stats.buckets_reduced == steps * n_buckets
     assert len(stats.last_bucket_seconds) == n_buckets and all(s > 0 for s in stats.last_bucket_seconds)
     assert 0 <= stats.wait_seconds <= stats.allreduce_seconds + 1.0
+    assert max(stats.last_bucket_seconds) <= stats.last_comm_span_seconds
 
 
-def test_ranks_with_different_models_fail_clearly():
-    for message in run_world(mismatched_models, 2, timeout=60):
+@pytest.mark.parametrize("same_numel", [False, True])
+def test_ranks_with_different_models_fail_clearly(same_numel):
+    for message in run_world(mismatched_models, 2, same_numel, timeout=60):
         assert message is not None and "ranks wrap different models" in message
+
+
+def second_comm_hook(rank, world):
+    ddp = DDP(MiniMLP())
+    ddp.register_comm_hook(None, fp16_compress_hook)
+    try:
+        ddp.register_comm_hook(None, bf16_compress_hook)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_a_second_comm_hook_is_refused():
+    for message in run_world(second_comm_hook, 2):
+        assert message is not None and "only once" in message
+
+
+def test_find_unused_parameters_with_no_sync_accumulation():
+    for diff, gathered in run_world(find_unused_with_no_sync, 2, timeout=90):
+        assert diff <= PARAM_TOL
+        for g0, g1 in zip(*gathered):  # both ranks end with the same averaged gradients, b's included
+            assert (g0 is None) == (g1 is None)
+            if g0 is not None:
+                assert (g0 - g1).abs().max().item() == 0
+        b_weight_grad = gathered[0][4]  # trunk.w, trunk.b, a.w, a.b, b.w: rank 0 never used b, yet receives it
+        assert b_weight_grad is not None and b_weight_grad.abs().max().item() > 0
 
 
 def test_wrapping_without_a_process_group_is_a_clear_error():
