@@ -85,8 +85,8 @@ docker-setup: ## Docker engine + Compose v2 (+ local base image and docker/wheel
 	elif docker compose version >/dev/null 2>&1; then echo "docker-setup: docker and compose are there"; \
 	else echo "docker-setup: install Docker with the Compose v2 plugin (docs.docker.com/engine/install)" >&2; exit 2; fi
 
-image: ## build the worker image ddp-cluster:latest (BASE_IMAGE=..., TORCH_VARIANT=cpu|cuda|cu128)
-	TORCH_VARIANT=$(TORCH_VARIANT) docker compose build worker
+image: ## build the worker image ddp-cluster:IMAGE_TAG (latest; BASE_IMAGE=..., TORCH_VARIANT=cpu|cuda|cu128)
+	TORCH_VARIANT=$(TORCH_VARIANT) IMAGE_TAG=$(or $(strip $(IMAGE_TAG)),latest) docker compose build worker
 
 up: ## start the cluster: WORKERS containers, one rank each, + Prometheus (127.0.0.1:9090) and Grafana (:3000)
 	WORKERS=$(strip $(WORKERS)) docker compose up -d --scale worker=$(strip $(WORKERS))

@@ -42,15 +42,34 @@ def test_alert_unit_tests_pass(promtool):
     assert "SUCCESS" in result.stdout
 
 
-def test_alert_unit_tests_can_fail(promtool, tmp_path):
-    # The same tests against a straggler threshold of 3× must fail: they test the rule, not only its syntax.
+# The stall rule's threshold: 10x the median step time, at least 30 s.
+_STALL_THRESHOLD = """
+            > on() clamp_min(
+                10 * (quantile(0.5,
+                        (rate(ddp_step_duration_seconds_sum[5m]) / rate(ddp_step_duration_seconds_count[5m])) > 0)
+                      or on() vector(0)),
+                30)
+"""
+
+# Each a weaker rule that the unit tests must reject: they test the rules, not only their syntax.
+MUTATIONS = {
+    "straggler at 3x the median": ("DDPStraggler", "1.5 * quantile(0.5,", "3 * quantile(0.5,"),
+    # The 30 s floor alone: a job whose steps take over 30 s would page during every step.
+    "stall without the median": ("DDPTrainingStalled", _STALL_THRESHOLD, " > 30\n"),
+    "stall at 100x the median": ("DDPTrainingStalled", "10 * (quantile(0.5,", "100 * (quantile(0.5,"),
+}
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=list(MUTATIONS))
+def test_alert_unit_tests_can_fail(promtool, tmp_path, mutation):
+    alert, old, new = MUTATIONS[mutation]
     rules = (PROM_DIR / "alerts.yml").read_text()
-    assert rules.count("1.5 * quantile(0.5,") == 1
-    (tmp_path / "alerts.yml").write_text(rules.replace("1.5 * quantile(0.5,", "3 * quantile(0.5,"))
+    assert rules.count(old) == 1
+    (tmp_path / "alerts.yml").write_text(rules.replace(old, new))
     shutil.copy(PROM_DIR / "alerts.test.yml", tmp_path)
     result = subprocess.run([promtool, "test", "rules", "alerts.test.yml"], cwd=tmp_path, capture_output=True,
                             text=True, timeout=60)
-    assert result.returncode != 0 and "DDPStraggler" in result.stdout + result.stderr
+    assert result.returncode != 0 and alert in result.stdout + result.stderr, result.stdout + result.stderr
 
 
 def test_scrape_config_and_rules_are_valid(promtool):
