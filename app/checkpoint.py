@@ -13,7 +13,9 @@ Only tensors, dicts, lists, strings and numbers: ``torch.load(..., weights_only=
 pickled code. Writing: temp file in the same directory, flush + fsync, ``os.replace`` (atomic on POSIX), fsync the
 directory; a crash at any moment leaves either the old set of files or the new one, never a half-written
 ``step-*.pt``. Loading: a file that ``torch.load`` rejects (truncated) or whose digest does not match (bits changed)
-is reported with a warning naming it, and the next older one is tried.
+is reported with a warning naming it, renamed to ``step-XXXXXXXX.pt.corrupt`` (kept for inspection, no longer counted
+as a checkpoint) and the next older one is tried. Pruning keeps the newest ``keep`` checkpoints up to and including
+the one just written and never deletes anything newer: a torn file with a higher step never pushes a good one out.
 
 Try it: ``make run`` with ``DDP_CHECKPOINT_DIR=/tmp/ckpt``, stop it with Ctrl-C, run it again: it resumes.
 """
@@ -24,6 +26,7 @@ import hashlib
 import logging
 import os
 import re
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -86,6 +89,33 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def directory_problem(directory: str | Path) -> str | None:
+    """Create ``directory`` if missing and write a probe file in it: None when checkpoints can be written there,
+    else why not (one line). Run at start-up, so a bad path fails before training rather than at the first save."""
+    d = Path(directory)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        return "it exists and is not a directory"
+    except OSError as e:
+        return f"cannot create it ({e.strerror})"
+    try:
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        return f"cannot write in it ({e.strerror})"
+    return None
+
+
+def checkpoint_dir_problem(directory: str | Path, is_main: bool) -> str | None:
+    """``directory_problem`` as rank 0 sees it, on every rank (a broadcast: every rank must call this)."""
+    import torch.distributed as dist
+
+    verdict = [directory_problem(directory) if is_main else None]
+    dist.broadcast_object_list(verdict, src=0)
+    return verdict[0]
+
+
 def save_checkpoint(directory: str | Path, state: dict[str, Any], keep: int) -> Path:
     """Write ``state`` (which must hold "step") atomically as ``step-XXXXXXXX.pt``; keep the newest ``keep``."""
     d = Path(directory)
@@ -103,12 +133,19 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], keep: int) -> 
         _fsync_dir(d)
     finally:
         tmp.unlink(missing_ok=True)
-    prune(d, keep)
+    prune(d, keep, newest=int(state["step"]))
     return final
 
 
-def prune(directory: Path, keep: int) -> None:
-    for _, path in list_checkpoints(directory)[keep:]:
+def prune(directory: Path, keep: int, newest: int) -> None:
+    """Delete all but the ``keep`` newest checkpoints at or below step ``newest`` (the one just written).
+
+    Files above ``newest`` are left alone: this writer did not produce them, so they are either unvalidated (a
+    resume that skipped them renames them ``.corrupt``) or someone else's; counting them would let a torn file with
+    a higher step delete the good one just written.
+    """
+    older = [path for step, path in list_checkpoints(directory) if step <= newest]
+    for path in older[max(keep, 1):]:
         path.unlink(missing_ok=True)
     for stale in directory.glob(".step-*.pt.tmp-*"):  # left by a writer that crashed mid-write
         if stale.stat().st_mtime < time.time() - 60:
@@ -127,15 +164,26 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> dic
     return state
 
 
-def load_latest(directory: str | Path, device: torch.device | str = "cpu",
-                newest_step: int | None = None) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint in ``directory`` that loads and validates (at most ``newest_step``), or None."""
-    for step, path in list_checkpoints(directory):
-        if newest_step is not None and step > newest_step:
-            continue
+def load_latest(directory: str | Path, device: torch.device | str = "cpu") -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint in ``directory`` that loads and validates, or None.
+
+    Each one rejected on the way is renamed ``<name>.corrupt``: kept for inspection, but no longer a checkpoint,
+    so it neither counts towards ``keep`` nor gets tried again. Only rank 0 calls this.
+    """
+    for _, path in list_checkpoints(directory):
         try:
             return path, load_checkpoint(path, device)
         except Exception as e:  # noqa: BLE001 - any failure to read means "unusable": fall back to the previous
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            log.warning("checkpoint %s is unusable (%s); trying the previous one", path, reason)
+            log.warning("checkpoint %s is unusable (%s); %s; trying the previous one", path, reason,
+                        _set_aside(path))
     return None
+
+
+def _set_aside(path: Path) -> str:
+    aside = path.with_name(path.name + ".corrupt")
+    try:
+        os.replace(path, aside)
+    except OSError as e:
+        return f"could not rename it to {aside.name} ({e.strerror})"
+    return f"renamed to {aside.name}"

@@ -107,12 +107,32 @@ class TrainConfig:
         if self.model == "tiny_transformer" and self.seq_len > 64:
             raise ConfigError(f"seq_len={self.seq_len}: tiny_transformer has 64 positions; choose seq_len <= 64")
 
-    def check_world(self, world_size: int) -> int:
-        """Checks that need the world size; returns ``grad_accum_steps`` per rank."""
+    def check_world(self, world_size: int, local_world_size: int = 1) -> int:
+        """Checks that need the world size or this machine; returns ``grad_accum_steps`` per rank.
+
+        ``local_world_size``: processes on this machine (torchrun's LOCAL_WORLD_SIZE), each with its own metrics port.
+        """
         if self.ddp == "none" and world_size > 1:
             raise ConfigError(f"ddp=none with world_size={world_size}: unsynchronised ranks would train "
                               f"{world_size} different models; use ddp=scratch or ddp=torch, or run one process")
-        from app.accum import resolve_grad_accum_steps  # imports torch: only once the flags are known good
+        if self.dataset_size // world_size < self.micro_batch:
+            # DistributedSampler(drop_last=True) gives each rank dataset_size // world_size samples.
+            raise ConfigError(f"dataset_size={self.dataset_size} gives each of world_size={world_size} ranks "
+                              f"{self.dataset_size // world_size} samples, fewer than micro_batch={self.micro_batch}; "
+                              f"raise dataset_size to >= {self.micro_batch * world_size} or lower micro_batch")
+        top = self.metrics_port + local_world_size - 1
+        if self.metrics_port and top > 65535:
+            raise ConfigError(f"metrics_port={self.metrics_port}: the {local_world_size} processes on this machine "
+                              f"would listen on ports up to {top} > 65535; choose metrics_port <= "
+                              f"{65536 - local_world_size}, or 0 for no metrics")
+
+        import torch  # only once the flags are known good: a bad flag fails before this seconds-long import
+
+        from app.accum import resolve_grad_accum_steps
+
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device=cuda: no CUDA device is visible here (torch.cuda.is_available() is False); "
+                              "use device=auto or device=cpu, or run on a machine with a GPU")
 
         try:
             return resolve_grad_accum_steps(self.micro_batch, world_size, self.grad_accum_steps,
@@ -138,10 +158,6 @@ def _at_least(name: str, value: int, low: int) -> None:
 # Loading: file < env < flags
 # ----------------------------------------------------------------------------------------------------------------
 FIELDS = {f.name: f for f in fields(TrainConfig)}
-
-
-def field_doc(name: str) -> str:
-    return FIELDS[name].metadata["doc"]
 
 
 def env_name(name: str) -> str:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import sys
 
 import torch
@@ -31,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from app.dist import cleanup_distributed, init_distributed
-from app.models import MiniMLP
+from app.models import MiniMLP, parameter_checksum
 
 PARAM_TOLERANCE = 1e-5  # float32 sums in a different order drift by ~1e-7 per step; 20 steps stay far below this
 LOSS_TOLERANCE = 1e-5
@@ -68,13 +67,6 @@ def global_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     w = torch.Generator().manual_seed(7)
     target = x @ torch.randn(32, 8, generator=w) / 32 ** 0.5
     return x, target + 0.01 * torch.randn(size, 8, generator=g)
-
-
-def param_digest(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:12]
 
 
 def main(argv=None) -> int:
@@ -128,7 +120,7 @@ def run(args: argparse.Namespace, rank: int, world: int) -> int:
         losses = [torch.zeros(1) for _ in range(world)]
         dist.all_gather(losses, loss.detach().reshape(1))
         digests = [None] * world
-        dist.all_gather_object(digests, param_digest(model))
+        dist.all_gather_object(digests, parameter_checksum(model)[:12])
 
         if rank == 0:
             gap = max(abs(losses[r].item() - shard_losses[r].item()) for r in range(world))

@@ -74,6 +74,13 @@ def wait_for_endpoint(host: str, port: int, timeout_s: float) -> None:
         time.sleep(0.25)
 
 
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it: bind to port 0, read it, close)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
 def init_distributed(timeout_s: float = 60.0, force_cpu: bool = False, require_cuda: bool = False) -> DistContext:
     """Join the process group described by torchrun's environment (a world of 1 without torchrun).
 
@@ -83,6 +90,10 @@ def init_distributed(timeout_s: float = 60.0, force_cpu: bool = False, require_c
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     device, backend = pick_device_and_backend(local_rank, force_cpu, require_cuda)
+    if "WORLD_SIZE" not in os.environ and "MASTER_PORT" not in os.environ:
+        # Plain `python -m ...`, no torchrun: a world of one whose store nobody else dials, so any free port will
+        # do, and a fixed default (29500) would make two such runs at once collide.
+        os.environ["MASTER_PORT"] = str(free_port())
     if "MASTER_ADDR" not in os.environ:  # plain `python -m ...`: a world of one on loopback
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ.setdefault("MASTER_PORT", "29500")

@@ -16,7 +16,9 @@ Where the communication numbers come from:
 - ``--ddp none``: no communication, no comm observations.
 
 Bus bandwidth follows nccl-tests: ``algbw = bytes / seconds``, ``busbw = algbw × 2(n−1)/n``, the per-link traffic
-of a ring all-reduce, comparable across world sizes. Check the exposition with
+of a ring all-reduce, comparable across world sizes. The seconds are the wall time from the first bucket's launch to
+the last bucket's completion in the step, not the sum of the buckets' own times: buckets overlap and queue behind
+each other, so summing would count the same seconds more than once. Check the exposition with
 ``curl -s localhost:9400/metrics | promtool check metrics``.
 """
 
@@ -46,6 +48,7 @@ class CommSample:
     bucket_seconds: list[float] = field(default_factory=list)  # launch -> done, per bucket
     bucket_bytes: list[int] = field(default_factory=list)
     wait_seconds: float | None = None  # exposed communication; None when the wrapper cannot tell
+    span_seconds: float = 0.0  # first bucket's launch -> last bucket's completion; 0 when unknown
 
     @property
     def seconds(self) -> float:
@@ -56,9 +59,12 @@ class CommSample:
         return sum(self.bucket_bytes)
 
     def bus_bandwidth(self, world_size: int) -> float:
-        if self.seconds <= 0 or world_size < 2:
+        # The span, not the sum: overlapping buckets' times add up to more than the wall time the bytes took.
+        # Only an older app.ddp without the span falls back to the sum (and under-reports the bandwidth).
+        seconds = self.span_seconds if self.span_seconds > 0 else self.seconds
+        if seconds <= 0 or world_size < 2:
             return 0.0
-        return self.nbytes / self.seconds * 2 * (world_size - 1) / world_size
+        return self.nbytes / seconds * 2 * (world_size - 1) / world_size
 
 
 class ScratchCommProbe:
@@ -75,7 +81,8 @@ class ScratchCommProbe:
         self._seen = s.sync_calls
         # One synchronised backward per optimizer step (accumulation syncs only the last micro-batch), so the
         # last_* fields describe this step completely.
-        return CommSample(list(s.last_bucket_seconds), list(s.last_bucket_bytes), s.last_wait_seconds)
+        return CommSample(list(s.last_bucket_seconds), list(s.last_bucket_bytes), s.last_wait_seconds,
+                          getattr(s, "last_comm_span_seconds", 0.0))
 
 
 class TorchCommProbe:
@@ -86,16 +93,21 @@ class TorchCommProbe:
 
         self._seconds: list[float] = []
         self._bytes: list[int] = []
+        self._first_launch = self._last_done = None
 
         def timed_allreduce(state, bucket):
             nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
             launched = time.perf_counter()
+            if self._first_launch is None:
+                self._first_launch = launched
             fut = allreduce_hook(state, bucket)
 
             def record(f):
                 # Runs when the reduction completes (on the comm thread): launch -> done, as for ours.
-                self._seconds.append(time.perf_counter() - launched)
+                done = time.perf_counter()
+                self._seconds.append(done - launched)
                 self._bytes.append(nbytes)
+                self._last_done = done if self._last_done is None else max(self._last_done, done)
                 return f.value()
 
             return fut.then(record)
@@ -103,8 +115,11 @@ class TorchCommProbe:
         ddp_model.register_comm_hook(process_group, timed_allreduce)
 
     def take(self) -> CommSample:
-        sample = CommSample(self._seconds, self._bytes, None)
+        # One synchronised backward per step (see ScratchCommProbe), so the span is that backward's.
+        span = self._last_done - self._first_launch if self._seconds else 0.0
+        sample = CommSample(self._seconds, self._bytes, None, span)
         self._seconds, self._bytes = [], []
+        self._first_launch = self._last_done = None
         return sample
 
 
@@ -148,7 +163,8 @@ class TrainMetrics:
                             "Per step, seconds the end of backward waited on communication", COMM_BUCKETS)
         self.allreduce_bytes = counter("ddp_allreduce_bytes_total", "Bytes of gradient buckets all-reduced")
         self.busbw = gauge("ddp_allreduce_bus_bandwidth_bytes_per_second",
-                           "Last step's all-reduce bus bandwidth: algbw * 2(n-1)/n (nccl-tests' busbw)")
+                           "Last step's all-reduce bus bandwidth: algbw * 2(n-1)/n (nccl-tests' busbw), "
+                           "algbw = bytes / (first bucket's launch to last bucket's completion)")
         self.samples = counter("ddp_samples_total", "Samples processed by this rank")
         self.optimizer_steps = counter("ddp_optimizer_steps_total", "Optimizer steps taken")
         self.syncs = counter("ddp_gradient_syncs_total", "Backward passes that synchronised gradients")

@@ -5,9 +5,13 @@
   benchmark's model: enough tensors for per-tensor latency to matter, enough bytes for bucket size to matter.
 - ``TinyTransformer``: a small pre-norm decoder-only transformer (≥ 48 parameter tensors) for next-token
   prediction, the other realistic shape: many small tensors (norms, biases) next to a few big ones.
+
+``parameter_checksum(model)`` is the one parameter hash the trainer, the demo and the tests compare ranks with.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 from torch import nn
@@ -83,3 +87,13 @@ MODELS = {"mini_mlp": MiniMLP, "deep_mlp": DeepMLP, "tiny_transformer": TinyTran
 
 def count_parameter_tensors(model: nn.Module) -> int:
     return sum(1 for _ in model.parameters())
+
+
+def parameter_checksum(model: nn.Module) -> str:
+    """sha256 (hex) over every parameter's bytes, in ``model.parameters()`` order: equal on two ranks means
+    bit-identical models. The trainer's FINISHED line shows the first 16 hex, the demo's table the first 12."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        # Raw bytes through a uint8 view: any dtype (bf16 has no numpy type), the same bytes as numpy's for fp32.
+        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

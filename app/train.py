@@ -25,7 +25,6 @@ At the end every rank prints ``FINISHED rank=<r> world_size=<n> step=<s> checksu
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import signal
@@ -85,14 +84,6 @@ def setup_logging(rank: int) -> None:
     # INFO from rank 0 only (N copies of every line help nobody); warnings from every rank, marked with its rank.
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr, force=True,
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", datefmt="%H:%M:%S")
-
-
-def parameter_checksum(model) -> str:
-    """First 16 hex of sha256 over all parameters' bytes, in ``model.parameters()`` order (the contract's)."""
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().cpu().contiguous().reshape(-1).view(-1).numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 class TrainingDiverged(RuntimeError):
@@ -221,6 +212,7 @@ class Trainer:
     def run(self) -> int:
         from app.accum import NonFiniteLossError, accumulation_step
         from app.metrics import synchronize_for
+        from app.models import parameter_checksum
 
         cfg, ctx = self.cfg, self.ctx
         synchronize = synchronize_for(ctx.device)
@@ -276,7 +268,7 @@ class Trainer:
         # One write call for the whole line: torchrun runs workers unbuffered (-u), and print() would write the
         # text and the newline separately, letting two ranks' lines interleave on a shared stdout.
         sys.stdout.write(f"FINISHED rank={ctx.rank} world_size={ctx.world_size} step={self.step} "
-                         f"checksum={parameter_checksum(self.model)}\n")
+                         f"checksum={parameter_checksum(self.model)[:16]}\n")
         sys.stdout.flush()
         return 0
 
@@ -318,12 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world_size = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), local_rank + 1)
     node = os.environ.get("GROUP_RANK", "0")
     setup_logging(rank)
     try:
         resolved = load_config(argv)
         cfg = resolved.config
-        grad_accum_steps = cfg.check_world(world_size)
+        grad_accum_steps = cfg.check_world(world_size, local_world_size)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -332,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning(warning)
     log.info(describe(resolved))
 
+    from app.checkpoint import checkpoint_dir_problem
     from app.dist import RendezvousError, cleanup_distributed, init_distributed
     from app.metrics import NoMetrics, TrainMetrics
 
@@ -356,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         if stop.requested:
             log.warning("%s before training started: exit 1", stop.name)
             return 1
+        problem = cfg.checkpoint_dir and checkpoint_dir_problem(cfg.checkpoint_dir, ctx.is_main)
+        if problem:  # found before training, on every rank: none is left waiting for a rank 0 that cannot save
+            raise ConfigError(f"checkpoint_dir={cfg.checkpoint_dir!r} (set by {resolved.sources['checkpoint_dir']}): "
+                              f"{problem} on rank 0; choose a writable directory, or \"\" for no checkpoints")
         announce_endpoints(ctx, cfg, node)
         trainer = Trainer(cfg, ctx, grad_accum_steps, stop, metrics, node)
         code = trainer.run()

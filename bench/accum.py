@@ -195,9 +195,11 @@ def adamw_state(rank: int, world: int, base: torch.nn.Module, steps: int = 5) ->
                                      "max_abs_dparam": max_over_ranks([max_diff(ref, ddp, grads=False)])[0]}}
 
 
-def sweep(rank: int, world: int, cfg: dict) -> list[dict]:
+def sweep(rank: int, world: int, cfg: dict) -> tuple[list[dict], float]:
     """Fixed micro-batch; every (K, sync mode) point keeps its own model and they take turns, one step each, so a
-    burst of load from elsewhere on the machine lands on all points alike instead of spoiling one."""
+    burst of load from elsewhere on the machine lands on all points alike instead of spoiling one.
+
+    Returns the points and the compute-only ceiling (samples/s with no sync and no optimizer step)."""
     width, micro = cfg["width"], cfg["micro_batch"]
     teacher = torch.randn(width, width, generator=torch.Generator().manual_seed(7)) / width ** 0.5
     points = []

@@ -2,7 +2,8 @@
 
     .venv/bin/python -m pytest tests/test_accum.py -q
 
-One world of 2 ranks (the ``world`` fixture) measures every multi-rank claim once; the tests below read it.
+One world of 2 ranks (the ``world`` fixture) measures every multi-rank claim once, with ``bench/accum.py``'s own
+per-rank functions (what ``make accum`` prints is what is tested); the tests below read it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from app.models import MiniMLP
 from bench import accum as bench_accum
 from tests.world import run_world
 
-K, MICRO = 4, 4
+K, MICRO = bench_accum.K, bench_accum.MICRO  # 4 micro-batches of 4: the claims' shape, from the bench
 
 
 def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,48 +121,13 @@ def test_non_finite_loss_stops_before_the_step():
 
 # -- real ranks ----------------------------------------------------------------------------------------------------
 def _claims(rank: int, world: int) -> dict:
+    """The bench's own per-rank measurements (one source of truth for what ``make accum`` claims), plus the NaN stop,
+    which only the test checks."""
     torch.manual_seed(0)
     base = MiniMLP()
-    out = {}
-    dgrad, dparam, _ = train_pair(DistributedDataParallel(copy.deepcopy(base)), rank=rank, world=world)
-    out["ours"] = (dgrad, dparam)
-    torch_ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    out["torch"] = train_pair(torch_ddp, rank=rank, world=world)[:2]
-
-    for variant in ("last", "every", "forward_outside"):
-        ddp = DistributedDataParallel(copy.deepcopy(base))
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        counted = 0
-        for step in range(3):
-            x, y = batch(step, K * MICRO * world)
-            micro = split(x.chunk(world)[rank], y.chunk(world)[rank], MICRO)
-            if variant == "forward_outside":  # the trap: only backward() inside no_sync()
-                opt.zero_grad()
-                for i, (xm, ym) in enumerate(micro):
-                    loss = F.cross_entropy(ddp(xm), ym) / K
-                    if i < K - 1:
-                        with ddp.no_sync():
-                            loss.backward()
-                    else:
-                        loss.backward()
-                opt.step()
-            else:
-                counted += accumulation_step(ddp, opt, micro, F.cross_entropy,
-                                             sync_every_micro_batch=variant == "every").syncs
-        out[f"syncs_{variant}"] = (ddp.stats.sync_calls, counted, ddp.stats.bytes_reduced)
-
-    start = torch.cat([p.detach().flatten() for p in base.parameters()])
-    moved = {}
-    for scale in (True, False):
-        ddp = DistributedDataParallel(copy.deepcopy(base))
-        _, dparam, _ = train_pair(ddp, rank=rank, world=world, steps=1, make_opt=lambda p: torch.optim.SGD(p, lr=0.1),
-                                  scale_loss=scale)
-        moved[scale] = ((torch.cat([p.detach().flatten() for p in ddp.parameters()]) - start).norm().item(), dparam)
-    out["wrong_scale"] = (moved[False][0] / moved[True][0], moved[False][1])
-
-    _, dparam, opt = train_pair(DistributedDataParallel(copy.deepcopy(base)), rank=rank, world=world, steps=5,
-                                make_opt=lambda p: torch.optim.AdamW(p, lr=1e-3))
-    out["adamw"] = (sorted({int(s["step"]) for s in opt.state.values()}), dparam)
+    out = {name: measure(rank, world, base) for name, measure in (
+        ("equivalence", bench_accum.equivalence), ("syncs", bench_accum.sync_counts),
+        ("wrong_scale", bench_accum.wrong_scale), ("adamw", bench_accum.adamw_state))}
 
     # A NaN on rank 1 only: every rank must stop before its step, and the world must stay usable afterwards.
     ddp = DistributedDataParallel(copy.deepcopy(base))
@@ -188,41 +154,46 @@ def world() -> list[dict]:
 
 
 def test_accumulation_under_ddp_equals_one_big_batch(world):
+    n = K * MICRO * 2
     for rank in world:
-        for wrapper in ("ours", "torch"):
-            dgrad, dparam = rank[wrapper]
-            assert dgrad < 1e-4 and dparam < 1e-4, (wrapper, dgrad, dparam)
+        for wrapper in ("ddp", "torch_ddp"):
+            r = rank["equivalence"][f"{wrapper}_{n}_vs_2x{K}x{MICRO}"]
+            assert r["max_abs_dgrad"] < 1e-4 and r["max_abs_dparam"] < 1e-4, (wrapper, r)
 
 
 def test_gradients_sync_once_per_effective_step(world):
     for rank in world:
-        sync_calls, counted, nbytes = rank["syncs_last"]
-        assert sync_calls == 3 and counted == 3  # 3 optimizer steps of K=4 micro-batches
-        assert rank["syncs_every"][2] == K * nbytes  # syncing every micro-batch puts K times the bytes on the wire
+        last = rank["syncs"]["sync_on_last"]
+        assert last["sync_calls"] == 3 and last["step_result_syncs"] == 3  # 3 optimizer steps of K=4 micro-batches
+        # Syncing every micro-batch puts K times the bytes on the wire.
+        assert rank["syncs"]["sync_every_micro_batch"]["bytes_reduced"] == K * last["bytes_reduced"]
 
 
 def test_syncing_every_micro_batch_costs_k_syncs(world):
     for rank in world:
-        assert rank["syncs_every"][:2] == (3 * K, 3 * K)
+        every = rank["syncs"]["sync_every_micro_batch"]
+        assert (every["sync_calls"], every["step_result_syncs"]) == (3 * K, 3 * K)
 
 
 def test_forward_outside_no_sync_silently_syncs_every_micro_batch(world):
     for rank in world:
-        assert rank["syncs_forward_outside"][0] == 3 * K
+        assert rank["syncs"]["forward_outside_no_sync"]["sync_calls"] == 3 * K
 
 
 def test_loss_not_divided_by_k_makes_the_step_k_times_too_big(world):
     for rank in world:
-        ratio, dparam = rank["wrong_scale"]
-        assert ratio == pytest.approx(K, rel=1e-3)
-        assert dparam > 1e-3  # far outside the 1e-4 that the right scale stays within
+        sgd = rank["wrong_scale"]["sgd"]
+        assert sgd["update_ratio"] == pytest.approx(K, rel=1e-3)
+        assert sgd["max_abs_dparam_wrong"] > 1e-3  # far outside the 1e-4 that the right scale stays within
+        assert sgd["max_abs_dparam_right"] < 1e-4
 
 
 def test_adamw_state_advances_once_per_effective_step(world):
     for rank in world:
-        steps, dparam = rank["adamw"]
-        assert steps == [5]  # 5 optimizer steps of K=4 micro-batches: not 20
-        assert dparam < 1e-4
+        right = rank["adamw"]["accumulation_step"]
+        assert right["state_step"] == [5, 5]  # 5 optimizer steps of K=4 micro-batches: not 20
+        assert right["max_abs_dparam"] < 1e-4
+        assert rank["adamw"]["step_per_micro_batch"]["state_step"] == [5 * K, 5 * K]  # the mistake: once per micro
 
 
 def test_non_finite_loss_on_one_rank_stops_every_rank(world):

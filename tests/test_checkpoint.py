@@ -8,13 +8,16 @@ a truncated newest checkpoint (from the one before) ends identical too.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 
+import pytest
 import torch
 
-from app.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint, load_latest, save_checkpoint
-from app.models import MiniMLP
-from tests.trainer_run import describe, finished, torchrun
+from app.checkpoint import (checkpoint_path, directory_problem, list_checkpoints, load_checkpoint, load_latest,
+                            save_checkpoint)
+from app.models import MiniMLP, parameter_checksum
+from tests.trainer_run import describe, finished, start_ranks, torchrun
 
 
 def state(step: int) -> dict:
@@ -48,7 +51,38 @@ def test_truncated_newest_falls_back_to_previous(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         path, loaded = load_latest(tmp_path)
     assert path == checkpoint_path(tmp_path, 10) and loaded["step"] == 10
-    assert "step-00000020.pt is unusable" in caplog.text
+    assert "step-00000020.pt is unusable" in caplog.text and "renamed to step-00000020.pt.corrupt" in caplog.text
+    # Set aside for inspection, no longer a checkpoint: not counted towards keep, not tried again.
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [10]
+    assert (tmp_path / "step-00000020.pt.corrupt").exists()
+
+
+def torn(directory, step: int) -> None:
+    """A checkpoint cut in half, as a crash mid-copy or a full disk leaves it."""
+    save_checkpoint(directory, state(step), keep=10)
+    path = checkpoint_path(directory, step)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def test_a_torn_newer_checkpoint_never_pushes_good_ones_out(tmp_path):
+    torn(tmp_path, 100)
+    assert load_latest(tmp_path) is None  # what a run finds at start-up: nothing usable, so it trains from step 0
+    for step in (50, 60):
+        save_checkpoint(tmp_path, state(step), keep=2)
+    path, loaded = load_latest(tmp_path)  # the next resume
+    assert path == checkpoint_path(tmp_path, 60) and loaded["step"] == 60
+    assert checkpoint_path(tmp_path, 50).exists() and checkpoint_path(tmp_path, 60).exists()
+    assert (tmp_path / "step-00000100.pt.corrupt").exists()
+
+
+def test_keep_1_never_deletes_the_checkpoint_just_written(tmp_path):
+    torn(tmp_path, 100)  # newer than anything this run writes, and not looked at yet
+    save_checkpoint(tmp_path, state(50), keep=1)
+    assert checkpoint_path(tmp_path, 50).exists()
+    path, loaded = load_latest(tmp_path)
+    assert path == checkpoint_path(tmp_path, 50) and loaded["step"] == 50  # not step 0
+    save_checkpoint(tmp_path, state(60), keep=1)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [60]  # keep=1 still keeps one
 
 
 def test_flipped_bits_are_detected(tmp_path, caplog):
@@ -70,6 +104,41 @@ def test_flipped_bits_are_detected(tmp_path, caplog):
 def test_empty_or_missing_dir_has_no_checkpoint(tmp_path):
     assert load_latest(tmp_path) is None
     assert load_latest(tmp_path / "nope") is None
+
+
+def test_checkpoint_dir_is_created_and_probed(tmp_path):
+    assert directory_problem(tmp_path / "a" / "b") is None and (tmp_path / "a" / "b").is_dir()
+    assert list((tmp_path / "a" / "b").iterdir()) == []  # the probe file is gone
+    (tmp_path / "file").write_text("")
+    assert directory_problem(tmp_path / "file") == "it exists and is not a directory"
+    assert directory_problem(tmp_path / "file" / "sub") == "cannot create it (Not a directory)"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only (0o555) directory anyway")
+def test_read_only_checkpoint_dir_is_refused(tmp_path):
+    (tmp_path / "ro").mkdir(mode=0o555)
+    assert directory_problem(tmp_path / "ro") == "cannot write in it (Permission denied)"
+
+
+def test_unusable_checkpoint_dir_stops_every_rank_before_training(tmp_path):
+    """A file where the directory should be: one line naming checkpoint_dir, exit 2 on both ranks, at start-up
+    (not a traceback at the first save while the other rank waits in a collective)."""
+    (tmp_path / "ckpt").write_text("not a directory")
+    procs = start_ranks("--steps", "100000", "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-port", "0")
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [2, 2], outs
+    for _, err in outs:
+        errors = [line for line in err.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1, err
+        assert errors[0].startswith(f"config error: checkpoint_dir='{tmp_path / 'ckpt'}' (set by flag "
+                                    f"--checkpoint-dir): it exists and is not a directory on rank 0"), err
+        assert "Traceback" not in err and "training mini_mlp from step" not in err
 
 
 def run(tmp_dir, steps: int) -> dict:
@@ -94,6 +163,9 @@ def test_resume_gives_the_same_parameters_as_a_straight_run(tmp_path):
     assert second["checksum"] == straight["checksum"]
     a = load_checkpoint(checkpoint_path(tmp_path / "straight", 20))
     b = load_checkpoint(checkpoint_path(tmp_path / "resumed", 20))
+    saved = MiniMLP()
+    saved.load_state_dict(a["model"])
+    assert parameter_checksum(saved)[:16] == straight["checksum"]  # FINISHED names the model the checkpoint holds
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
     assert a["data"] == b["data"]

@@ -56,6 +56,16 @@ def test_effective_batch_sets_accumulation_per_world_size():
         cfg.check_world(3)
 
 
+def test_world_checks_name_the_fields():
+    with pytest.raises(ConfigError, match=r"^dataset_size=48 .* micro_batch=32; raise dataset_size to >= 64"):
+        TrainConfig(dataset_size=48, micro_batch=32).check_world(2)
+    assert TrainConfig(dataset_size=64, micro_batch=32).check_world(2) == 1
+    with pytest.raises(ConfigError, match=r"^metrics_port=65534: .* up to 65537"):
+        TrainConfig(metrics_port=65534).check_world(1, local_world_size=4)
+    assert TrainConfig(metrics_port=65532).check_world(1, local_world_size=4) == 1
+    assert TrainConfig(metrics_port=0).check_world(1, local_world_size=4) == 1  # 0 = no metrics: no port at all
+
+
 def test_unknown_env_setting_is_a_warning_not_silence():
     resolved = load_config([], {"DDP_STPES": "5"})
     assert resolved.config.steps == 200
@@ -82,6 +92,17 @@ BAD = {
     "bad yaml key": (["--config", "@bad.yaml"], {}, "unknown setting 'stpes'"),
     "ddp none with 2 ranks": (["--ddp", "none"], {"WORLD_SIZE": "2"}, "ddp=none with world_size=2"),
     "unknown flag": (["--stpes", "5"], {}, "--stpes"),
+    "data set smaller than one micro-batch": (["--dataset-size", "16", "--micro-batch", "32"], {},
+                                              "dataset_size=16 gives each of world_size=1 ranks 16 samples, fewer "
+                                              "than micro_batch=32"),
+    "one micro-batch in all, two ranks": (["--dataset-size", "48", "--micro-batch", "32"], {"WORLD_SIZE": "2"},
+                                          "dataset_size=48 gives each of world_size=2 ranks 24 samples"),
+    # CUDA_VISIBLE_DEVICES="" hides any GPU, so this holds on GPU machines too.
+    "device cuda without a GPU": (["--device", "cuda"], {"CUDA_VISIBLE_DEVICES": ""}, "device=cuda: no CUDA device"),
+    "metrics port past 65535": (["--metrics-port", "65535"],
+                                {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+                                "metrics_port=65535: the 2 processes on this machine would listen on ports up to "
+                                "65536 > 65535; choose metrics_port <= 65534"),
 }
 
 

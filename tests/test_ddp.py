@@ -7,7 +7,6 @@ single-process reference on the whole batch. If the gradient sync is right, the 
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 
 import pytest
@@ -18,7 +17,7 @@ from torch import nn
 
 from app.comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from app.ddp import DistributedDataParallel as DDP
-from app.models import MiniMLP, TinyTransformer
+from app.models import MiniMLP, TinyTransformer, parameter_checksum
 from tests.world import run_world
 
 PARAM_TOL = 1e-6
@@ -92,10 +91,6 @@ def loss_of(kind: str, out, y):
     return F.mse_loss(out, y)
 
 
-def digest(model: nn.Module) -> str:
-    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-
-
 def max_diff(a: nn.Module, b: nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
@@ -110,9 +105,9 @@ def make_opt(name: str, params):
 def train_vs_reference(rank, world, kind, opt_name, steps, bucket_cap_mb=25.0, per_rank=4):
     torch.manual_seed(rank)  # different on each rank: the construction broadcast must make them equal
     model = build(kind)
-    before = digest(model)
+    before = parameter_checksum(model)
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
-    after_wrap = digest(model)
+    after_wrap = parameter_checksum(model)
     reference = copy.deepcopy(model)
     opt, ref_opt = make_opt(opt_name, ddp.parameters()), make_opt(opt_name, reference.parameters())
     diffs = []
@@ -126,7 +121,7 @@ def train_vs_reference(rank, world, kind, opt_name, steps, bucket_cap_mb=25.0, p
         loss_of(kind, reference(x), y).backward()
         ref_opt.step()
         diffs.append(max_diff(model, reference))
-    return {"before": before, "after_wrap": after_wrap, "final": digest(model), "diffs": diffs,
+    return {"before": before, "after_wrap": after_wrap, "final": parameter_checksum(model), "diffs": diffs,
             "buckets": len(ddp.bucket_sizes), "stats": ddp.stats,
             "params": [p.detach().clone() for p in model.parameters()],
             "grads_none": [p.grad is None for p in model.parameters()]}

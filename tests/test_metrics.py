@@ -7,6 +7,7 @@ runs 2 real ranks, and asks Prometheus's HTTP API for each rank's step time and 
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -16,10 +17,14 @@ import urllib.parse
 import urllib.request
 
 import pytest
+import torch
 from prometheus_client import generate_latest
 
-from app.metrics import CommSample, TrainMetrics
-from tests.trainer_run import free_port, start_torchrun
+from app.ddp import DistributedDataParallel
+from app.metrics import CommSample, ScratchCommProbe, TorchCommProbe, TrainMetrics
+from app.models import MiniMLP
+from tests.trainer_run import free_port, start_torchrun, wait_for_lines
+from tests.world import run_world
 
 CONTRACT = {  # name in the exposition -> type
     "ddp_step_duration_seconds": "histogram", "ddp_forward_duration_seconds": "histogram",
@@ -35,10 +40,58 @@ PROMTOOL = shutil.which("promtool")
 PROMETHEUS = shutil.which("prometheus")
 
 
-def test_bus_bandwidth_is_nccl_tests_busbw():
-    sample = CommSample(bucket_seconds=[0.25, 0.25], bucket_bytes=[500, 500])
-    assert sample.bus_bandwidth(4) == pytest.approx(1000 / 0.5 * 2 * 3 / 4)  # algbw × 2(n−1)/n
+def test_bus_bandwidth_is_nccl_tests_busbw_over_the_wall_time_span():
+    # Two buckets of 0.25 s each that overlapped: the bytes took 0.3 s of wall time, not 0.5 s.
+    sample = CommSample(bucket_seconds=[0.25, 0.25], bucket_bytes=[500, 500], span_seconds=0.3)
+    assert sample.bus_bandwidth(4) == pytest.approx(1000 / 0.3 * 2 * 3 / 4)  # algbw × 2(n−1)/n
     assert sample.bus_bandwidth(1) == 0.0  # nothing crosses a wire in a world of one
+    assert CommSample([0.25, 0.25], [500, 500]).bus_bandwidth(4) == pytest.approx(1000 / 0.5 * 2 * 3 / 4)  # no span
+
+
+def _one_step_per_probe(rank: int, world: int) -> dict:
+    """Three synchronised backward passes under each wrapper with several small buckets; what each probe took from
+    the last one, and the wall time of that backward (all of its communication happens inside it)."""
+    torch.manual_seed(0)
+    base = MiniMLP()
+    torch_ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.01)
+    ours = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.01)
+    out = {"has_span": hasattr(ours.stats, "last_comm_span_seconds")}
+    for name, model, probe in (("torch", torch_ddp, TorchCommProbe(torch_ddp)),
+                               ("scratch", ours, ScratchCommProbe(ours))):
+        for _ in range(3):
+            loss = model(torch.randn(64, 32)).square().mean()
+            t0 = time.perf_counter()
+            loss.backward()
+            backward = time.perf_counter() - t0
+            sample = probe.take()
+        out[name] = {"sample": sample, "backward_seconds": backward, "busbw": sample.bus_bandwidth(world)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def probes() -> list[dict]:
+    return run_world(_one_step_per_probe, 2, timeout=120)
+
+
+def _check_span(measured: dict) -> None:
+    sample = measured["sample"]
+    assert len(sample.bucket_seconds) >= 2, sample  # MiniMLP's ~19 KB in 10 KB buckets
+    # The span covers every bucket and lies inside the backward that ran them; the sum of the buckets' own times,
+    # when they queue behind each other, does not.
+    assert max(sample.bucket_seconds) <= sample.span_seconds <= measured["backward_seconds"], measured
+    assert measured["busbw"] == pytest.approx(sample.nbytes / sample.span_seconds * 2 * (2 - 1) / 2)
+
+
+def test_torch_ddp_bus_bandwidth_uses_first_launch_to_last_completion(probes):
+    for rank in probes:
+        _check_span(rank["torch"])
+
+
+def test_scratch_ddp_bus_bandwidth_uses_the_wrappers_comm_span(probes):
+    if not probes[0]["has_span"]:
+        pytest.skip("app.ddp.CommStats has no last_comm_span_seconds yet: bus bandwidth falls back to the sum")
+    for rank in probes:
+        _check_span(rank["scratch"])
 
 
 def exposition() -> str:
@@ -77,14 +130,7 @@ def get(url: str) -> str:
 
 
 def wait_for_finished(proc, ranks: int, timeout: float = 150) -> None:
-    deadline = time.monotonic() + timeout
-    seen = 0
-    while seen < ranks and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            raise AssertionError(f"worker exited {proc.returncode}: {proc.stderr.read()[-3000:]}")
-        seen += line.startswith("FINISHED")
-    assert seen == ranks, "no FINISHED lines in time"
+    wait_for_lines(proc, proc.stdout, "FINISHED", count=ranks, timeout=timeout)
 
 
 def test_torch_ddp_reports_allreduce_per_bucket():

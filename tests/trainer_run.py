@@ -7,10 +7,13 @@ caller's ``DDP_*`` variables, so a developer's shell cannot change what a test s
 from __future__ import annotations
 
 import os
+import queue
 import re
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,6 +76,49 @@ def start_ranks(*args: str, world_size: int = 2, port: int | None = None, **extr
         procs.append(subprocess.Popen([PYTHON, "-m", "app.train", *args], cwd=REPO, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
+
+
+def wait_for_lines(proc: subprocess.Popen, stream, wanted: str, count: int = 1, timeout: float = 90) -> list[str]:
+    """Read ``stream`` (``proc.stdout`` or ``proc.stderr``) until ``count`` lines contain ``wanted``; return the
+    lines read. Stops reading right after the last match, so the rest stays in the pipe for ``communicate()``.
+
+    The reading happens in a thread, the waiting on a queue with a timeout: a worker that hangs without printing
+    anything blocks ``readline()`` forever, and a deadline checked between reads would never be reached.
+    """
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        found = 0
+        try:
+            for line in iter(stream.readline, ""):
+                found += wanted in line
+                lines.put(line)
+                if found >= count:
+                    return  # no further readline: what follows belongs to communicate()
+        finally:
+            lines.put(None)  # end of output (or done): wakes the waiter
+
+    threading.Thread(target=pump, name="wait-for-lines", daemon=True).start()
+    deadline = time.monotonic() + timeout
+    seen: list[str] = []
+    while True:
+        try:
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+        except queue.Empty:
+            raise AssertionError(f"{count}× {wanted!r} not seen within {timeout:g}s; last output:\n"
+                                 f"{''.join(seen[-20:])}") from None
+        if line is None:
+            break
+        seen.append(line)
+    if sum(wanted in line for line in seen) < count:
+        try:
+            code, other = proc.wait(timeout=10), proc.stderr if stream is proc.stdout else proc.stdout
+            tail = (other.read() if other else "")[-3000:]  # safe: the process is gone, read() cannot block
+        except subprocess.TimeoutExpired:
+            code, tail = "nothing (still running)", ""
+        raise AssertionError(f"worker closed its output and exited {code} before printing {count}× {wanted!r}; "
+                             f"last output:\n{''.join(seen[-20:])}{tail}")
+    return seen
 
 
 def finished(stdout: str) -> dict[int, dict[str, str]]:

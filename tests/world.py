@@ -5,8 +5,9 @@ values, by rank. ``fn`` must be a module-level function (it is pickled by refere
 
 Starting a rank costs seconds (a fresh interpreter importing torch, then the rendezvous), so a world of each size
 is started once and reused by later calls: its ranks wait for the next function. A rank that raises fails the
-call with its traceback; ranks still busy at the deadline are killed and the call fails as a hang, so no test can
-block CI. After any failure the world is torn down and the next call starts a fresh one.
+call with its traceback; a rank that dies without a word (segfault, OOM killer) fails it at once, naming the rank and
+its exit code; ranks still busy at the deadline are killed and the call fails as a hang, so no test can block CI.
+After any failure the world is torn down and the next call starts a fresh one.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 import traceback
 
 _ERROR_GRACE_S = 5.0  # after one rank fails, how long to wait for the others' reports before killing the world
+_POLL_S = 1.0  # how often a waiting call checks that every rank is still alive
 
 
 def _serve(rank: int, world_size: int, init_file: str, backend: str, tasks, results) -> None:
@@ -67,17 +69,22 @@ class _World:
             q.put(payload)
         outcomes: dict[int, tuple[str, object]] = {}
         deadline = time.monotonic() + timeout
+        grace_end = None
         while len(outcomes) < self.world_size:
-            remaining = deadline - time.monotonic()
-            if any(kind == "err" for kind, _ in outcomes.values()):
-                remaining = min(remaining, _ERROR_GRACE_S)
+            now = time.monotonic()
+            if grace_end is None and any(kind == "err" for kind, _ in outcomes.values()):
+                grace_end = now + _ERROR_GRACE_S
+            end = min(deadline, grace_end or deadline)
+            if now >= end:
+                break
             try:
-                rank, kind, value = self._results.get(timeout=max(remaining, 0.01))
+                # Short polls: a rank killed outright (segfault, OOM killer, os._exit) never reports, and waiting
+                # for it would turn a crash into a "hang" reported only at the deadline.
+                rank, kind, value = self._results.get(timeout=min(_POLL_S, end - now))
             except queue.Empty:
-                break
+                self._fail_if_a_rank_died(outcomes)
+                continue
             outcomes[rank] = (kind, value)
-            if remaining <= 0:
-                break
         errors = {r: v for r, (k, v) in outcomes.items() if k == "err"}
         if errors:
             first = min(errors)
@@ -86,6 +93,15 @@ class _World:
             missing = sorted(set(range(self.world_size)) - set(outcomes))
             raise AssertionError(f"ranks {missing} still running after {timeout:.0f}s: hang")
         return [pickle.loads(outcomes[r][1]) for r in range(self.world_size)]
+
+    def _fail_if_a_rank_died(self, outcomes: dict) -> None:
+        # Called after a poll found the queue empty: a dead rank's last report, if it made one, has arrived.
+        dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if r not in outcomes and p.exitcode is not None]
+        if dead:
+            rank, code = dead[0]
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            raise AssertionError(f"rank {rank} died ({how}) without reporting a result: a crash (segfault, OOM "
+                                 f"killer, os._exit), not a hang")
 
     def close(self, graceful: bool = True) -> None:
         if graceful:
