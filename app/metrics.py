@@ -175,6 +175,10 @@ class TrainMetrics:
         self.checkpoint = hist("ddp_checkpoint_duration_seconds", "Time to write one checkpoint (rank 0)",
                                CHECKPOINT_BUCKETS)
         self.last_checkpoint = gauge("ddp_last_checkpoint_step", "Optimizer step of the last checkpoint")
+        # The global step (checkpointed steps included) next to its target: once every worker is gone, their last
+        # values tell a crashed job (step < target) from a finished one, which ddp_optimizer_steps_total cannot.
+        self.global_step = gauge("ddp_step", "Global optimizer step reached, steps restored from a checkpoint included")
+        self.target_steps = gauge("ddp_target_steps", "Configured number of optimizer steps (the steps field)")
         Gauge("ddp_rank_info", "Where this rank runs (value always 1)", ["rank", "local_rank", "node", "host"],
               registry=r).labels(rank=str(rank), local_rank=str(local_rank), node=str(node),
                                  host=host or socket.gethostname()).set(1)
@@ -213,6 +217,10 @@ class TrainMetrics:
         self.lr.set(lr)
         self.heartbeat.set(time.time())
 
+    def observe_progress(self, step: int, target: int) -> None:
+        self.global_step.set(step)
+        self.target_steps.set(target)
+
     def observe_checkpoint(self, step: int, seconds: float | None) -> None:
         if seconds is not None:
             self.checkpoint.observe(seconds)
@@ -225,6 +233,7 @@ class NoMetrics:
     def serve(self, port: int) -> None: ...
     def shutdown(self) -> None: ...
     def observe_step(self, **_) -> None: ...
+    def observe_progress(self, step: int, target: int) -> None: ...
     def observe_checkpoint(self, step: int, seconds: float | None) -> None: ...
 
 

@@ -108,6 +108,7 @@ class Trainer:
         self.step = 0
         torch.manual_seed(cfg.seed + ctx.rank)  # per-rank randomness (dropout, ...) differs between ranks
         self.resume()
+        metrics.observe_progress(self.step, cfg.steps)  # before the first step: a resumed job shows where it is
         self.wrapped, self.probe = self.wrap()
 
     # -- setup ----------------------------------------------------------------------------------------------------
@@ -248,6 +249,7 @@ class Trainer:
                                       backward_seconds=result.backward_seconds,
                                       optimizer_seconds=result.optimizer_seconds, comm=comm,
                                       samples=result.samples, syncs=result.syncs, loss=result.loss, lr=cfg.lr)
+            self.metrics.observe_progress(step, cfg.steps)
             first_loss = result.loss if step_times == [] else first_loss
             last_loss = result.loss
             step_times.append(step_seconds)

@@ -41,7 +41,7 @@ CONTRACT_METRICS = {"ddp_step_duration_seconds", "ddp_forward_duration_seconds",
                     "ddp_allreduce_bus_bandwidth_bytes_per_second", "ddp_samples_total", "ddp_optimizer_steps_total",
                     "ddp_gradient_syncs_total", "ddp_loss", "ddp_learning_rate", "ddp_world_size",
                     "ddp_last_step_timestamp_seconds", "ddp_checkpoint_duration_seconds",
-                    "ddp_last_checkpoint_step", "ddp_rank_info"}
+                    "ddp_last_checkpoint_step", "ddp_rank_info", "ddp_step", "ddp_target_steps"}
 
 
 def load(path: Path) -> list[dict]:

@@ -34,7 +34,7 @@ CONTRACT = {  # name in the exposition -> type
     "ddp_samples_total": "counter", "ddp_optimizer_steps_total": "counter", "ddp_gradient_syncs_total": "counter",
     "ddp_loss": "gauge", "ddp_learning_rate": "gauge", "ddp_world_size": "gauge",
     "ddp_last_step_timestamp_seconds": "gauge", "ddp_checkpoint_duration_seconds": "histogram",
-    "ddp_last_checkpoint_step": "gauge", "ddp_rank_info": "gauge",
+    "ddp_last_checkpoint_step": "gauge", "ddp_rank_info": "gauge", "ddp_step": "gauge", "ddp_target_steps": "gauge",
 }
 PROMTOOL = shutil.which("promtool")
 PROMETHEUS = shutil.which("prometheus")
@@ -99,6 +99,7 @@ def exposition() -> str:
     m.observe_step(step_seconds=0.02, forward_seconds=0.005, backward_seconds=0.01, optimizer_seconds=0.002,
                    comm=CommSample([0.001, 0.002], [4096, 8192], 0.0005), samples=32, syncs=1, loss=1.5, lr=0.003)
     m.observe_checkpoint(50, 0.04)
+    m.observe_progress(51, 200)
     return generate_latest(m.registry).decode()
 
 
@@ -114,6 +115,7 @@ def test_exposition_has_the_contracts_names_types_and_labels():
     assert 'ddp_rank_info{host="node-b",local_rank="1",node="1",rank="3"} 1.0' in text
     assert 'ddp_allreduce_duration_seconds_count{rank="3"} 2.0' in text
     assert 'ddp_allreduce_bytes_total{rank="3"} 12288.0' in text
+    assert 'ddp_step{rank="3"} 51.0' in text and 'ddp_target_steps{rank="3"} 200.0' in text
     assert "_created" not in text
 
 
@@ -201,6 +203,9 @@ def test_real_prometheus_scrapes_both_ranks(tmp_path):
             assert 0 < allreduce_mean[rank] < step_mean[rank], allreduce_mean
             assert 0 < p50[rank] < 5, p50
         assert len(query(last("ddp_rank_info"))) == 2
+        # What DDPJobEndedEarly compares once the workers are gone: a finished job's step reached its target.
+        assert query(last("ddp_step")) == {"0": steps, "1": steps}
+        assert query(last("ddp_target_steps")) == {"0": steps, "1": steps}
     finally:
         for proc in (worker, prometheus):
             if proc is not None and proc.poll() is None:

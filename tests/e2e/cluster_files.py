@@ -65,7 +65,8 @@ _PROMQL_WORDS = {
     "sum", "max", "min", "avg", "count", "quantile", "by", "without", "on", "ignoring", "group_left",
     "group_right", "rate", "irate", "increase", "histogram_quantile", "time", "and", "or", "unless",
     "clamp_min", "clamp_max", "vector", "scalar", "topk", "bottomk", "abs", "label_values", "le", "rank",
-    "job", "instance", "offset", "bool", "max_over_time", "min_over_time", "avg_over_time", "humanize",
+    "job", "instance", "offset", "bool", "max_over_time", "min_over_time", "avg_over_time", "last_over_time",
+    "humanize",
 }
 
 

@@ -57,6 +57,10 @@ MUTATIONS = {
     # The 30 s floor alone: a job whose steps take over 30 s would page during every step.
     "stall without the median": ("DDPTrainingStalled", _STALL_THRESHOLD, " > 30\n"),
     "stall at 100x the median": ("DDPTrainingStalled", "10 * (quantile(0.5,", "100 * (quantile(0.5,"),
+    # Without "no worker answers", every running job below its target would page.
+    "job ended without the workers check": ("DDPJobEndedEarly", 'unless on() count(up{job="ddp-worker"} == 1) > 0', ""),
+    # At or below the target: a job that finished would page once its workers are gone.
+    "job ended at the target": ("DDPJobEndedEarly", "ddp_step[1h])) <", "ddp_step[1h])) <="),
 }
 
 
@@ -75,4 +79,4 @@ def test_alert_unit_tests_can_fail(promtool, tmp_path, mutation):
 def test_scrape_config_and_rules_are_valid(promtool):
     result = _run(promtool, "check", "config", "prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "5 rules found" in result.stdout + result.stderr
+    assert "6 rules found" in result.stdout + result.stderr
