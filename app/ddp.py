@@ -181,6 +181,7 @@ class DistributedDataParallel(nn.Module):
                              src=self._src_rank, group=self.process_group)
 
         self._buckets, self._slot = self._build_buckets()
+        self._bucket_sizes = [b.nbytes for b in self._buckets]
         self._comm_hook: CommHook | None = None  # None: the built-in all-reduce (see _launch_ready_buckets)
         self._comm_state: Any = self.process_group
 
@@ -253,8 +254,8 @@ class DistributedDataParallel(nn.Module):
 
     @property
     def bucket_sizes(self) -> list[int]:
-        """Bytes per bucket, in launch order (for logs and tests)."""
-        return [b.nbytes for b in self._buckets]
+        """Bytes per bucket, in launch order (for logs, metrics and tests); fixed once the buckets are built."""
+        return self._bucket_sizes
 
     # ------------------------------------------------------------------------------------------------------------
     # Public API (as PyTorch's)
@@ -431,11 +432,11 @@ class DistributedDataParallel(nn.Module):
         s = self.stats
         s.sync_calls += 1
         s.buckets_reduced += len(self._buckets)
-        s.bytes_reduced += sum(b.nbytes for b in self._buckets)
+        s.bytes_reduced += sum(self.bucket_sizes)
         s.allreduce_seconds += sum(seconds)
         s.wait_seconds += waited
         s.last_bucket_seconds = seconds
-        s.last_bucket_bytes = [b.nbytes for b in self._buckets]
+        s.last_bucket_bytes = self.bucket_sizes
         s.last_wait_seconds = waited
         s.last_comm_span_seconds = max(self._done_times) - min(self._launch_times)
         self._sync_this_backward = False

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from app.dist import cleanup_distributed, init_distributed
+from app.dist import distributed
 from app.models import MiniMLP, parameter_checksum
 
 PARAM_TOLERANCE = 1e-5  # float32 sums in a different order drift by ~1e-7 per step; 20 steps stay far below this
@@ -71,11 +71,8 @@ def global_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    ctx = init_distributed(force_cpu=True)
-    try:
+    with distributed(force_cpu=True) as ctx:
         return run(args, ctx.rank, ctx.world_size)
-    finally:
-        cleanup_distributed()
 
 
 def run(args: argparse.Namespace, rank: int, world: int) -> int:

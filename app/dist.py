@@ -10,6 +10,7 @@ A rank that cannot reach the rendezvous endpoint (MASTER_ADDR:MASTER_PORT) withi
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -79,6 +80,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def distributed(timeout_s: float = 60.0, force_cpu: bool = False):
+    """``with distributed() as ctx:`` joins the process group and always leaves it: setup and teardown as a pair."""
+    ctx = init_distributed(timeout_s, force_cpu)
+    try:
+        yield ctx
+    finally:
+        cleanup_distributed()
 
 
 def init_distributed(timeout_s: float = 60.0, force_cpu: bool = False, require_cuda: bool = False) -> DistContext:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import platform
 import statistics
 import sys
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.ddp import DistributedDataParallel as OurDDP
-from app.dist import cleanup_distributed, init_distributed
+from app.dist import distributed
 from app.models import DeepMLP, TinyTransformer, count_parameter_tensors
 
 RESULTS = Path(__file__).parent / "results" / "ddp-bench.json"
@@ -130,11 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS, help=f"JSON output (default {RESULTS})")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    ctx = init_distributed(force_cpu=True)
-    try:
+    with distributed(force_cpu=True) as ctx:
         return run(args, ctx.rank, ctx.world_size)
-    finally:
-        cleanup_distributed()
 
 
 def run(args, rank: int, world: int) -> int:

@@ -33,12 +33,6 @@ def split(x, y, sizes):
     return list(zip(x.split(sizes), y.split(sizes)))
 
 
-def max_diff(a, b, grads: bool) -> float:
-    a, b = getattr(a, "module", a), getattr(b, "module", b)
-    return max(((p.grad - q.grad) if grads else (p - q)).abs().max().item()
-               for p, q in zip(a.parameters(), b.parameters()))
-
-
 def train_pair(model, *, rank=0, world=1, steps=3, sizes=MICRO, make_opt=lambda p: torch.optim.SGD(p, lr=0.1,
                momentum=0.9), ref_sizes=None, **step_kwargs) -> tuple[float, float, torch.optim.Optimizer]:
     """``model`` accumulates micro-batches of ``sizes`` on this rank's slice of each global batch; a bare copy
@@ -56,8 +50,8 @@ def train_pair(model, *, rank=0, world=1, steps=3, sizes=MICRO, make_opt=lambda 
             accumulation_step(ref, ref_opt, split(x, y, ref_sizes), F.cross_entropy)
         accumulation_step(model, opt, split(x.chunk(world)[rank], y.chunk(world)[rank], sizes), F.cross_entropy,
                           **step_kwargs)
-        dgrad = max(dgrad, max_diff(ref, model, grads=True))
-    return dgrad, max_diff(ref, model, grads=False), opt
+        dgrad = max(dgrad, bench_accum.max_diff(ref, model, grads=True))
+    return dgrad, bench_accum.max_diff(ref, model, grads=False), opt
 
 
 # -- configuration: grad_accum_steps or effective_batch ------------------------------------------------------------
@@ -115,7 +109,7 @@ def test_non_finite_loss_stops_before_the_step():
     x[5] = float("nan")
     with pytest.raises(NonFiniteLossError, match="nan"):
         accumulation_step(model, torch.optim.SGD(model.parameters(), lr=0.1), split(x, y, 4), F.cross_entropy)
-    assert max_diff(before, model, grads=False) == 0.0
+    assert bench_accum.max_diff(before, model, grads=False) == 0.0
     assert all(p.grad is None for p in model.parameters())
 
 
@@ -141,7 +135,7 @@ def _claims(rank: int, world: int) -> dict:
         out["nan_raised"] = None
     except NonFiniteLossError as err:
         out["nan_raised"] = "here" if err.local else "elsewhere"
-    out["nan_params_untouched"] = max_diff(base, ddp, grads=False) == 0.0
+    out["nan_params_untouched"] = bench_accum.max_diff(base, ddp, grads=False) == 0.0
     calls = ddp.stats.sync_calls
     accumulation_step(ddp, opt, split(x.chunk(world)[rank], ys, MICRO), F.cross_entropy)
     out["after_nan_syncs"] = ddp.stats.sync_calls - calls

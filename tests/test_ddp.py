@@ -7,7 +7,6 @@ single-process reference on the whole batch. If the gradient sync is right, the 
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch

@@ -30,7 +30,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -38,6 +37,8 @@ import urllib.request
 from dataclasses import dataclass, field
 
 import pytest
+
+from app.dist import free_port
 
 from tests.e2e.cluster_files import (COMPOSE, LOCAL_BASE, ROOT, SETUP_ENGINE, PanelQuery, compose_services,
                                      panel_queries, scrape_interval_seconds, substitute)
@@ -56,12 +57,6 @@ def unavailable(reason: str):
     if os.environ.get("CI") == "true":
         pytest.fail(f"{reason} (CI must run the e2e tests: .ci/run sets Docker up with make docker-setup)")
     pytest.skip(reason)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stamp(line: str) -> float | None:
