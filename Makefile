@@ -7,13 +7,13 @@ TORCHRUN := $(VENV)/bin/torchrun
 WORKERS ?= 4        # ranks (processes) on this machine
 STEPS ?= 20         # training steps of the demo
 BUCKET_MB ?= 25     # DDP bucket size in MiB
-DDP ?= scratch      # scratch (ours) | torch (torch.nn.parallel.DistributedDataParallel)
+WRAPPER ?= ours     # ours (app.parallel.ddp) | torch (torch.nn.parallel.DistributedDataParallel)
 PYTEST_ARGS ?=
 
 # One BLAS thread per rank: several ranks share this machine's cores, more threads only fight each other.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: help venv demo test bench accum clean
+.PHONY: help venv demo test test-fast lint bench accum clean
 
 help: ## list the targets
 	@grep -hE '^[a-z][a-z0-9-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -27,10 +27,17 @@ venv: $(VENV)/.installed ## create the virtualenv and install the project (torch
 
 demo: venv ## the proof: WORKERS CPU ranks under torchrun vs single-process training, step by step
 	$(TORCHRUN) --standalone --nproc-per-node=$(strip $(WORKERS)) -m app.demo \
-	  --steps $(strip $(STEPS)) --bucket-cap-mb $(strip $(BUCKET_MB)) --ddp $(strip $(DDP))
+	  --steps $(strip $(STEPS)) --bucket-cap-mb $(strip $(BUCKET_MB)) --wrapper $(strip $(WRAPPER))
 
-test: venv ## run the test suite
+test: venv ## run the test suite: unit, integration (real gloo ranks, Prometheus) and e2e (Docker)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: venv ## the unit tests only (one process, no network; under a minute)
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+lint: venv ## ruff: lint and format check (what .ci/run runs first)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: venv ## DDP step time side by side (ours vs torch's vs the lesson's loop), table + JSON in bench/results/
 	$(TORCHRUN) --standalone --nproc-per-node=2 -m bench.ddp_bench
@@ -49,7 +56,7 @@ RUN_ARGS ?=          # any other flags of app.train, e.g. RUN_ARGS="--effective-
 .PHONY: run bench-metrics
 run: venv ## train WORKERS ranks under torchrun here: progress from rank 0, live /metrics per rank (RUN_STEPS, MODEL)
 	$(TORCHRUN) --standalone --nproc-per-node=$(strip $(WORKERS)) -m app.train --model $(strip $(MODEL)) \
-	  --steps $(strip $(RUN_STEPS)) --ddp $(strip $(DDP)) --bucket-cap-mb $(strip $(BUCKET_MB)) \
+	  --steps $(strip $(RUN_STEPS)) --wrapper $(strip $(WRAPPER)) --bucket-cap-mb $(strip $(BUCKET_MB)) \
 	  --metrics-port $(strip $(METRICS_PORT)) $(if $(strip $(CHECKPOINT_DIR)),--checkpoint-dir $(strip $(CHECKPOINT_DIR))) \
 	  $(RUN_ARGS)
 
@@ -58,10 +65,10 @@ bench-metrics: venv ## step time with Prometheus metrics on vs off (2 ranks, int
 
 .PHONY: k8s-validate k8s-emulate k8s-dashboard
 k8s-validate: venv ## check k8s/ offline: API schemas, the Python client, the wiring (no cluster needed)
-	$(PY) -m pytest tests/test_k8s.py $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit/test_k8s.py $(PYTEST_ARGS)
 
 k8s-dashboard: venv ## regenerate k8s/monitoring/grafana-dashboard.yaml from docker/grafana/dashboards/
-	$(PY) -c "from tests.test_k8s import write_dashboard_config_map; write_dashboard_config_map()"
+	$(PY) -c "from tests.unit.test_k8s import write_dashboard_config_map; write_dashboard_config_map()"
 
 k8s-emulate: venv image ## run k8s/cpu/job.yaml's pod template for real: Docker containers named like the pods
 	$(PY) -m pytest tests/e2e/test_k8s_emulation.py $(PYTEST_ARGS)

@@ -145,7 +145,7 @@ def prune(directory: Path, keep: int, newest: int) -> None:
     a higher step delete the good one just written.
     """
     older = [path for step, path in list_checkpoints(directory) if step <= newest]
-    for path in older[max(keep, 1):]:
+    for path in older[max(keep, 1) :]:
         path.unlink(missing_ok=True)
     for stale in directory.glob(".step-*.pt.tmp-*"):  # left by a writer that crashed mid-write
         if stale.stat().st_mtime < time.time() - 60:
@@ -175,8 +175,7 @@ def load_latest(directory: str | Path, device: torch.device | str = "cpu") -> tu
             return path, load_checkpoint(path, device)
         except Exception as e:  # noqa: BLE001 - any failure to read means "unusable": fall back to the previous
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            log.warning("checkpoint %s is unusable (%s); %s; trying the previous one", path, reason,
-                        _set_aside(path))
+            log.warning("checkpoint %s is unusable (%s); %s; trying the previous one", path, reason, _set_aside(path))
     return None
 
 

@@ -22,17 +22,19 @@ import os
 import sys
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
+
+from app.parallel import WRAPPERS
 
 ENV_PREFIX = "DDP_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"  # the YAML file's path, when not given with --config
 
 MODEL_CHOICES = ("mini_mlp", "tiny_transformer")
-DDP_CHOICES = ("scratch", "torch", "none")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
@@ -53,44 +55,64 @@ class TrainConfig:
     model: str = _doc("model to train: mini_mlp | tiny_transformer", "mini_mlp")
     steps: int = _doc("optimizer steps in the whole run (a resumed run continues up to this step)", 200)
     micro_batch: int = _doc("samples per forward/backward on one rank", 32)
-    grad_accum_steps: int | None = _doc("micro-batches per optimizer step, per rank (default 1; or set "
-                                        "effective_batch instead)", None)
-    effective_batch: int | None = _doc("samples per optimizer step over all ranks; must be a multiple of "
-                                       "micro_batch × world_size (sets grad_accum_steps)", None)
+    grad_accum_steps: int | None = _doc(
+        "micro-batches per optimizer step, per rank (default 1; or set effective_batch instead)", None
+    )
+    effective_batch: int | None = _doc(
+        "samples per optimizer step over all ranks; must be a multiple of "
+        "micro_batch × world_size (sets grad_accum_steps)",
+        None,
+    )
     lr: float = _doc("AdamW learning rate", 0.003)
-    seed: int = _doc("seed of the parameters and the data (same on every rank); per-rank randomness uses "
-                     "seed + rank", 0)
+    seed: int = _doc(
+        "seed of the parameters and the data (same on every rank); per-rank randomness uses seed + rank", 0
+    )
     dataset_size: int = _doc("samples in the generated data set (generated deterministically from seed)", 16384)
     seq_len: int = _doc("tokens per sequence (tiny_transformer only)", 32)
     # -- distribution ---------------------------------------------------------------------------------------------
-    ddp: str = _doc("gradient synchronisation: scratch (app.ddp, ours) | torch (PyTorch's DDP) | none "
-                    "(world size 1 only)", "scratch")
+    wrapper: str = _doc(
+        "data-parallel wrapper: ours (app.parallel.ddp) | torch (PyTorch's DDP) | none (world size 1 only)", "ours"
+    )
     bucket_cap_mb: float = _doc("DDP bucket size in MiB", 25.0)
     device: str = _doc("auto (CUDA + NCCL when a GPU is visible, else CPU + gloo) | cpu | cuda", "auto")
-    rendezvous_timeout_seconds: float = _doc("seconds to reach MASTER_ADDR:MASTER_PORT and form the group; also "
-                                             "the collective timeout (a silent peer is detected after this long)",
-                                             60.0)
+    rendezvous_timeout_seconds: float = _doc(
+        "seconds to reach MASTER_ADDR:MASTER_PORT and form the group; also "
+        "the collective timeout (a silent peer is detected after this long)",
+        60.0,
+    )
     # -- checkpoints ----------------------------------------------------------------------------------------------
     checkpoint_dir: str = _doc('directory for checkpoints, shared by all ranks ("" = no checkpoints)', "")
     checkpoint_every: int = _doc("write a checkpoint every this many optimizer steps (and at the end)", 50)
     keep_checkpoints: int = _doc("checkpoints to keep (older ones are deleted)", 3)
     # -- observability --------------------------------------------------------------------------------------------
-    metrics_port: int = _doc("base port of the Prometheus /metrics endpoint; each process listens on "
-                             "metrics_port + LOCAL_RANK (0 = no metrics)", 9400)
-    metrics_linger_seconds: float = _doc("keep /metrics up this long after training, so Prometheus scrapes the "
-                                         "final values", 0.0)
+    metrics_port: int = _doc(
+        "base port of the Prometheus /metrics endpoint; each process listens on "
+        "metrics_port + LOCAL_RANK (0 = no metrics)",
+        9400,
+    )
+    metrics_linger_seconds: float = _doc(
+        "keep /metrics up this long after training, so Prometheus scrapes the final values", 0.0
+    )
     log_every: int = _doc("rank 0 logs a progress line every this many steps", 10)
     # -- stopping -------------------------------------------------------------------------------------------------
-    stop_timeout_seconds: float = _doc("after SIGTERM/SIGINT, force-exit (code 1) if the graceful stop has not "
-                                       "finished within this many seconds", 10.0)
+    stop_timeout_seconds: float = _doc(
+        "after SIGTERM/SIGINT, force-exit (code 1) if the graceful stop has not finished within this many seconds", 10.0
+    )
     inject_nan_at_step: int = _doc("failure drill: the last rank's loss becomes NaN at this step (0 = off)", 0)
 
     def __post_init__(self) -> None:
         _choice("model", self.model, MODEL_CHOICES)
-        _choice("ddp", self.ddp, DDP_CHOICES)
+        _choice("wrapper", self.wrapper, WRAPPERS)
         _choice("device", self.device, DEVICE_CHOICES)
-        for name in ("steps", "micro_batch", "dataset_size", "seq_len", "checkpoint_every", "keep_checkpoints",
-                     "log_every"):
+        for name in (
+            "steps",
+            "micro_batch",
+            "dataset_size",
+            "seq_len",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "log_every",
+        ):
             _at_least(name, getattr(self, name), 1)
         for name in ("grad_accum_steps", "effective_batch"):
             if getattr(self, name) is not None:
@@ -112,31 +134,38 @@ class TrainConfig:
 
         ``local_world_size``: processes on this machine (torchrun's LOCAL_WORLD_SIZE), each with its own metrics port.
         """
-        if self.ddp == "none" and world_size > 1:
-            raise ConfigError(f"ddp=none with world_size={world_size}: unsynchronised ranks would train "
-                              f"{world_size} different models; use ddp=scratch or ddp=torch, or run one process")
+        if self.wrapper == "none" and world_size > 1:
+            raise ConfigError(
+                f"wrapper=none with world_size={world_size}: unsynchronised ranks would train "
+                f"{world_size} different models; use wrapper=ours or wrapper=torch, or run one process"
+            )
         if self.dataset_size // world_size < self.micro_batch:
             # DistributedSampler(drop_last=True) gives each rank dataset_size // world_size samples.
-            raise ConfigError(f"dataset_size={self.dataset_size} gives each of world_size={world_size} ranks "
-                              f"{self.dataset_size // world_size} samples, fewer than micro_batch={self.micro_batch}; "
-                              f"raise dataset_size to >= {self.micro_batch * world_size} or lower micro_batch")
+            raise ConfigError(
+                f"dataset_size={self.dataset_size} gives each of world_size={world_size} ranks "
+                f"{self.dataset_size // world_size} samples, fewer than micro_batch={self.micro_batch}; "
+                f"raise dataset_size to >= {self.micro_batch * world_size} or lower micro_batch"
+            )
         top = self.metrics_port + local_world_size - 1
         if self.metrics_port and top > 65535:
-            raise ConfigError(f"metrics_port={self.metrics_port}: the {local_world_size} processes on this machine "
-                              f"would listen on ports up to {top} > 65535; choose metrics_port <= "
-                              f"{65536 - local_world_size}, or 0 for no metrics")
+            raise ConfigError(
+                f"metrics_port={self.metrics_port}: the {local_world_size} processes on this machine "
+                f"would listen on ports up to {top} > 65535; choose metrics_port <= "
+                f"{65536 - local_world_size}, or 0 for no metrics"
+            )
 
         import torch  # only once the flags are known good: a bad flag fails before this seconds-long import
 
-        from app.accum import resolve_grad_accum_steps
+        from app.parallel.accum import resolve_grad_accum_steps
 
         if self.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("device=cuda: no CUDA device is visible here (torch.cuda.is_available() is False); "
-                              "use device=auto or device=cpu, or run on a machine with a GPU")
+            raise ConfigError(
+                "device=cuda: no CUDA device is visible here (torch.cuda.is_available() is False); "
+                "use device=auto or device=cpu, or run on a machine with a GPU"
+            )
 
         try:
-            return resolve_grad_accum_steps(self.micro_batch, world_size, self.grad_accum_steps,
-                                            self.effective_batch)
+            return resolve_grad_accum_steps(self.micro_batch, world_size, self.grad_accum_steps, self.effective_batch)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -200,8 +229,9 @@ def convert(name: str, raw: Any, source: str) -> Any:
             raise ValueError
         return str(raw)
     except ValueError:
-        raise ConfigError(f"{name}={raw!r} (from {source}): must be {'an' if kind is int else 'a'} "
-                          f"{kind.__name__}") from None
+        raise ConfigError(
+            f"{name}={raw!r} (from {source}): must be {'an' if kind is int else 'a'} {kind.__name__}"
+        ) from None
 
 
 def _unknown(name: str, source: str) -> ConfigError:
@@ -239,7 +269,7 @@ def read_env(environ: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
     for key, raw in environ.items():
         if not key.startswith(ENV_PREFIX) or key == CONFIG_ENV:
             continue
-        name = key[len(ENV_PREFIX):].lower()
+        name = key[len(ENV_PREFIX) :].lower()
         if name in FIELDS:
             values[name] = convert(name, raw, f"env {key}")
         else:
@@ -253,14 +283,21 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog="python -m app.train", description="Data-parallel training worker (run it "
-                            "under torchrun). Every flag also reads env DDP_<NAME> and the YAML file.",
-                            argument_default=argparse.SUPPRESS)  # absent flags stay absent: precedence needs it
+    parser = _OneLineParser(
+        prog="python -m app.train",
+        description="Data-parallel training worker (run it "
+        "under torchrun). Every flag also reads env DDP_<NAME> and the YAML file.",
+        argument_default=argparse.SUPPRESS,
+    )  # absent flags stay absent: precedence needs it
     parser.add_argument("--config", help=f"YAML file of settings (or env {CONFIG_ENV})")
     for f in fields(TrainConfig):
         default = "unset" if f.default is None else repr(f.default)
-        parser.add_argument(flag_name(f.name), dest=f.name, metavar=_base_type(f.name).__name__.upper(),
-                            help=f"{f.metadata['doc']} [env {env_name(f.name)}; default {default}]")
+        parser.add_argument(
+            flag_name(f.name),
+            dest=f.name,
+            metavar=_base_type(f.name).__name__.upper(),
+            help=f"{f.metadata['doc']} [env {env_name(f.name)}; default {default}]",
+        )
     return parser
 
 
@@ -296,13 +333,15 @@ def load_config(argv: list[str] | None = None, environ: Mapping[str, str] | None
         if name in sources and sources[name] != "default":
             raise ConfigError(f"{e} (set by {sources[name]})") from None
         raise
-    warnings = [f"ignoring {key}: no setting {key[len(ENV_PREFIX):].lower()!r} (typo?)" for key in unknown]
+    warnings = [f"ignoring {key}: no setting {key[len(ENV_PREFIX) :].lower()!r} (typo?)" for key in unknown]
     return Resolved(config, sources, warnings)
 
 
 def describe(resolved: Resolved) -> str:
     """The resolved configuration, one field per line with its source, for rank 0's start-up log."""
     width = max(map(len, FIELDS))
-    lines = [f"  {name:<{width}} = {value!r:<12} ({resolved.sources[name]})"
-             for name, value in resolved.config.as_dict().items()]
+    lines = [
+        f"  {name:<{width}} = {value!r:<12} ({resolved.sources[name]})"
+        for name, value in resolved.config.as_dict().items()
+    ]
     return "configuration:\n" + "\n".join(lines)

@@ -18,8 +18,8 @@ the world size changed: the sampler deals indices round-robin (rank r gets posit
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +44,7 @@ class Dataset:
 def teacher_classification(size: int, seed: int) -> Dataset:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(size, MLP_IN, generator=gen)
-    w1 = torch.randn(MLP_IN, 64, generator=gen) / MLP_IN ** 0.5
+    w1 = torch.randn(MLP_IN, 64, generator=gen) / MLP_IN**0.5
     w2 = torch.randn(64, MLP_CLASSES, generator=gen) / 8.0
     # Centre the teacher's logits per class so no class dominates: a balanced task starts at ln 8.
     logits = torch.tanh(x @ w1) @ w2
@@ -85,18 +85,20 @@ class ShardedBatches:
     DataLoader with ``drop_last=True`` would), so every micro-batch has the same size on every rank.
     """
 
-    def __init__(self, dataset: Dataset, micro_batch: int, rank: int, world_size: int, seed: int,
-                 device: torch.device):
+    def __init__(self, dataset: Dataset, micro_batch: int, rank: int, world_size: int, seed: int, device: torch.device):
         if len(dataset) // world_size < micro_batch:
-            raise ValueError(f"dataset_size={len(dataset)} gives each of {world_size} ranks fewer than "
-                             f"micro_batch={micro_batch} samples; raise dataset_size or lower micro_batch")
+            raise ValueError(
+                f"dataset_size={len(dataset)} gives each of {world_size} ranks fewer than "
+                f"micro_batch={micro_batch} samples; raise dataset_size or lower micro_batch"
+            )
         self.inputs = dataset.inputs.to(device)
         self.targets = dataset.targets.to(device)
         self.micro_batch = micro_batch
         self.world_size = world_size
         # drop_last: equal shards, so every rank runs the same number of steps per epoch (no collective mismatch).
-        self.sampler = DistributedSampler(range(len(dataset)), num_replicas=world_size, rank=rank, shuffle=True,
-                                          seed=seed, drop_last=True)
+        self.sampler = DistributedSampler(
+            range(len(dataset)), num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+        )
         self.epoch = 0
         self.index = 0  # position within this rank's shard of the current epoch
         self._order = self._shard(self.epoch)
@@ -110,7 +112,7 @@ class ShardedBatches:
             self.epoch += 1
             self.index = 0
             self._order = self._shard(self.epoch)
-        idx = self._order[self.index: self.index + self.micro_batch]
+        idx = self._order[self.index : self.index + self.micro_batch]
         self.index += self.micro_batch
         return self.inputs[idx], self.targets[idx]
 

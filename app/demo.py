@@ -1,7 +1,7 @@
 """The lesson's proof, run for real: N ranks with DDP walk the same batches as one process, step by step.
 
     make demo                                   # 4 CPU ranks, 20 steps, our DDP
-    make demo WORKERS=2 STEPS=10 DDP=torch      # PyTorch's DDP instead of ours
+    make demo WORKERS=2 STEPS=10 WRAPPER=torch  # PyTorch's DDP instead of ours
     torchrun --standalone --nproc-per-node=4 -m app.demo --steps 20 --bucket-cap-mb 0.01
 
 Each step draws one global batch (the same on every rank, from a generator seeded by the step), gives rank r the
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from app.dist import distributed
 from app.models import MiniMLP, parameter_checksum
+from app.parallel import wrap_model
 
 PARAM_TOLERANCE = 1e-5  # float32 sums in a different order drift by ~1e-7 per step; 20 steps stay far below this
 LOSS_TOLERANCE = 1e-5
@@ -41,8 +42,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     p.add_argument("--per-rank-batch", type=int, default=16, help="samples per rank per step (default 16)")
     p.add_argument("--bucket-cap-mb", type=float, default=25, help="DDP bucket size in MiB (default 25)")
-    p.add_argument("--ddp", choices=["scratch", "torch"], default="scratch",
-                   help="scratch: app.ddp (ours); torch: torch.nn.parallel.DistributedDataParallel")
+    p.add_argument(
+        "--wrapper",
+        choices=["ours", "torch"],
+        default="ours",
+        help="ours: app.parallel.ddp; torch: torch.nn.parallel.DistributedDataParallel",
+    )
     p.add_argument("--lr", type=float, default=0.3, help="SGD learning rate (default 0.3)")
     args = p.parse_args(argv)
     for name in ("steps", "per_rank_batch"):
@@ -53,19 +58,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def wrap(model: torch.nn.Module, kind: str, bucket_cap_mb: float) -> torch.nn.Module:
-    if kind == "torch":
-        return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-    from app.ddp import DistributedDataParallel
-    return DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-
-
 def global_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same batch on every rank: a generator seeded by the step, and a fixed linear target to learn."""
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(size, 32, generator=g)
     w = torch.Generator().manual_seed(7)
-    target = x @ torch.randn(32, 8, generator=w) / 32 ** 0.5
+    target = x @ torch.randn(32, 8, generator=w) / 32**0.5
     return x, target + 0.01 * torch.randn(size, 8, generator=g)
 
 
@@ -78,22 +76,25 @@ def main(argv=None) -> int:
 def run(args: argparse.Namespace, rank: int, world: int) -> int:
     torch.manual_seed(rank)  # deliberately different per rank: the broadcast must fix it
     model = MiniMLP()
-    ddp = wrap(model, args.ddp, args.bucket_cap_mb)
+    ddp = wrap_model(model, args.wrapper, bucket_cap_mb=args.bucket_cap_mb)
     reference = copy.deepcopy(model) if rank == 0 else None  # after the broadcast: rank 0's weights
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=args.lr) if reference is not None else None
     b = args.per_rank_batch
 
     if rank == 0:
-        print(f"{world} ranks ({args.ddp} DDP, bucket {args.bucket_cap_mb} MiB), {args.steps} steps, "
-              f"global batch {b * world} = {world} x {b}; reference: one process, whole batch")
-        print(f"{'step':>4}  {'ref loss':>10}  {'rank0 loss':>10}  {'worst gap':>9}  {'max |dp|':>9}  "
-              f"{'same':>4}  digest")
+        print(
+            f"{world} ranks ({args.wrapper} DDP, bucket {args.bucket_cap_mb} MiB), {args.steps} steps, "
+            f"global batch {b * world} = {world} x {b}; reference: one process, whole batch"
+        )
+        print(
+            f"{'step':>4}  {'ref loss':>10}  {'rank0 loss':>10}  {'worst gap':>9}  {'max |dp|':>9}  {'same':>4}  digest"
+        )
     worst_param = worst_gap = 0.0
     all_same = True
     for step in range(args.steps):
         x, y = global_batch(step, b * world)
-        xs, ys = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+        xs, ys = x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
 
         opt.zero_grad(set_to_none=True)
         loss = F.mse_loss(ddp(xs), ys)
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace, rank: int, world: int) -> int:
             with torch.no_grad():
                 out = reference(x)
                 for r in range(world):
-                    shard_losses[r] = F.mse_loss(out[r * b:(r + 1) * b], y[r * b:(r + 1) * b])
+                    shard_losses[r] = F.mse_loss(out[r * b : (r + 1) * b], y[r * b : (r + 1) * b])
             ref_opt.zero_grad(set_to_none=True)
             ref_loss = F.mse_loss(reference(x), y)
             ref_loss.backward()
@@ -124,17 +125,23 @@ def run(args: argparse.Namespace, rank: int, world: int) -> int:
             same = len(set(digests)) == 1
             worst_param, worst_gap = max(worst_param, max_dp), max(worst_gap, gap)
             all_same &= same
-            print(f"{step:>4}  {ref_loss.item():>10.6f}  {losses[0].item():>10.6f}  {gap:>9.2e}  {max_dp:>9.2e}  "
-                  f"{'yes' if same else 'NO':>4}  {digests[0]}", flush=True)
+            print(
+                f"{step:>4}  {ref_loss.item():>10.6f}  {losses[0].item():>10.6f}  {gap:>9.2e}  {max_dp:>9.2e}  "
+                f"{'yes' if same else 'NO':>4}  {digests[0]}",
+                flush=True,
+            )
 
-    ok = torch.tensor([1 if rank != 0 or (worst_param <= PARAM_TOLERANCE and worst_gap <= LOSS_TOLERANCE
-                                          and all_same) else 0])
+    ok = torch.tensor(
+        [1 if rank != 0 or (worst_param <= PARAM_TOLERANCE and worst_gap <= LOSS_TOLERANCE and all_same) else 0]
+    )
     dist.broadcast(ok, src=0)
     if rank == 0:
         verdict = "PASS" if ok.item() else "FAIL"
-        print(f"{verdict}: {world} ranks equal the single-process reference for {args.steps} steps "
-              f"(max |dp| {worst_param:.2e} <= {PARAM_TOLERANCE:.0e}, worst loss gap {worst_gap:.2e} <= "
-              f"{LOSS_TOLERANCE:.0e}, parameters identical on all ranks: {'yes' if all_same else 'NO'})")
+        print(
+            f"{verdict}: {world} ranks equal the single-process reference for {args.steps} steps "
+            f"(max |dp| {worst_param:.2e} <= {PARAM_TOLERANCE:.0e}, worst loss gap {worst_gap:.2e} <= "
+            f"{LOSS_TOLERANCE:.0e}, parameters identical on all ranks: {'yes' if all_same else 'NO'})"
+        )
     return 0 if ok.item() else 1
 
 

@@ -38,8 +38,9 @@ class RendezvousError(RuntimeError):
     """This rank could not join the process group; the message names the endpoint and the timeout."""
 
 
-def pick_device_and_backend(local_rank: int, force_cpu: bool = False,
-                            require_cuda: bool = False) -> tuple[torch.device, str]:
+def pick_device_and_backend(
+    local_rank: int, force_cpu: bool = False, require_cuda: bool = False
+) -> tuple[torch.device, str]:
     if require_cuda and not torch.cuda.is_available():
         raise RuntimeError("device=cuda but no CUDA device is visible; use device=auto or device=cpu")
     if torch.cuda.is_available() and not force_cpu:
@@ -69,9 +70,11 @@ def wait_for_endpoint(host: str, port: int, timeout_s: float) -> None:
         except OSError as e:
             last = e.strerror or type(e).__name__
         if time.monotonic() >= deadline:
-            raise RendezvousError(f"cannot reach the rendezvous at {host}:{port} (MASTER_ADDR:MASTER_PORT) within "
-                                  f"{timeout_s:g} s ({last}); check that rank 0 / the rendezvous is up and the "
-                                  f"address is right, or raise rendezvous_timeout_seconds")
+            raise RendezvousError(
+                f"cannot reach the rendezvous at {host}:{port} (MASTER_ADDR:MASTER_PORT) within "
+                f"{timeout_s:g} s ({last}); check that rank 0 / the rendezvous is up and the "
+                f"address is right, or raise rendezvous_timeout_seconds"
+            )
         time.sleep(0.25)
 
 
@@ -112,13 +115,20 @@ def init_distributed(timeout_s: float = 60.0, force_cpu: bool = False, require_c
     if not _hosts_the_store(rank):
         wait_for_endpoint(host, port, timeout_s)
     try:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if backend == "nccl" else None)
+        dist.init_process_group(
+            backend,
+            init_method="env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if backend == "nccl" else None,
+        )
     except (dist.DistError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RendezvousError(f"rank {rank} could not form the process group of {world_size} at {host}:{port} "
-                              f"(MASTER_ADDR:MASTER_PORT) within {timeout_s:g} s: {first}") from None
+        raise RendezvousError(
+            f"rank {rank} could not form the process group of {world_size} at {host}:{port} "
+            f"(MASTER_ADDR:MASTER_PORT) within {timeout_s:g} s: {first}"
+        ) from None
     return DistContext(rank, local_rank, world_size, device, backend)
 
 

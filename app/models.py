@@ -21,8 +21,10 @@ class MiniMLP(nn.Module):
     def __init__(self, in_features: int = 32, hidden: int = 64, out_features: int = 8):
         super().__init__()
         self.net = nn.Sequential(
-            nn.Linear(in_features, hidden), nn.ReLU(),
-            nn.Linear(hidden, hidden), nn.ReLU(),
+            nn.Linear(in_features, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
             nn.Linear(hidden, out_features),
         )
 

@@ -49,12 +49,10 @@ def serve(host: str, port: int, stop: threading.Event, restart_after_job: str | 
     import torch.distributed as dist  # here, not at the top: the health check must not pay for importing torch
 
     # wait_for_workers=False: there is no fixed number of clients; agents come and go with the replicas.
-    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
     log.info("rendezvous store listening on %s:%d", host, store.port)
     if restart_after_job:
-        threading.Thread(target=watch_job, args=(store, restart_after_job, stop), name="watch-job",
-                         daemon=True).start()
+        threading.Thread(target=watch_job, args=(store, restart_after_job, stop), name="watch-job", daemon=True).start()
     while not stop.wait(1.0):  # a timeout keeps the main thread responsive to signals
         pass
     log.info("rendezvous store stopping")
@@ -78,8 +76,11 @@ def watch_job(store, run_id: str, stop: threading.Event, poll_s: float = 1.0, gr
             return
         if closed:
             # The agents close the rendezvous while shutting down: give the last of them time to finish.
-            log.info("job %r ended (rendezvous closed): exiting in %g s so the next run finds an empty store",
-                     run_id, grace_s)
+            log.info(
+                "job %r ended (rendezvous closed): exiting in %g s so the next run finds an empty store",
+                run_id,
+                grace_s,
+            )
             stop.wait(grace_s)
             stop.set()
             return
@@ -89,11 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.rendezvous_store", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})")
-    parser.add_argument("--check", metavar="HOST:PORT", nargs="?", const=f"127.0.0.1:{DEFAULT_PORT}",
-                        help="only check that a store answers there (exit 0) or not (exit 1)")
-    parser.add_argument("--restart-after-job", metavar="RUN_ID",
-                        help="exit 0 once the job with this --rdzv-id has ended (a restart policy brings the store "
-                             "back empty for the next run)")
+    parser.add_argument(
+        "--check",
+        metavar="HOST:PORT",
+        nargs="?",
+        const=f"127.0.0.1:{DEFAULT_PORT}",
+        help="only check that a store answers there (exit 0) or not (exit 1)",
+    )
+    parser.add_argument(
+        "--restart-after-job",
+        metavar="RUN_ID",
+        help="exit 0 once the job with this --rdzv-id has ended (a restart policy brings the store "
+        "back empty for the next run)",
+    )
     args = parser.parse_args(argv)
     if args.check:
         return 0 if check(args.check) else 1

@@ -7,12 +7,12 @@
     # two machines (run on each; node 0's address as the rendezvous endpoint)
     torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=node0:29400 --rdzv-id=job1 -m app.train
     # one process, no torchrun
-    python -m app.train --ddp none --steps 50
+    python -m app.train --wrapper none --steps 50
 
 The flow is ``main`` (config, signals, metrics endpoint, process group as a pair) → ``Trainer.run`` (build, resume,
-loop) → ``accumulation_step`` (app.accum). Per rank: the process group from torchrun's variables (app.dist), the
-same seeded parameters everywhere, its own shard of the data (app.data), one ``/metrics`` endpoint (app.metrics),
-and checkpoints written by rank 0 (app.checkpoint).
+loop) → ``accumulation_step`` (app.parallel.accum). Per rank: the process group from torchrun's variables
+(app.dist), the same seeded parameters everywhere, its own shard of the data (app.data), one ``/metrics``
+endpoint (app.metrics), and checkpoints written by rank 0 (app.checkpoint).
 
 Stopping: SIGTERM (``docker stop``, Kubernetes) or SIGINT finishes the current step; the ranks agree on the step to
 stop at (one tiny all-reduce per step), rank 0 checkpoints, and the signalled ranks exit 0. Ranks that were not
@@ -37,7 +37,9 @@ import time
 from app.config import ConfigError, TrainConfig, describe, load_config
 
 log = logging.getLogger("app.train")
-PEER_STOP_GRACE_SECONDS = 3.0  # compose/k8s signal every container within ms; wait this long before calling it a peer's stop
+PEER_STOP_GRACE_SECONDS = (
+    3.0  # compose/k8s signal every container within ms; wait this long before calling it a peer's stop
+)
 
 
 class StopSignal:
@@ -71,8 +73,12 @@ class StopSignal:
 
     def _force_exit(self) -> None:
         time.sleep(self.timeout_s)
-        print(f"{self.name}: graceful stop did not finish within stop_timeout_seconds={self.timeout_s:g}; "
-              f"exiting without a checkpoint", file=sys.stderr, flush=True)
+        print(
+            f"{self.name}: graceful stop did not finish within stop_timeout_seconds={self.timeout_s:g}; "
+            f"exiting without a checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(1)
 
     @property
@@ -82,8 +88,13 @@ class StopSignal:
 
 def setup_logging(rank: int) -> None:
     # INFO from rank 0 only (N copies of every line help nobody); warnings from every rank, marked with its rank.
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr, force=True,
-                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        stream=sys.stderr,
+        force=True,
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
 
 
 class TrainingDiverged(RuntimeError):
@@ -96,37 +107,29 @@ class Trainer:
 
         from app.data import ShardedBatches, build_dataset, loss_function
         from app.models import MODELS
+        from app.parallel import wrap_model
+        from app.parallel.probes import comm_probe
 
         self.torch = torch
         self.cfg, self.ctx, self.k, self.stop, self.metrics, self.node = cfg, ctx, grad_accum_steps, stop, metrics, node
         torch.manual_seed(cfg.seed)  # identical parameters on every rank, before any wrapper broadcasts them
         self.model = MODELS[cfg.model]().to(ctx.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
-        self.batches = ShardedBatches(build_dataset(cfg.model, cfg.dataset_size, cfg.seed, cfg.seq_len),
-                                      cfg.micro_batch, ctx.rank, ctx.world_size, cfg.seed, ctx.device)
+        self.batches = ShardedBatches(
+            build_dataset(cfg.model, cfg.dataset_size, cfg.seed, cfg.seq_len),
+            cfg.micro_batch,
+            ctx.rank,
+            ctx.world_size,
+            cfg.seed,
+            ctx.device,
+        )
         self.loss_fn = loss_function(cfg.model)
         self.step = 0
         torch.manual_seed(cfg.seed + ctx.rank)  # per-rank randomness (dropout, ...) differs between ranks
         self.resume()
         metrics.observe_progress(self.step, cfg.steps)  # before the first step: a resumed job shows where it is
-        self.wrapped, self.probe = self.wrap()
-
-    # -- setup ----------------------------------------------------------------------------------------------------
-    def wrap(self):
-        from app.metrics import NoCommProbe, ScratchCommProbe, TorchCommProbe
-
-        cfg, ctx = self.cfg, self.ctx
-        if cfg.ddp == "scratch":
-            from app.ddp import DistributedDataParallel
-
-            wrapped = DistributedDataParallel(self.model, bucket_cap_mb=cfg.bucket_cap_mb)
-            return wrapped, ScratchCommProbe(wrapped)
-        if cfg.ddp == "torch":
-            wrapped = self.torch.nn.parallel.DistributedDataParallel(
-                self.model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
-                bucket_cap_mb=cfg.bucket_cap_mb)
-            return wrapped, TorchCommProbe(wrapped)
-        return self.model, NoCommProbe()
+        self.wrapped = wrap_model(self.model, cfg.wrapper, bucket_cap_mb=cfg.bucket_cap_mb)
+        self.probe = comm_probe(self.wrapped)
 
     def resume(self) -> None:
         """Every rank loads the checkpoint rank 0 found to be the newest valid one."""
@@ -150,11 +153,15 @@ class Trainer:
             try:
                 state = load_checkpoint(path, ctx.device)
             except Exception as e:  # noqa: BLE001
-                raise RuntimeError(f"rank {ctx.rank} cannot read {path}, which rank 0 resumes from ({e}); "
-                                   f"checkpoint_dir must be storage shared by all ranks") from None
+                raise RuntimeError(
+                    f"rank {ctx.rank} cannot read {path}, which rank 0 resumes from ({e}); "
+                    f"checkpoint_dir must be storage shared by all ranks"
+                ) from None
         if state["model_name"] != self.cfg.model:
-            raise ConfigError(f"checkpoint_dir={self.cfg.checkpoint_dir!r} holds {state['model_name']} checkpoints "
-                              f"but model={self.cfg.model}; use another checkpoint_dir or model")
+            raise ConfigError(
+                f"checkpoint_dir={self.cfg.checkpoint_dir!r} holds {state['model_name']} checkpoints "
+                f"but model={self.cfg.model}; use another checkpoint_dir or model"
+            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         for group in self.optimizer.param_groups:
@@ -169,8 +176,13 @@ class Trainer:
             torch.manual_seed(self.cfg.seed + ctx.rank + 1_000_003 * step)
         self.step = step
         self.metrics.observe_checkpoint(step, None)
-        log.info("resumed from %s (step %d, epoch %d, saved by a world of %d)", path, step, state["data"]["epoch"],
-                 state["world_size"])
+        log.info(
+            "resumed from %s (step %d, epoch %d, saved by a world of %d)",
+            path,
+            step,
+            state["data"]["epoch"],
+            state["world_size"],
+        )
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def save(self) -> None:
@@ -186,12 +198,19 @@ class Trainer:
             self.metrics.observe_checkpoint(self.step, None)
             return
         t0 = time.perf_counter()
-        path = save_checkpoint(self.cfg.checkpoint_dir, {
-            "step": self.step, "model_name": self.cfg.model, "world_size": ctx.world_size,
-            "model": self.model.state_dict(),  # the bare model, never the wrapper: loads without DDP
-            "optimizer": self.optimizer.state_dict(), "data": self.batches.state_dict(),
-            "rng": {"cpu": cpu, "cuda": cuda if ctx.device.type == "cuda" else []},
-        }, keep=self.cfg.keep_checkpoints)
+        path = save_checkpoint(
+            self.cfg.checkpoint_dir,
+            {
+                "step": self.step,
+                "model_name": self.cfg.model,
+                "world_size": ctx.world_size,
+                "model": self.model.state_dict(),  # the bare model, never the wrapper: loads without DDP
+                "optimizer": self.optimizer.state_dict(),
+                "data": self.batches.state_dict(),
+                "rng": {"cpu": cpu, "cuda": cuda if ctx.device.type == "cuda" else []},
+            },
+            keep=self.cfg.keep_checkpoints,
+        )
         seconds = time.perf_counter() - t0
         self.metrics.observe_checkpoint(self.step, seconds)
         log.info("checkpoint %s written in %.0f ms", path, seconds * 1e3)
@@ -204,16 +223,17 @@ class Trainer:
         forever in the next collective.
         """
         torch = self.torch
-        flags = torch.tensor([int(self.stop.requested), self.ctx.rank + 1 if nonfinite else 0],
-                             dtype=torch.int32, device=self.ctx.device)  # int32: NCCL and gloo both reduce it
+        flags = torch.tensor(
+            [int(self.stop.requested), self.ctx.rank + 1 if nonfinite else 0], dtype=torch.int32, device=self.ctx.device
+        )  # int32: NCCL and gloo both reduce it
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         stop, bad = flags.tolist()
         return bool(stop), bad - 1
 
     def run(self) -> int:
-        from app.accum import NonFiniteLossError, accumulation_step
         from app.metrics import synchronize_for
         from app.models import parameter_checksum
+        from app.parallel.accum import NonFiniteLossError, accumulation_step
 
         cfg, ctx = self.cfg, self.ctx
         synchronize = synchronize_for(ctx.device)
@@ -222,9 +242,17 @@ class Trainer:
         first_loss = last_loss = float("nan")
         if self.step >= cfg.steps:
             log.warning("checkpoint step %d >= steps=%d: nothing to train", self.step, cfg.steps)
-        log.info("training %s from step %d to %d: micro_batch %d × grad_accum_steps %d × world_size %d = %d "
-                 "samples per step", cfg.model, self.step, cfg.steps, cfg.micro_batch, self.k, ctx.world_size,
-                 cfg.micro_batch * self.k * ctx.world_size)
+        log.info(
+            "training %s from step %d to %d: micro_batch %d × grad_accum_steps %d × world_size %d = %d "
+            "samples per step",
+            cfg.model,
+            self.step,
+            cfg.steps,
+            cfg.micro_batch,
+            self.k,
+            ctx.world_size,
+            cfg.micro_batch * self.k * ctx.world_size,
+        )
         first_step = self.step + 1
         while self.step < cfg.steps:
             step = self.step + 1
@@ -234,21 +262,35 @@ class Trainer:
             t0 = time.perf_counter()
             result, nonfinite_here = None, False
             try:
-                result = accumulation_step(self.wrapped, self.optimizer, self.batches.next_micro_batches(self.k),
-                                           loss_fn, synchronize=synchronize)
+                result = accumulation_step(
+                    self.wrapped,
+                    self.optimizer,
+                    self.batches.next_micro_batches(self.k),
+                    loss_fn,
+                    synchronize=synchronize,
+                )
             except NonFiniteLossError as e:
                 nonfinite_here = e.local  # raised on every rank together, before any optimizer step
             step_seconds = time.perf_counter() - t0
             comm = self.probe.take()
             stop, bad_rank = self.agree(nonfinite_here)
             if result is None:
-                raise TrainingDiverged(f"loss became NaN/inf at step {step} on rank {bad_rank}; every rank stopped "
-                                       f"before the optimizer step. {self._last_good()} Lower lr or check the data")
+                raise TrainingDiverged(
+                    f"loss became NaN/inf at step {step} on rank {bad_rank}; every rank stopped "
+                    f"before the optimizer step. {self._last_good()} Lower lr or check the data"
+                )
             self.step = step
-            self.metrics.observe_step(step_seconds=step_seconds, forward_seconds=result.forward_seconds,
-                                      backward_seconds=result.backward_seconds,
-                                      optimizer_seconds=result.optimizer_seconds, comm=comm,
-                                      samples=result.samples, syncs=result.syncs, loss=result.loss, lr=cfg.lr)
+            self.metrics.observe_step(
+                step_seconds=step_seconds,
+                forward_seconds=result.forward_seconds,
+                backward_seconds=result.backward_seconds,
+                optimizer_seconds=result.optimizer_seconds,
+                comm=comm,
+                samples=result.samples,
+                syncs=result.syncs,
+                loss=result.loss,
+                lr=cfg.lr,
+            )
             self.metrics.observe_progress(step, cfg.steps)
             first_loss = result.loss if step_times == [] else first_loss
             last_loss = result.loss
@@ -264,13 +306,20 @@ class Trainer:
                 return self._stopped()
         self._barrier()  # nobody reports FINISHED before rank 0's final checkpoint is on disk
         if step_times:
-            log.info("summary: steps=%d loss_first=%.4f loss_last=%.4f median_step_ms=%.3f mean_step_ms=%.3f",
-                     len(step_times), first_loss, last_loss, statistics.median(step_times) * 1e3,
-                     statistics.fmean(step_times) * 1e3)
+            log.info(
+                "summary: steps=%d loss_first=%.4f loss_last=%.4f median_step_ms=%.3f mean_step_ms=%.3f",
+                len(step_times),
+                first_loss,
+                last_loss,
+                statistics.median(step_times) * 1e3,
+                statistics.fmean(step_times) * 1e3,
+            )
         # One write call for the whole line: torchrun runs workers unbuffered (-u), and print() would write the
         # text and the newline separately, letting two ranks' lines interleave on a shared stdout.
-        sys.stdout.write(f"FINISHED rank={ctx.rank} world_size={ctx.world_size} step={self.step} "
-                         f"checksum={parameter_checksum(self.model)[:16]}\n")
+        sys.stdout.write(
+            f"FINISHED rank={ctx.rank} world_size={ctx.world_size} step={self.step} "
+            f"checksum={parameter_checksum(self.model)[:16]}\n"
+        )
         sys.stdout.flush()
         return 0
 
@@ -280,9 +329,16 @@ class Trainer:
         rate = sum(w[4] for w in window) * self.ctx.world_size / seconds if seconds > 0 else 0.0
         waits = [w[2] for w in window if w[2] is not None]  # None: PyTorch's DDP waits where we cannot time it
         exposed = f"{sum(waits) / len(waits) * 1e3:.2f} ms" if waits else "n/a"
-        log.info("step %d/%d | loss %.4f | %.0f samples/s | step %.1f ms | comm %.2f ms (exposed %s)",
-                 self.step, self.cfg.steps, sum(w[3] for w in window) / n, rate, seconds / n * 1e3,
-                 sum(w[1] for w in window) / n * 1e3, exposed)
+        log.info(
+            "step %d/%d | loss %.4f | %.0f samples/s | step %.1f ms | comm %.2f ms (exposed %s)",
+            self.step,
+            self.cfg.steps,
+            sum(w[3] for w in window) / n,
+            rate,
+            seconds / n * 1e3,
+            sum(w[1] for w in window) / n * 1e3,
+            exposed,
+        )
 
     def _last_good(self) -> str:
         from app.checkpoint import list_checkpoints
@@ -301,8 +357,9 @@ class Trainer:
         if self.stop.requested or self.stop.event.wait(PEER_STOP_GRACE_SECONDS):
             log.warning("%s: stopped at step %d (%s); exit 0", self.stop.name, self.step, where)
             return 0
-        log.warning("a peer was signalled: stopped at step %d (%s); exit 1 so torchrun re-forms the group",
-                    self.step, where)
+        log.warning(
+            "a peer was signalled: stopped at step %d (%s); exit 1 so torchrun re-forms the group", self.step, where
+        )
         return 1
 
 
@@ -338,13 +395,17 @@ def main(argv: list[str] | None = None) -> int:
         try:
             metrics.serve(port)  # before the rendezvous: a rank stuck there is already visible (ddp_rank_info)
         except OSError as e:
-            print(f"config error: metrics_port={cfg.metrics_port}: port {port} (metrics_port + local rank "
-                  f"{local_rank}) cannot be opened ({e.strerror}); choose another metrics_port, or 0 for no metrics",
-                  file=sys.stderr, flush=True)
+            print(
+                f"config error: metrics_port={cfg.metrics_port}: port {port} (metrics_port + local rank "
+                f"{local_rank}) cannot be opened ({e.strerror}); choose another metrics_port, or 0 for no metrics",
+                file=sys.stderr,
+                flush=True,
+            )
             return 2
     try:
-        ctx = init_distributed(cfg.rendezvous_timeout_seconds, force_cpu=cfg.device == "cpu",
-                               require_cuda=cfg.device == "cuda")
+        ctx = init_distributed(
+            cfg.rendezvous_timeout_seconds, force_cpu=cfg.device == "cpu", require_cuda=cfg.device == "cuda"
+        )
     except (RendezvousError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
@@ -354,8 +415,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         problem = cfg.checkpoint_dir and checkpoint_dir_problem(cfg.checkpoint_dir, ctx.is_main)
         if problem:  # found before training, on every rank: none is left waiting for a rank 0 that cannot save
-            raise ConfigError(f"checkpoint_dir={cfg.checkpoint_dir!r} (set by {resolved.sources['checkpoint_dir']}): "
-                              f"{problem} on rank 0; choose a writable directory, or \"\" for no checkpoints")
+            raise ConfigError(
+                f"checkpoint_dir={cfg.checkpoint_dir!r} (set by {resolved.sources['checkpoint_dir']}): "
+                f'{problem} on rank 0; choose a writable directory, or "" for no checkpoints'
+            )
         announce_endpoints(ctx, cfg, node)
         trainer = Trainer(cfg, ctx, grad_accum_steps, stop, metrics, node)
         code = trainer.run()

@@ -1,4 +1,4 @@
-"""Gradient accumulation across real ranks: every claim of ``app.accum`` measured, then a throughput sweep.
+"""Gradient accumulation across real ranks: every claim of ``app.parallel.accum`` measured, then a throughput sweep.
 
     make accum                                                     # world size 2 on CPU, 1.5-2 minutes
     .venv/bin/python -m bench.accum --steps 4 --accum-steps 1,2,4  # a quicker sweep
@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from app.accum import accumulation_step, effective_batch_size
-from app.ddp import DistributedDataParallel
 from app.models import DeepMLP, MiniMLP
+from app.parallel import wrap_model
+from app.parallel.accum import accumulation_step, effective_batch_size
 
 SCHEMA = "accum-curve.v1"
 TOLERANCE = 1e-4  # the issue's bar for "equal": max |Δgrad| and max |Δparam| against one big batch
@@ -84,8 +84,17 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def compare(model, *, rank: int, world: int, steps: int = 3, ref_micro: int | None = None, make_opt=sgd,
-            dtype=torch.float32, **step_kwargs) -> dict:
+def compare(
+    model,
+    *,
+    rank: int,
+    world: int,
+    steps: int = 3,
+    ref_micro: int | None = None,
+    make_opt=sgd,
+    dtype=torch.float32,
+    **step_kwargs,
+) -> dict:
     """Train a copy of ``model``'s module on each whole global batch (or, with ``ref_micro``, by accumulating
     micro-batches of that size) and ``model`` by accumulating K micro-batches of MICRO on this rank's slice.
 
@@ -107,18 +116,22 @@ def compare(model, *, rank: int, world: int, steps: int = 3, ref_micro: int | No
         dgrad, dparam = max(dgrad, max_diff(ref, model, grads=True)), max_diff(ref, model, grads=False)
     dgrad, dparam = max_over_ranks([dgrad, dparam])
     counts = [int(s["step"]) for s in opt.state.values() if "step" in s]
-    return {"max_abs_dgrad": dgrad, "max_abs_dparam": dparam, "optimizer_steps": steps,
-            "state_step": [min(counts), max(counts)] if counts else None}
+    return {
+        "max_abs_dgrad": dgrad,
+        "max_abs_dparam": dparam,
+        "optimizer_steps": steps,
+        "state_step": [min(counts), max(counts)] if counts else None,
+    }
 
 
 def equivalence(rank: int, world: int, base: torch.nn.Module) -> dict:
     n = K * MICRO * world
     out = {
         "single_16_vs_4x4": compare(copy.deepcopy(base), rank=0, world=1),
-        f"ddp_{n}_vs_{world}x{K}x{MICRO}": compare(DistributedDataParallel(copy.deepcopy(base)), rank=rank,
-                                                    world=world),
+        f"ddp_{n}_vs_{world}x{K}x{MICRO}": compare(wrap_model(copy.deepcopy(base), "ours"), rank=rank, world=world),
         f"torch_ddp_{n}_vs_{world}x{K}x{MICRO}": compare(
-            torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base)), rank=rank, world=world),
+            wrap_model(copy.deepcopy(base), "torch"), rank=rank, world=world
+        ),
     }
     for dtype in (torch.float32, torch.float64):  # 2×8 vs 4×4, both accumulated
         name = "2x8_vs_4x4" + ("" if dtype == torch.float32 else "_float64")
@@ -139,7 +152,7 @@ def forward_outside_no_sync_step(ddp, optimizer, micro_batches, loss_fn) -> None
 def sync_counts(rank: int, world: int, base: torch.nn.Module, steps: int = 3) -> dict:
     out = {}
     for variant in ("sync_on_last", "sync_every_micro_batch", "forward_outside_no_sync"):
-        ddp = DistributedDataParallel(copy.deepcopy(base))
+        ddp = wrap_model(copy.deepcopy(base), "ours")
         opt = sgd(ddp.parameters())
         counted = 0
         for step in range(steps):
@@ -150,8 +163,13 @@ def sync_counts(rank: int, world: int, base: torch.nn.Module, steps: int = 3) ->
             else:
                 every = variant == "sync_every_micro_batch"
                 counted += accumulation_step(ddp, opt, mine, F.cross_entropy, sync_every_micro_batch=every).syncs
-        out[variant] = {"sync_calls": ddp.stats.sync_calls, "step_result_syncs": counted,
-                        "bytes_reduced": ddp.stats.bytes_reduced, "optimizer_steps": steps, "accum_steps": K}
+        out[variant] = {
+            "sync_calls": ddp.stats.sync_calls,
+            "step_result_syncs": counted,
+            "bytes_reduced": ddp.stats.bytes_reduced,
+            "optimizer_steps": steps,
+            "accum_steps": K,
+        }
     return out
 
 
@@ -162,22 +180,27 @@ def wrong_scale(rank: int, world: int, base: torch.nn.Module) -> dict:
         start = [p.detach().clone() for p in base.parameters()]
         moved = {}
         for scale in (True, False):
-            ddp = DistributedDataParallel(copy.deepcopy(base))
+            ddp = wrap_model(copy.deepcopy(base), "ours")
             moved[scale] = compare(ddp, rank=rank, world=world, steps=1, make_opt=make_opt, scale_loss=scale)
-            moved[scale]["update_norm"] = torch.cat([(p.detach() - s).flatten() for p, s in
-                                                     zip(ddp.module.parameters(), start)]).norm().item()
-        out[name] = {"max_abs_dparam_right": moved[True]["max_abs_dparam"],
-                     "max_abs_dparam_wrong": moved[False]["max_abs_dparam"],
-                     "max_abs_dgrad_wrong": moved[False]["max_abs_dgrad"],
-                     "update_ratio": moved[False]["update_norm"] / moved[True]["update_norm"], "accum_steps": K}
+            moved[scale]["update_norm"] = (
+                torch.cat([(p.detach() - s).flatten() for p, s in zip(ddp.module.parameters(), start)]).norm().item()
+            )
+        out[name] = {
+            "max_abs_dparam_right": moved[True]["max_abs_dparam"],
+            "max_abs_dparam_wrong": moved[False]["max_abs_dparam"],
+            "max_abs_dgrad_wrong": moved[False]["max_abs_dgrad"],
+            "update_ratio": moved[False]["update_norm"] / moved[True]["update_norm"],
+            "accum_steps": K,
+        }
     return out
 
 
 def adamw_state(rank: int, world: int, base: torch.nn.Module, steps: int = 5) -> dict:
-    right = compare(DistributedDataParallel(copy.deepcopy(base)), rank=rank, world=world, steps=steps,
-                    make_opt=torch.optim.AdamW)
+    right = compare(
+        wrap_model(copy.deepcopy(base), "ours"), rank=rank, world=world, steps=steps, make_opt=torch.optim.AdamW
+    )
     # The mistake: optimizer.step() inside the micro-batch loop (each micro-batch then has to sync, too).
-    ddp = DistributedDataParallel(copy.deepcopy(base))
+    ddp = wrap_model(copy.deepcopy(base), "ours")
     ref = copy.deepcopy(base)
     opt, ref_opt = torch.optim.AdamW(ddp.parameters()), torch.optim.AdamW(ref.parameters())
     for step in range(steps):
@@ -190,9 +213,14 @@ def adamw_state(rank: int, world: int, base: torch.nn.Module, steps: int = 5) ->
             (F.cross_entropy(ddp(xm), ym) / K).backward()
             opt.step()
     counts = [int(s["step"]) for s in opt.state.values()]
-    return {"accumulation_step": right,
-            "step_per_micro_batch": {"state_step": [min(counts), max(counts)], "optimizer_steps": steps,
-                                     "max_abs_dparam": max_over_ranks([max_diff(ref, ddp, grads=False)])[0]}}
+    return {
+        "accumulation_step": right,
+        "step_per_micro_batch": {
+            "state_step": [min(counts), max(counts)],
+            "optimizer_steps": steps,
+            "max_abs_dparam": max_over_ranks([max_diff(ref, ddp, grads=False)])[0],
+        },
+    }
 
 
 def sweep(rank: int, world: int, cfg: dict) -> tuple[list[dict], float]:
@@ -201,14 +229,23 @@ def sweep(rank: int, world: int, cfg: dict) -> tuple[list[dict], float]:
 
     Returns the points and the compute-only ceiling (samples/s with no sync and no optimizer step)."""
     width, micro = cfg["width"], cfg["micro_batch"]
-    teacher = torch.randn(width, width, generator=torch.Generator().manual_seed(7)) / width ** 0.5
+    teacher = torch.randn(width, width, generator=torch.Generator().manual_seed(7)) / width**0.5
     points = []
     for k in cfg["accum_steps"]:
         for mode in ("last", "every"):
             torch.manual_seed(0)
-            ddp = DistributedDataParallel(DeepMLP(width, cfg["depth"]))
-            points.append({"sync_mode": mode, "accum_steps": k, "ddp": ddp, "times": [], "losses": [], "opt": [],
-                           "optimizer": torch.optim.AdamW(ddp.parameters(), lr=1e-3)})
+            ddp = wrap_model(DeepMLP(width, cfg["depth"]), "ours")
+            points.append(
+                {
+                    "sync_mode": mode,
+                    "accum_steps": k,
+                    "ddp": ddp,
+                    "times": [],
+                    "losses": [],
+                    "opt": [],
+                    "optimizer": torch.optim.AdamW(ddp.parameters(), lr=1e-3),
+                }
+            )
     compute = []  # seconds per micro-batch of forward + backward alone: the ceiling that accumulation approaches
     for step in range(cfg["warmup"] + cfg["steps"]):
         probe = points[0]["ddp"]
@@ -227,8 +264,9 @@ def sweep(rank: int, world: int, cfg: dict) -> tuple[list[dict], float]:
                 p["calls"] = p["ddp"].stats.sync_calls
             dist.barrier()  # start together: a rank still busy with the previous point would show up as sync time
             t0 = time.perf_counter()
-            result = accumulation_step(p["ddp"], p["optimizer"], mbs, F.mse_loss,
-                                       sync_every_micro_batch=p["sync_mode"] == "every")
+            result = accumulation_step(
+                p["ddp"], p["optimizer"], mbs, F.mse_loss, sync_every_micro_batch=p["sync_mode"] == "every"
+            )
             if step >= cfg["warmup"]:
                 p["times"].append(time.perf_counter() - t0)
                 p["losses"].append(result.loss)
@@ -241,21 +279,35 @@ def sweep(rank: int, world: int, cfg: dict) -> tuple[list[dict], float]:
         eff = effective_batch_size(micro, p["accum_steps"], world)
         median = statistics.median(p["times"])
         sync_calls = p["ddp"].stats.sync_calls - p["calls"]
-        out.append({"sync_mode": p["sync_mode"], "effective_batch": eff, "accum_steps": p["accum_steps"],
-                    "micro_batch": micro, "avg_loss": loss.item() / world, "samples_per_sec": eff / median,
-                    "median_step_ms": median * 1e3, "sync_calls": sync_calls, "steps": cfg["steps"],
-                    "syncs_per_sample": sync_calls / (cfg["steps"] * eff),
-                    "median_optimizer_ms": statistics.median(p["opt"]) * 1e3,
-                    "fraction_of_compute_only": eff / median / ceiling,
-                    "gradient_bytes": sum(p["ddp"].bucket_sizes)})
+        out.append(
+            {
+                "sync_mode": p["sync_mode"],
+                "effective_batch": eff,
+                "accum_steps": p["accum_steps"],
+                "micro_batch": micro,
+                "avg_loss": loss.item() / world,
+                "samples_per_sec": eff / median,
+                "median_step_ms": median * 1e3,
+                "sync_calls": sync_calls,
+                "steps": cfg["steps"],
+                "syncs_per_sample": sync_calls / (cfg["steps"] * eff),
+                "median_optimizer_ms": statistics.median(p["opt"]) * 1e3,
+                "fraction_of_compute_only": eff / median / ceiling,
+                "gradient_bytes": sum(p["ddp"].bucket_sizes),
+            }
+        )
     return out, ceiling
 
 
 def rank_main(rank: int, world: int, cfg: dict) -> dict:
     torch.manual_seed(0)
     base = MiniMLP()
-    report = {"equivalence": equivalence(rank, world, base), "syncs": sync_counts(rank, world, base),
-              "wrong_scale": wrong_scale(rank, world, base), "adamw": adamw_state(rank, world, base)}
+    report = {
+        "equivalence": equivalence(rank, world, base),
+        "syncs": sync_counts(rank, world, base),
+        "wrong_scale": wrong_scale(rank, world, base),
+        "adamw": adamw_state(rank, world, base),
+    }
     report["points"], report["compute_only_samples_per_sec"] = sweep(rank, world, cfg)
     return report
 
@@ -264,8 +316,13 @@ def _entry(rank: int, world: int, init_file: str, out_dir: str, cfg: dict) -> No
     torch.set_num_threads(1)  # ranks share this machine's cores: more BLAS threads per rank only fight each other
     out = Path(out_dir) / f"rank{rank}"
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+        )
         try:
             report = rank_main(rank, world, cfg)
         finally:
@@ -273,7 +330,7 @@ def _entry(rank: int, world: int, init_file: str, out_dir: str, cfg: dict) -> No
         out.with_suffix(".pkl").write_bytes(pickle.dumps(report))
     except BaseException:
         out.with_suffix(".err").write_text(traceback.format_exc())
-        raise SystemExit(1)
+        raise SystemExit(1) from None
 
 
 def run_ranks(world: int, cfg: dict, timeout: float) -> dict:
@@ -281,8 +338,10 @@ def run_ranks(world: int, cfg: dict, timeout: float) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_entry, args=(r, world, os.path.join(tmp, "store"), tmp, cfg), daemon=True)
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_entry, args=(r, world, os.path.join(tmp, "store"), tmp, cfg), daemon=True)
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -306,10 +365,18 @@ def run_ranks(world: int, cfg: dict, timeout: float) -> dict:
 def check(report: dict) -> list[str]:
     """Every claim as (holds, text); returns the texts that do not hold."""
     eq, syncs, adamw = report["equivalence"], report["syncs"], report["adamw"]
-    claims = [(r["max_abs_dgrad"] < TOLERANCE and r["max_abs_dparam"] < TOLERANCE, f"{name} within {TOLERANCE}")
-              for name, r in eq.items() if not name.startswith("2x8")]
-    claims.append((eq["2x8_vs_4x4"]["max_abs_dparam"] < SPLIT_TOLERANCE and
-                   eq["2x8_vs_4x4"]["max_abs_dgrad"] < SPLIT_TOLERANCE, f"2x8_vs_4x4 within {SPLIT_TOLERANCE}"))
+    claims = [
+        (r["max_abs_dgrad"] < TOLERANCE and r["max_abs_dparam"] < TOLERANCE, f"{name} within {TOLERANCE}")
+        for name, r in eq.items()
+        if not name.startswith("2x8")
+    ]
+    claims.append(
+        (
+            eq["2x8_vs_4x4"]["max_abs_dparam"] < SPLIT_TOLERANCE
+            and eq["2x8_vs_4x4"]["max_abs_dgrad"] < SPLIT_TOLERANCE,
+            f"2x8_vs_4x4 within {SPLIT_TOLERANCE}",
+        )
+    )
     for variant, per_step in (("sync_on_last", 1), ("sync_every_micro_batch", K), ("forward_outside_no_sync", K)):
         s = syncs[variant]
         claims.append((s["sync_calls"] == per_step * s["optimizer_steps"], f"{variant}: {per_step} sync(s)/step"))
@@ -327,38 +394,57 @@ def check(report: dict) -> list[str]:
 def render(report: dict, cfg: dict) -> str:
     eq, syncs, ws, adamw = report["equivalence"], report["syncs"], report["wrong_scale"], report["adamw"]
     lines = [f"== equivalence: SGD(momentum 0.9), 3 steps, max over steps and ranks (bar {TOLERANCE:g}) =="]
-    lines += [f"  {name:<28} max|Δgrad| {r['max_abs_dgrad']:.2e}   max|Δparam| {r['max_abs_dparam']:.2e}"
-              for name, r in eq.items()]
+    lines += [
+        f"  {name:<28} max|Δgrad| {r['max_abs_dgrad']:.2e}   max|Δparam| {r['max_abs_dparam']:.2e}"
+        for name, r in eq.items()
+    ]
     lines.append(f"  (2x8 vs 4x4 uses {SPLIT_TOLERANCE:g}: same sums in another order; float64 shows it is rounding)")
     lines.append(f"== gradient syncs: our DDP's counter, K={K} micro-batches, 3 optimizer steps ==")
     for variant, s in syncs.items():
-        lines.append(f"  {variant:<24} {s['sync_calls']:>3} syncs ({s['sync_calls'] / s['optimizer_steps']:.0f} per "
-                     f"step), {s['bytes_reduced'] / 1024:.1f} KiB reduced")
+        lines.append(
+            f"  {variant:<24} {s['sync_calls']:>3} syncs ({s['sync_calls'] / s['optimizer_steps']:.0f} per "
+            f"step), {s['bytes_reduced'] / 1024:.1f} KiB reduced"
+        )
     lines.append(f"== wrong scale: loss not divided by K={K}, one step, vs one big batch ==")
     for name, r in ws.items():
-        lines.append(f"  {name:<6} max|Δparam| {r['max_abs_dparam_wrong']:.2e} "
-                     f"(right: {r['max_abs_dparam_right']:.1e})   update {r['update_ratio']:.2f}× the right one")
+        lines.append(
+            f"  {name:<6} max|Δparam| {r['max_abs_dparam_wrong']:.2e} "
+            f"(right: {r['max_abs_dparam_right']:.1e})   update {r['update_ratio']:.2f}× the right one"
+        )
     a, b = adamw["accumulation_step"], adamw["step_per_micro_batch"]
     lines.append(f"== AdamW: {a['optimizer_steps']} optimizer steps of K={K} ==")
-    lines.append(f"  accumulation_step        state step {a['state_step'][1]}, max|Δparam| vs one big batch "
-                 f"{a['max_abs_dparam']:.2e}")
-    lines.append(f"  step() per micro-batch   state step {b['state_step'][1]}, max|Δparam| vs one big batch "
-                 f"{b['max_abs_dparam']:.2e}")
-    lines.append(f"== sweep: DeepMLP(width={cfg['width']}, depth={cfg['depth']}), micro-batch {cfg['micro_batch']}, "
-                 f"world {cfg['world_size']}, AdamW, median of {cfg['steps']} steps ==")
-    lines.append(f"  {'sync':<6}{'eff.batch':>10}{'K':>4}{'samples/s':>11}{'step ms':>10}{'syncs':>7}"
-                 f"{'syncs/sample':>14}{'opt ms':>8}{'of compute-only':>17}{'avg loss':>10}")
-    lines += [f"  {p['sync_mode']:<6}{p['effective_batch']:>10}{p['accum_steps']:>4}{p['samples_per_sec']:>11.1f}"
-              f"{p['median_step_ms']:>10.1f}{p['sync_calls']:>7}{p['syncs_per_sample']:>14.5f}"
-              f"{p['median_optimizer_ms']:>8.1f}{p['fraction_of_compute_only']:>17.0%}{p['avg_loss']:>10.4f}"
-              for p in report["points"]]
-    lines.append(f"  compute only (forward + backward, no sync, no optimizer step): "
-                 f"{report['compute_only_samples_per_sec']:.1f} samples/s")
+    lines.append(
+        f"  accumulation_step        state step {a['state_step'][1]}, max|Δparam| vs one big batch "
+        f"{a['max_abs_dparam']:.2e}"
+    )
+    lines.append(
+        f"  step() per micro-batch   state step {b['state_step'][1]}, max|Δparam| vs one big batch "
+        f"{b['max_abs_dparam']:.2e}"
+    )
+    lines.append(
+        f"== sweep: DeepMLP(width={cfg['width']}, depth={cfg['depth']}), micro-batch {cfg['micro_batch']}, "
+        f"world {cfg['world_size']}, AdamW, median of {cfg['steps']} steps =="
+    )
+    lines.append(
+        f"  {'sync':<6}{'eff.batch':>10}{'K':>4}{'samples/s':>11}{'step ms':>10}{'syncs':>7}"
+        f"{'syncs/sample':>14}{'opt ms':>8}{'of compute-only':>17}{'avg loss':>10}"
+    )
+    lines += [
+        f"  {p['sync_mode']:<6}{p['effective_batch']:>10}{p['accum_steps']:>4}{p['samples_per_sec']:>11.1f}"
+        f"{p['median_step_ms']:>10.1f}{p['sync_calls']:>7}{p['syncs_per_sample']:>14.5f}"
+        f"{p['median_optimizer_ms']:>8.1f}{p['fraction_of_compute_only']:>17.0%}{p['avg_loss']:>10.4f}"
+        for p in report["points"]
+    ]
+    lines.append(
+        f"  compute only (forward + backward, no sync, no optimizer step): "
+        f"{report['compute_only_samples_per_sec']:.1f} samples/s"
+    )
     return "\n".join(lines)
 
 
 def plot(points: list[dict], ceiling: float, cfg: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")  # files only: no display on servers and CI
     import matplotlib.pyplot as plt
     import matplotlib.ticker
@@ -385,8 +471,10 @@ def plot(points: list[dict], ceiling: float, cfg: dict, path: Path) -> None:
     right.set_ylabel("syncs / sample")
     right.set_yscale("log", base=2)
     right.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"1/{round(1 / v)}"))
-    fig.suptitle(f"Gradient accumulation, DeepMLP(width={cfg['width']}, depth={cfg['depth']}), "
-                 f"{cfg['world_size']} CPU ranks (gloo)")
+    fig.suptitle(
+        f"Gradient accumulation, DeepMLP(width={cfg['width']}, depth={cfg['depth']}), "
+        f"{cfg['world_size']} CPU ranks (gloo)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -402,7 +490,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         try:
             return [positive(part) for part in text.split(",")]
         except argparse.ArgumentTypeError:
-            raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated positive integers, e.g. 1,2,4,8,16")
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give comma-separated positive integers, e.g. 1,2,4,8,16"
+            ) from None
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world-size", type=positive, default=2, help="ranks to spawn (default 2)")
@@ -422,8 +512,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    cfg = {"world_size": args.world_size, "micro_batch": args.micro_batch, "accum_steps": args.accum_steps,
-           "steps": args.steps, "warmup": args.warmup, "width": args.width, "depth": args.depth}
+    cfg = {
+        "world_size": args.world_size,
+        "micro_batch": args.micro_batch,
+        "accum_steps": args.accum_steps,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "width": args.width,
+        "depth": args.depth,
+    }
     started = time.monotonic()
     try:
         report = run_ranks(args.world_size, cfg, args.timeout)
@@ -433,13 +530,23 @@ def main(argv=None) -> int:
     print(render(report, cfg))
     failed = check(report)
     args.out.mkdir(parents=True, exist_ok=True)
-    doc = {"schema": SCHEMA, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "torch": torch.__version__, "backend": "gloo", "world_size": args.world_size,
-           "model": {"name": "DeepMLP", "width": args.width, "depth": args.depth}, "optimizer": "AdamW(lr=1e-3)",
-           "micro_batch": args.micro_batch, "accum_steps_swept": args.accum_steps, "warmup_steps": args.warmup,
-           "samples_per_sec_from": "effective_batch / median step time",
-           "compute_only_samples_per_sec": report.pop("compute_only_samples_per_sec"),
-           "points": report.pop("points"), "checks": report, "failed": failed}
+    doc = {
+        "schema": SCHEMA,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "backend": "gloo",
+        "world_size": args.world_size,
+        "model": {"name": "DeepMLP", "width": args.width, "depth": args.depth},
+        "optimizer": "AdamW(lr=1e-3)",
+        "micro_batch": args.micro_batch,
+        "accum_steps_swept": args.accum_steps,
+        "warmup_steps": args.warmup,
+        "samples_per_sec_from": "effective_batch / median step time",
+        "compute_only_samples_per_sec": report.pop("compute_only_samples_per_sec"),
+        "points": report.pop("points"),
+        "checks": report,
+        "failed": failed,
+    }
     json_path = args.out / "accum-curve.json"
     json_path.write_text(json.dumps(doc, indent=1) + "\n")
     plot(doc["points"], doc["compute_only_samples_per_sec"], cfg, args.out / "accum-curve.png")

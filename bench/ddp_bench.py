@@ -10,8 +10,8 @@ row against PyTorch's DDP, measured minutes apart at most), not the milliseconds
 
 Variants:
     no sync           no communication at all: the lower bound
-    ours 25MB / 1MB   app.ddp with that bucket cap
-    ours per-param    app.ddp with one bucket per parameter (every tensor pays the latency floor)
+    ours 25MB / 1MB   app.parallel.ddp with that bucket cap
+    ours per-param    app.parallel.ddp with one bucket per parameter (every tensor pays the latency floor)
     torch 25MB        torch.nn.parallel.DistributedDataParallel
     lesson loop       after backward, all_reduce each p.grad in turn, then divide: no buckets, no overlap
     barrier only      after backward, dist.barrier(): what a step costs when ranks only wait for each other
@@ -36,9 +36,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from app.ddp import DistributedDataParallel as OurDDP
 from app.dist import distributed
 from app.models import DeepMLP, TinyTransformer, count_parameter_tensors
+from app.parallel import wrap_model
 
 RESULTS = Path(__file__).parent / "results" / "ddp-bench.json"
 VARIANTS = ["no sync", "ours 25MB", "ours 1MB", "ours per-param", "torch 25MB", "lesson loop", "barrier only"]
@@ -52,9 +52,9 @@ class Variant:
         model = copy.deepcopy(base)
         if name.startswith("ours"):
             cap = {"ours 25MB": 25, "ours 1MB": 1, "ours per-param": 1e-9}[name]
-            model = OurDDP(model, bucket_cap_mb=cap)
+            model = wrap_model(model, "ours", bucket_cap_mb=cap)
         elif name == "torch 25MB":
-            model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
+            model = wrap_model(model, "torch", bucket_cap_mb=25)
         self.model = model
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-4)
         self.world = dist.get_world_size()
@@ -117,8 +117,10 @@ def measure(names: list[str], workload, batch: int, repeats: int, steps: int, wa
 
 
 def describe(model: nn.Module) -> dict:
-    return {"parameter_tensors": count_parameter_tensors(model),
-            "gradient_mib": round(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20, 2)}
+    return {
+        "parameter_tensors": count_parameter_tensors(model),
+        "gradient_mib": round(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20, 2),
+    }
 
 
 def main(argv=None) -> int:
@@ -135,24 +137,43 @@ def main(argv=None) -> int:
 
 def run(args, rank: int, world: int) -> int:
     models = {"deep_mlp": (mlp_workload, 32), "tiny_transformer": (transformer_workload, 16)}
-    report = {"schema": "ddp-bench.v1", "world_size": world, "backend": dist.get_backend(),
-              "torch": torch.__version__, "host": platform.node(), "repeats": args.repeats, "steps": args.steps,
-              "time_unit": "median seconds per step (slowest rank), median over interleaved repeats",
-              "models": {}, "sync_share": []}
+    report = {
+        "schema": "ddp-bench.v1",
+        "world_size": world,
+        "backend": dist.get_backend(),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "repeats": args.repeats,
+        "steps": args.steps,
+        "time_unit": "median seconds per step (slowest rank), median over interleaved repeats",
+        "models": {},
+        "sync_share": [],
+    }
     for model_name, (workload, batch) in models.items():
         per_repeat = measure(VARIANTS, workload, batch, args.repeats, args.steps, args.warmup)
         medians = {n: statistics.median(v) for n, v in per_repeat.items()}
         torch_ms = medians["torch 25MB"]
         report["models"][model_name] = {
-            **describe(workload(batch)[0]), "per_rank_batch": batch,
-            "variants": {n: {"median_s": medians[n], "ratio_to_torch": medians[n] / torch_ms,
-                             "per_repeat_s": per_repeat[n]} for n in VARIANTS}}
+            **describe(workload(batch)[0]),
+            "per_rank_batch": batch,
+            "variants": {
+                n: {"median_s": medians[n], "ratio_to_torch": medians[n] / torch_ms, "per_repeat_s": per_repeat[n]}
+                for n in VARIANTS
+            },
+        }
 
     for batch in (1, 16, 256):
         per_repeat = measure(["no sync", "ours 25MB"], mlp_workload, batch, args.repeats, args.steps, args.warmup)
         no_sync, ours = (statistics.median(per_repeat[n]) for n in ("no sync", "ours 25MB"))
-        report["sync_share"].append({"model": "deep_mlp", "per_rank_batch": batch, "no_sync_s": no_sync,
-                                     "ours_s": ours, "sync_share": max(0.0, 1 - no_sync / ours)})
+        report["sync_share"].append(
+            {
+                "model": "deep_mlp",
+                "per_rank_batch": batch,
+                "no_sync_s": no_sync,
+                "ours_s": ours,
+                "sync_share": max(0.0, 1 - no_sync / ours),
+            }
+        )
 
     if rank == 0:
         print_table(report)
@@ -163,8 +184,10 @@ def run(args, rank: int, world: int) -> int:
 
 
 def print_table(report: dict) -> None:
-    print(f"world size {report['world_size']} ({report['backend']}, CPU), {report['repeats']} interleaved repeats "
-          f"x {report['steps']} steps; ms = median step time of the slowest rank\n")
+    print(
+        f"world size {report['world_size']} ({report['backend']}, CPU), {report['repeats']} interleaved repeats "
+        f"x {report['steps']} steps; ms = median step time of the slowest rank\n"
+    )
     names = list(report["models"])
     header = "| variant | " + " | ".join(f"{m} ms | ×torch" for m in names) + " |"
     print(header)
@@ -177,13 +200,19 @@ def print_table(report: dict) -> None:
         print(f"| {v} | " + " | ".join(cells) + " |")
     for m in names:
         info = report["models"][m]
-        print(f"{m}: {info['parameter_tensors']} parameter tensors, {info['gradient_mib']} MiB of gradients, "
-              f"per-rank batch {info['per_rank_batch']}")
+        print(
+            f"{m}: {info['parameter_tensors']} parameter tensors, {info['gradient_mib']} MiB of gradients, "
+            f"per-rank batch {info['per_rank_batch']}"
+        )
     mlp = report["models"]["deep_mlp"]["variants"]
-    print(f"ours 25MB vs lesson loop on deep_mlp: {mlp['lesson loop']['median_s'] / mlp['ours 25MB']['median_s']:.2f}x "
-          f"faster")
-    print("\ngradient-sync share of the step (deep_mlp, ours 25MB): "
-          + ", ".join(f"batch {s['per_rank_batch']}: {s['sync_share']:.0%}" for s in report["sync_share"]))
+    print(
+        f"ours 25MB vs lesson loop on deep_mlp: {mlp['lesson loop']['median_s'] / mlp['ours 25MB']['median_s']:.2f}x "
+        f"faster"
+    )
+    print(
+        "\ngradient-sync share of the step (deep_mlp, ours 25MB): "
+        + ", ".join(f"batch {s['per_rank_batch']}: {s['sync_share']:.0%}" for s in report["sync_share"])
+    )
 
 
 if __name__ == "__main__":

@@ -39,9 +39,23 @@ TARGET = 0.02  # the issue's bar: metrics may cost at most 2% of the step time
 
 def one_run(args, metrics_port: int) -> float:
     """Median step time in ms of one real training run."""
-    cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc-per-node={args.world_size}",
-           "-m", "app.train", "--model", args.model, "--steps", str(args.steps), "--micro-batch",
-           str(args.micro_batch), "--log-every", str(args.steps), "--metrics-port", str(metrics_port)]
+    cmd = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--standalone",
+        f"--nproc-per-node={args.world_size}",
+        "-m",
+        "app.train",
+        "--model",
+        args.model,
+        "--steps",
+        str(args.steps),
+        "--micro-batch",
+        str(args.micro_batch),
+        "--log-every",
+        str(args.steps),
+        "--metrics-port",
+        str(metrics_port),
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDP_")}
     env["OMP_NUM_THREADS"] = "1"
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -60,9 +74,17 @@ def direct_cost_us(iterations: int = 20000) -> float:
     for _ in range(5):
         t0 = time.perf_counter()
         for _ in range(iterations):
-            m.observe_step(step_seconds=0.004, forward_seconds=0.001, backward_seconds=0.002,
-                           optimizer_seconds=0.0005, comm=CommSample([0.0003], [27168], 0.0002), samples=32,
-                           syncs=1, loss=1.0, lr=0.003)
+            m.observe_step(
+                step_seconds=0.004,
+                forward_seconds=0.001,
+                backward_seconds=0.002,
+                optimizer_seconds=0.0005,
+                comm=CommSample([0.0003], [27168], 0.0002),
+                samples=32,
+                syncs=1,
+                loss=1.0,
+                lr=0.003,
+            )
         timings.append((time.perf_counter() - t0) / iterations * 1e6)
     return statistics.median(timings)
 
@@ -82,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     on, off = [], []
     for i in range(args.repeats):
         # Alternate which goes first, so a pair never systematically runs on the cooler machine.
-        for label in (("on", "off") if i % 2 == 0 else ("off", "on")):
+        for label in ("on", "off") if i % 2 == 0 else ("off", "on"):
             ms = one_run(args, args.port if label == "on" else 0)
             (on if label == "on" else off).append(ms)
             print(f"  repeat {i + 1}/{args.repeats}  metrics {label:<3}  median step {ms:7.3f} ms", flush=True)
@@ -91,14 +113,25 @@ def main(argv: list[str] | None = None) -> int:
     end_to_end = on_ms / off_ms - 1
     direct = cost_us / 1e3 / off_ms
     result = {
-        "schema": SCHEMA, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "setup": {"model": args.model, "world_size": args.world_size, "steps": args.steps,
-                  "micro_batch": args.micro_batch, "repeats": args.repeats, "cpus": os.cpu_count()},
-        "metrics_on_median_step_ms": round(on_ms, 4), "metrics_off_median_step_ms": round(off_ms, 4),
-        "runs_on_ms": on, "runs_off_ms": off,
+        "schema": SCHEMA,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "setup": {
+            "model": args.model,
+            "world_size": args.world_size,
+            "steps": args.steps,
+            "micro_batch": args.micro_batch,
+            "repeats": args.repeats,
+            "cpus": os.cpu_count(),
+        },
+        "metrics_on_median_step_ms": round(on_ms, 4),
+        "metrics_off_median_step_ms": round(off_ms, 4),
+        "runs_on_ms": on,
+        "runs_off_ms": off,
         "end_to_end_overhead": round(end_to_end, 4),
-        "observe_step_us": round(cost_us, 2), "direct_overhead": round(direct, 5),
-        "target": TARGET, "meets_target": direct <= TARGET,
+        "observe_step_us": round(cost_us, 2),
+        "direct_overhead": round(direct, 5),
+        "target": TARGET,
+        "meets_target": direct <= TARGET,
     }
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(result, indent=2) + "\n")
@@ -107,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'metrics off (--metrics-port 0)':<34}{off_ms:>9.3f} ms   runs: {', '.join(f'{x:.2f}' for x in off)}")
     print(f"  {'metrics on':<34}{on_ms:>9.3f} ms   runs: {', '.join(f'{x:.2f}' for x in on)}")
     print(f"  {'end to end (on / off - 1)':<34}{end_to_end:>+9.1%}      (noise of a shared machine included)")
-    print(f"  {'direct: observe_step per step':<34}{cost_us:>9.1f} µs = {direct:.2%} of the step "
-          f"(target <= {TARGET:.0%}: {'met' if direct <= TARGET else 'NOT met'})")
+    print(
+        f"  {'direct: observe_step per step':<34}{cost_us:>9.1f} µs = {direct:.2%} of the step "
+        f"(target <= {TARGET:.0%}: {'met' if direct <= TARGET else 'NOT met'})"
+    )
     print(f"wrote {RESULT.relative_to(REPO)}")
     return 0
 

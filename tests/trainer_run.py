@@ -22,9 +22,12 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("DDP_", "TORCHELASTIC_")) and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
-                                                                         "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("DDP_", "TORCHELASTIC_"))
+        and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+    }
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra)
     return env
@@ -53,17 +56,20 @@ def free_port(count: int = 1) -> int:
     raise RuntimeError(f"no {count} consecutive free ports")
 
 
-def torchrun(*args: str, nproc: int = 2, timeout: float = 120, env: dict[str, str] | None = None,
-             **popen) -> subprocess.CompletedProcess:
+def torchrun(
+    *args: str, nproc: int = 2, timeout: float = 120, env: dict[str, str] | None = None, **popen
+) -> subprocess.CompletedProcess:
     cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "-m", "app.train", *args]
-    return subprocess.run(cmd, cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=timeout,
-                          **popen)
+    return subprocess.run(
+        cmd, cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=timeout, **popen
+    )
 
 
 def start_torchrun(*args: str, nproc: int = 2, env: dict[str, str] | None = None) -> subprocess.Popen:
     cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "-m", "app.train", *args]
-    return subprocess.Popen(cmd, cwd=REPO, env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def start_ranks(*args: str, world_size: int = 2, port: int | None = None, **extra_env: str) -> list[subprocess.Popen]:
@@ -71,10 +77,25 @@ def start_ranks(*args: str, world_size: int = 2, port: int | None = None, **extr
     port = port or free_port()
     procs = []
     for rank in range(world_size):
-        env = clean_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), GROUP_RANK="0",
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **extra_env)
-        procs.append(subprocess.Popen([PYTHON, "-m", "app.train", *args], cwd=REPO, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = clean_env(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            GROUP_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            **extra_env,
+        )
+        procs.append(
+            subprocess.Popen(
+                [PYTHON, "-m", "app.train", *args],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     return procs
 
 
@@ -105,8 +126,9 @@ def wait_for_lines(proc: subprocess.Popen, stream, wanted: str, count: int = 1, 
         try:
             line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
         except queue.Empty:
-            raise AssertionError(f"{count}× {wanted!r} not seen within {timeout:g}s; last output:\n"
-                                 f"{''.join(seen[-20:])}") from None
+            raise AssertionError(
+                f"{count}× {wanted!r} not seen within {timeout:g}s; last output:\n{''.join(seen[-20:])}"
+            ) from None
         if line is None:
             break
         seen.append(line)
@@ -116,16 +138,19 @@ def wait_for_lines(proc: subprocess.Popen, stream, wanted: str, count: int = 1, 
             tail = (other.read() if other else "")[-3000:]  # safe: the process is gone, read() cannot block
         except subprocess.TimeoutExpired:
             code, tail = "nothing (still running)", ""
-        raise AssertionError(f"worker closed its output and exited {code} before printing {count}× {wanted!r}; "
-                             f"last output:\n{''.join(seen[-20:])}{tail}")
+        raise AssertionError(
+            f"worker closed its output and exited {code} before printing {count}× {wanted!r}; "
+            f"last output:\n{''.join(seen[-20:])}{tail}"
+        )
     return seen
 
 
 def finished(stdout: str) -> dict[int, dict[str, str]]:
     """The FINISHED lines, by rank: {rank: {"world_size": ..., "step": ..., "checksum": ...}}."""
     out = {}
-    for m in re.finditer(r"^FINISHED rank=(\d+) world_size=(\d+) step=(\d+) checksum=([0-9a-f]{16})$", stdout,
-                         re.MULTILINE):
+    for m in re.finditer(
+        r"^FINISHED rank=(\d+) world_size=(\d+) step=(\d+) checksum=([0-9a-f]{16})$", stdout, re.MULTILINE
+    ):
         out[int(m.group(1))] = {"world_size": m.group(2), "step": m.group(3), "checksum": m.group(4)}
     return out
 

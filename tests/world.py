@@ -33,8 +33,13 @@ def _serve(rank: int, world_size: int, init_file: str, backend: str, tasks, resu
 
     torch.set_num_threads(1)  # 2 cores shared by up to 4 ranks: extra BLAS threads only add noise
     try:
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
     except BaseException:
         results.put((rank, "err", traceback.format_exc()))
         return
@@ -58,8 +63,12 @@ class _World:
         init_file = os.path.join(self._tmp.name, "store")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
-        self._procs = [ctx.Process(target=_serve, args=(r, world_size, init_file, backend, self._tasks[r],
-                                                        self._results), daemon=True) for r in range(world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_serve, args=(r, world_size, init_file, backend, self._tasks[r], self._results), daemon=True
+            )
+            for r in range(world_size)
+        ]
         for p in self._procs:
             p.start()
 
@@ -100,8 +109,10 @@ class _World:
         if dead:
             rank, code = dead[0]
             how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-            raise AssertionError(f"rank {rank} died ({how}) without reporting a result: a crash (segfault, OOM "
-                                 f"killer, os._exit), not a hang")
+            raise AssertionError(
+                f"rank {rank} died ({how}) without reporting a result: a crash (segfault, OOM "
+                f"killer, os._exit), not a hang"
+            )
 
     def close(self, graceful: bool = True) -> None:
         if graceful:

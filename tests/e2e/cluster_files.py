@@ -56,16 +56,52 @@ def scrape_interval_seconds() -> float:
 
 def substitute(expr: str, rate_interval_s: float) -> str:
     """What Grafana sends to Prometheus: $rank = All (.*), $__rate_interval at its floor (4 scrape intervals)."""
-    expr = expr.replace("$__rate_interval", f"{int(rate_interval_s)}s").replace("${__rate_interval}", f"{int(rate_interval_s)}s")
+    expr = expr.replace("$__rate_interval", f"{int(rate_interval_s)}s").replace(
+        "${__rate_interval}", f"{int(rate_interval_s)}s"
+    )
     return re.sub(r"\$\{?rank\}?", ".*", expr)
 
 
 # PromQL words that look like metric names in an expression but are not.
 _PROMQL_WORDS = {
-    "sum", "max", "min", "avg", "count", "quantile", "by", "without", "on", "ignoring", "group_left",
-    "group_right", "rate", "irate", "increase", "histogram_quantile", "time", "and", "or", "unless",
-    "clamp_min", "clamp_max", "vector", "scalar", "topk", "bottomk", "abs", "label_values", "le", "rank",
-    "job", "instance", "offset", "bool", "max_over_time", "min_over_time", "avg_over_time", "last_over_time",
+    "sum",
+    "max",
+    "min",
+    "avg",
+    "count",
+    "quantile",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "rate",
+    "irate",
+    "increase",
+    "histogram_quantile",
+    "time",
+    "and",
+    "or",
+    "unless",
+    "clamp_min",
+    "clamp_max",
+    "vector",
+    "scalar",
+    "topk",
+    "bottomk",
+    "abs",
+    "label_values",
+    "le",
+    "rank",
+    "job",
+    "instance",
+    "offset",
+    "bool",
+    "max_over_time",
+    "min_over_time",
+    "avg_over_time",
+    "last_over_time",
     "humanize",
 }
 

@@ -13,16 +13,28 @@ import re
 import pytest
 import yaml
 
-from tests.e2e.cluster_files import (COMPOSE, COMPOSE_LOCAL, DATASOURCES, ROOT, compose_services, dashboard,
-                                     exported_metric_names, metric_names, panel_queries)
+from tests.e2e.cluster_files import (
+    COMPOSE,
+    COMPOSE_LOCAL,
+    DATASOURCES,
+    ROOT,
+    compose_services,
+    dashboard,
+    exported_metric_names,
+    metric_names,
+    panel_queries,
+)
 
 
 def test_every_panel_query_reads_only_metrics_the_worker_exports():
     exported = exported_metric_names() | {"up"}  # `up`: Prometheus' own, one per scrape target
     queries = panel_queries()
     assert len(queries) >= 15
-    unknown = {f"{q.panel} [{q.ref}]": sorted(metric_names(q.expr) - exported) for q in queries
-               if metric_names(q.expr) - exported}
+    unknown = {
+        f"{q.panel} [{q.ref}]": sorted(metric_names(q.expr) - exported)
+        for q in queries
+        if metric_names(q.expr) - exported
+    }
     assert not unknown, f"panels query metrics app/metrics.py does not export: {unknown}"
     assert all(metric_names(q.expr) for q in queries), "a panel query names no metric at all"
 
@@ -30,10 +42,10 @@ def test_every_panel_query_reads_only_metrics_the_worker_exports():
 def test_every_alert_reads_only_metrics_the_worker_exports():
     exported = exported_metric_names() | {"up"}
     rules = yaml.safe_load((ROOT / "docker/prometheus/alerts.yml").read_text())["groups"][0]["rules"]
-    assert {r["alert"] for r in rules} >= {"DDPRankDown", "DDPTrainingStalled", "DDPStraggler",
-                                           "DDPCommunicationBound"}
-    unknown = {r["alert"]: sorted(metric_names(r["expr"]) - exported) for r in rules
-               if metric_names(r["expr"]) - exported}
+    assert {r["alert"] for r in rules} >= {"DDPRankDown", "DDPTrainingStalled", "DDPStraggler", "DDPCommunicationBound"}
+    unknown = {
+        r["alert"]: sorted(metric_names(r["expr"]) - exported) for r in rules if metric_names(r["expr"]) - exported
+    }
     assert not unknown, f"alerts on metrics app/metrics.py does not export: {unknown}"
 
 
@@ -49,9 +61,19 @@ def test_dashboard_names_the_provisioned_datasource_by_uid():
 
 def test_dashboard_answers_the_questions_it_is_opened_for():
     titles = " | ".join(q.panel for q in panel_queries()).lower()
-    for needed in ("step time p50 / p95", "all-reduce latency per bucket", "exposed communication share",
-                   "bus bandwidth", "samples/s", "loss", "world size", "ranks up", "slowest", "median",
-                   "time since last step"):
+    for needed in (
+        "step time p50 / p95",
+        "all-reduce latency per bucket",
+        "exposed communication share",
+        "bus bandwidth",
+        "samples/s",
+        "loss",
+        "world size",
+        "ranks up",
+        "slowest",
+        "median",
+        "time since last step",
+    ):
         assert needed in titles, f"no panel for {needed!r}"
 
 

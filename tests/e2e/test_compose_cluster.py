@@ -39,9 +39,17 @@ from dataclasses import dataclass, field
 import pytest
 
 from app.dist import free_port
-
-from tests.e2e.cluster_files import (COMPOSE, LOCAL_BASE, ROOT, SETUP_ENGINE, PanelQuery, compose_services,
-                                     panel_queries, scrape_interval_seconds, substitute)
+from tests.e2e.cluster_files import (
+    COMPOSE,
+    LOCAL_BASE,
+    ROOT,
+    SETUP_ENGINE,
+    PanelQuery,
+    compose_services,
+    panel_queries,
+    scrape_interval_seconds,
+    substitute,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -92,13 +100,22 @@ class Compose:
     def __init__(self, project: str, env: dict[str, str]):
         self.project, self.env = project, env
 
-    def __call__(self, *args: str, timeout: float = 120, check: bool = True,
-                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        result = subprocess.run(["docker", "compose", "-p", self.project, *args], cwd=ROOT,
-                                env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+    def __call__(
+        self, *args: str, timeout: float = 120, check: bool = True, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
+        result = subprocess.run(
+            ["docker", "compose", "-p", self.project, *args],
+            cwd=ROOT,
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if check and result.returncode != 0:
-            raise AssertionError(f"docker compose {' '.join(args)} exited {result.returncode}:\n"
-                                 f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+            raise AssertionError(
+                f"docker compose {' '.join(args)} exited {result.returncode}:\n"
+                f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+            )
         return result
 
     def containers(self) -> list[dict]:
@@ -155,12 +172,23 @@ def cluster() -> ClusterRun:
     local = SETUP_ENGINE.exists()
     base_image = os.environ.get("BASE_IMAGE") or (LOCAL_BASE if local else "python:3.11-slim")
     compose_file = os.environ.get("COMPOSE_FILE") or (
-        "compose.yaml:compose.local.yaml" if base_image.startswith("local/") else "compose.yaml")
+        "compose.yaml:compose.local.yaml" if base_image.startswith("local/") else "compose.yaml"
+    )
     project = f"ddp-e2e-{os.getpid()}"
     prom_port = free_port()
-    env = {**os.environ, "BASE_IMAGE": base_image, "COMPOSE_FILE": compose_file, "COMPOSE_BAKE": "false",
-           "PROMETHEUS_PORT": str(prom_port), "GRAFANA_PORT": str(free_port()), "RUN_ID": project,
-           "WORKERS": str(WORKERS), "DDP_STEPS": str(STEPS), "DDP_LOG_EVERY": "100", "DDP_CHECKPOINT_EVERY": "250"}
+    env = {
+        **os.environ,
+        "BASE_IMAGE": base_image,
+        "COMPOSE_FILE": compose_file,
+        "COMPOSE_BAKE": "false",
+        "PROMETHEUS_PORT": str(prom_port),
+        "GRAFANA_PORT": str(free_port()),
+        "RUN_ID": project,
+        "WORKERS": str(WORKERS),
+        "DDP_STEPS": str(STEPS),
+        "DDP_LOG_EVERY": "100",
+        "DDP_CHECKPOINT_EVERY": "250",
+    }
     compose = Compose(project, env)
     run = ClusterRun(project, f"http://127.0.0.1:{prom_port}")
 
@@ -190,17 +218,21 @@ def cluster() -> ClusterRun:
             run.up_to_first_step_s = first_steps[0] - up_wall
 
         # Every panel's query, as Grafana would send it, at the moment of the last step.
-        last = prom_get(run.prometheus, "/api/v1/query",
-                        query="max(max_over_time(ddp_last_step_timestamp_seconds[30m]))")["result"]
+        last = prom_get(
+            run.prometheus, "/api/v1/query", query="max(max_over_time(ddp_last_step_timestamp_seconds[30m]))"
+        )["result"]
         if last:
             run.last_step_time = float(last[0]["value"][1])
             rate_interval = 4 * scrape_interval_seconds()
             for q in panel_queries():
-                run.panel_results[q] = prom_get(run.prometheus, "/api/v1/query", time=run.last_step_time,
-                                                query=substitute(q.expr, rate_interval))["result"]
-            run.rank_label_values = prom_get(run.prometheus, "/api/v1/label/rank/values",
-                                             **{"match[]": "ddp_world_size", "start": up_wall,
-                                                "end": time.time()})
+                run.panel_results[q] = prom_get(
+                    run.prometheus, "/api/v1/query", time=run.last_step_time, query=substitute(q.expr, rate_interval)
+                )["result"]
+            run.rank_label_values = prom_get(
+                run.prometheus,
+                "/api/v1/label/rank/values",
+                **{"match[]": "ddp_world_size", "start": up_wall, "end": time.time()},
+            )
 
         # A second `docker compose up`, no `down` in between (other metrics linger, so new worker containers):
         # the store must have restarted empty after the job, and the workers resume from the shared checkpoint.
@@ -208,12 +240,20 @@ def cluster() -> ClusterRun:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not run.store_restarted:
             state = inspect(store_id)[0]
-            run.store_restarted = state["RestartCount"] >= 1 and state["State"].get("Health", {}).get(
-                "Status") == "healthy"
+            run.store_restarted = (
+                state["RestartCount"] >= 1 and state["State"].get("Health", {}).get("Status") == "healthy"
+            )
             time.sleep(1)
         second_wall = time.time()
-        compose("up", "-d", "--no-build", "--scale", f"worker={WORKERS}", timeout=180,
-                env={"DDP_METRICS_LINGER_SECONDS": "0"})
+        compose(
+            "up",
+            "-d",
+            "--no-build",
+            "--scale",
+            f"worker={WORKERS}",
+            timeout=180,
+            env={"DDP_METRICS_LINGER_SECONDS": "0"},
+        )
         if not wait_for_workers_to_exit(compose, second_wall, RUN_DEADLINE_S):
             run.failure += f"; second up: workers still running after {RUN_DEADLINE_S} s"
         run.second_workers = [c for c in compose.containers() if c["Service"] == "worker"]
@@ -222,18 +262,26 @@ def cluster() -> ClusterRun:
     finally:
         compose("down", "-v", "--remove-orphans", "--timeout", "20", timeout=180, check=False)
         label = f"label=com.docker.compose.project={project}"
-        for kind, cmd in {"containers": ["docker", "ps", "-aq", "--filter", label],
-                          "networks": ["docker", "network", "ls", "-q", "--filter", label],
-                          "volumes": ["docker", "volume", "ls", "-q", "--filter", label]}.items():
+        for kind, cmd in {
+            "containers": ["docker", "ps", "-aq", "--filter", label],
+            "networks": ["docker", "network", "ls", "-q", "--filter", label],
+            "volumes": ["docker", "volume", "ls", "-q", "--filter", label],
+        }.items():
             left = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout.split()
             run.leftovers[kind] = left
             if left and kind == "containers":  # never leave a stray container running, even on failure
                 subprocess.run(["docker", "rm", "-f", *left], capture_output=True, timeout=60)
 
-    figures = {"build_s": round(run.build_s, 1), "up_to_first_step_s": run.up_to_first_step_s,
-               "up_to_all_exited_s": run.up_to_all_exited_s, "workers": WORKERS, "steps": STEPS,
-               "median_step_ms_rank0": (re.findall(r"median_step_ms=([\d.]+)", run.logs) or [None])[0],
-               "base_image": base_image, "compose_file": compose_file}
+    figures = {
+        "build_s": round(run.build_s, 1),
+        "up_to_first_step_s": run.up_to_first_step_s,
+        "up_to_all_exited_s": run.up_to_all_exited_s,
+        "workers": WORKERS,
+        "steps": STEPS,
+        "median_step_ms_rank0": (re.findall(r"median_step_ms=([\d.]+)", run.logs) or [None])[0],
+        "base_image": base_image,
+        "compose_file": compose_file,
+    }
     (ROOT / "runs").mkdir(exist_ok=True)
     (ROOT / "runs/compose-e2e.json").write_text(json.dumps(figures, indent=2) + "\n")
     print(f"\ncompose e2e figures: {json.dumps(figures)}")
@@ -291,8 +339,11 @@ def test_every_dashboard_query_returns_data(cluster):
         value = float(series["value"][1])
         return value == value and abs(value) != float("inf")  # not NaN (e.g. 0/0), not infinite
 
-    empty = [f"{q.panel} [{q.ref}]: {q.expr}" for q, result in cluster.panel_results.items()
-             if not any(has_number(s) for s in result)]
+    empty = [
+        f"{q.panel} [{q.ref}]: {q.expr}"
+        for q, result in cluster.panel_results.items()
+        if not any(has_number(s) for s in result)
+    ]
     assert not empty, "panels whose query returns no data:\n" + "\n".join(empty)
     # Per-rank panels show every rank, not only some.
     step_p50 = next(r for q, r in cluster.panel_results.items() if q.panel == "Step time p50 / p95")
@@ -306,18 +357,38 @@ def test_down_leaves_nothing_behind(cluster):
 def test_grafana_loads_the_provisioning():
     """Grafana with our provisioning: the datasource uid the panels name and the dashboard, through its API."""
     image = compose_services(COMPOSE)["grafana"]["image"]
-    if shutil.which("docker") is None or subprocess.run(["docker", "image", "inspect", image],
-                                                        capture_output=True, timeout=30).returncode != 0:
-        pytest.skip(f"Grafana cannot run here: {image} is not in the engine and no registry (nor a Debian "
-                    "package) provides it. The dashboard is proven instead by test_every_dashboard_query_returns_data "
-                    "(every panel's query against the real Prometheus) and test_cluster_files.py (datasource uid).")
+    if (
+        shutil.which("docker") is None
+        or subprocess.run(["docker", "image", "inspect", image], capture_output=True, timeout=30).returncode != 0
+    ):
+        pytest.skip(
+            f"Grafana cannot run here: {image} is not in the engine and no registry (nor a Debian "
+            "package) provides it. The dashboard is proven instead by test_every_dashboard_query_returns_data "
+            "(every panel's query against the real Prometheus) and test_cluster_files.py (datasource uid)."
+        )
     port = free_port()
     name = f"ddp-e2e-grafana-{os.getpid()}"
     prov = ROOT / "docker/grafana"
-    subprocess.run(["docker", "run", "-d", "--rm", "--name", name, "-p", f"127.0.0.1:{port}:3000",
-                    "-v", f"{prov}/provisioning:/etc/grafana/provisioning:ro",
-                    "-v", f"{prov}/dashboards:/etc/grafana/dashboards:ro", image], check=True, capture_output=True,
-                   timeout=60)
+    subprocess.run(
+        [
+            "docker",
+            "run",
+            "-d",
+            "--rm",
+            "--name",
+            name,
+            "-p",
+            f"127.0.0.1:{port}:3000",
+            "-v",
+            f"{prov}/provisioning:/etc/grafana/provisioning:ro",
+            "-v",
+            f"{prov}/dashboards:/etc/grafana/dashboards:ro",
+            image,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 90

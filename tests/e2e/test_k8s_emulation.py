@@ -28,6 +28,7 @@ the image with `make image` if it is missing.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -82,9 +83,19 @@ def docker_run_args(pod, objs: dict, workdir: Path, name: str, network: str) -> 
     """`docker run` flags that give the container what the kubelet would give pod ``pod``."""
     spec, c = pod.spec, pod.container
     pod_sc, sc = spec.get("securityContext", {}), {**spec.get("securityContext", {}), **c["securityContext"]}
-    argv = ["run", "-d", "--name", name, "--network", network, "--hostname", pod.hostname,
-            # /etc/hosts then holds "<ip> ddp-train-i.ddp-train.<ns>.svc.cluster.local ddp-train-i", like a pod's.
-            "--domainname", pod.dns_names[-1].split(".", 1)[1]]
+    argv = [
+        "run",
+        "-d",
+        "--name",
+        name,
+        "--network",
+        network,
+        "--hostname",
+        pod.hostname,
+        # /etc/hosts then holds "<ip> ddp-train-i.ddp-train.<ns>.svc.cluster.local ddp-train-i", like a pod's.
+        "--domainname",
+        pod.dns_names[-1].split(".", 1)[1],
+    ]
     for alias in pod.dns_names:
         argv += ["--network-alias", alias]
     argv += ["--user", f"{sc['runAsUser']}:{sc['runAsGroup']}"]
@@ -123,15 +134,17 @@ def docker_run_args(pod, objs: dict, workdir: Path, name: str, network: str) -> 
             if mount["mountPath"] == "/dev/shm" and volume["emptyDir"].get("medium") == "Memory":
                 argv += ["--shm-size", str(int(quantity(size or "64Mi")))]
             else:
-                argv += ["--tmpfs", f"{mount['mountPath']}:rw,mode=1777" + (f",size={int(quantity(size))}"
-                                                                             if size else "")]
+                argv += [
+                    "--tmpfs",
+                    f"{mount['mountPath']}:rw,mode=1777" + (f",size={int(quantity(size))}" if size else ""),
+                ]
         else:
             raise NotImplementedError(f"volume {mount['name']}: {sorted(volume)} is not emulated")
     for key, value in pod.env.items():
         argv += ["-e", f"{key}={value}"]
-    command, args = c.get("command"), pod.argv[len(c.get("command", [])):]
+    command, args = c.get("command"), pod.argv[len(c.get("command", [])) :]
     if command:  # the manifest's command replaces the image's entrypoint, as in Kubernetes
-        argv += ["--entrypoint", pod.argv[0], IMAGE, *pod.argv[1:len(command)], *args]
+        argv += ["--entrypoint", pod.argv[0], IMAGE, *pod.argv[1 : len(command)], *args]
     else:
         argv += [IMAGE, *args]
     return argv
@@ -169,30 +182,35 @@ def test_job_pod_template_trains_as_containers_named_like_the_pods(tmp_path):
         while time.monotonic() < deadline:
             running = []
             for pod in pods:
-                state = docker("inspect", "-f", "{{.State.Running}} {{(index .NetworkSettings.Networks \""
-                               + network + "\").IPAddress}}", names[pod.index]).stdout.split()
+                state = docker(
+                    "inspect",
+                    "-f",
+                    '{{.State.Running}} {{(index .NetworkSettings.Networks "' + network + '").IPAddress}}',
+                    names[pod.index],
+                ).stdout.split()
                 if state[0] == "true":
                     running.append(pod.index)
                     if pod.index not in scraped and "FINISHED" in docker("logs", names[pod.index]).stdout:
                         seen_finished.setdefault(pod.index, time.monotonic() - t0)
-                        try:
+                        # not listening yet or already gone: try again on the next round
+                        with contextlib.suppress(OSError):
                             scraped[pod.index] = scrape(f"http://{state[1]}:{metrics_port}/metrics")
-                        except OSError:
-                            pass  # not listening yet or already gone: try again on the next round
             if not running:
                 break
             time.sleep(0.5)
         logs = {p.index: docker("logs", names[p.index]) for p in pods}
         unresolved = sum(log.stderr.count("Name or service not known") for i, log in logs.items() if i)
-        print(f"k8s emulation: {n} pods; FINISHED seen at {seen_finished} s after pod 0 started; all exited after "
-              f"{time.monotonic() - t0:.1f} s (metrics linger included); pod 0's name was unresolvable "
-              f"{unresolved} times for its peers before it started")
-        codes = {p.index: int(docker("inspect", "-f", "{{.State.ExitCode}}", names[p.index]).stdout)
-                 for p in pods}
+        print(
+            f"k8s emulation: {n} pods; FINISHED seen at {seen_finished} s after pod 0 started; all exited after "
+            f"{time.monotonic() - t0:.1f} s (metrics linger included); pod 0's name was unresolvable "
+            f"{unresolved} times for its peers before it started"
+        )
+        codes = {p.index: int(docker("inspect", "-f", "{{.State.ExitCode}}", names[p.index]).stdout) for p in pods}
         still_running = docker("ps", "-q", "--filter", f"network={network}").stdout.split()
         built = docker("image", "inspect", "-f", "{{.Created}}", IMAGE).stdout.strip()
         report = f"image {IMAGE} built {built} (older than app/? `make image`)\n" + "\n".join(
-            f"--- pod {i} (exit {codes[i]}) ---\n{log.stdout[-3000:]}\n{log.stderr[-3000:]}" for i, log in logs.items())
+            f"--- pod {i} (exit {codes[i]}) ---\n{log.stdout[-3000:]}\n{log.stderr[-3000:]}" for i, log in logs.items()
+        )
         assert not still_running, f"pods still running after {DEADLINE_S:.0f} s\n{report}"
         assert all(code == 0 for code in codes.values()), f"exit codes {codes}\n{report}"
 
@@ -205,15 +223,15 @@ def test_job_pod_template_trains_as_containers_named_like_the_pods(tmp_path):
         assert {int(line[2]) for line in lines.values()} == {int(config["steps"])}
         assert len({line[3] for line in lines.values()}) == 1, f"ranks ended with different parameters: {lines}"
 
-        assert sorted(scraped) == list(range(n)), f"metrics port {metrics_port} never answered on pods " \
-                                                  f"{sorted(set(range(n)) - set(scraped))}"
+        assert sorted(scraped) == list(range(n)), (
+            f"metrics port {metrics_port} never answered on pods {sorted(set(range(n)) - set(scraped))}"
+        )
         for i, text in scraped.items():
             assert f'ddp_world_size{{rank="{i}"}} {float(n)}' in text
             steps = re.search(rf'^ddp_optimizer_steps_total{{rank="{i}"}} ([0-9.e+]+)$', text, re.M)
             assert steps and math.isclose(float(steps.group(1)), float(config["steps"])), text[:2000]
 
-        mount = next(m for m in container(job)["volumeMounts"]
-                     if m["mountPath"] == pods[0].env["DDP_CHECKPOINT_DIR"])
+        mount = next(m for m in container(job)["volumeMounts"] if m["mountPath"] == pods[0].env["DDP_CHECKPOINT_DIR"])
         claim = next(v for v in job["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
         saved = sorted(p.name for p in (tmp_path / f"pvc-{claim['persistentVolumeClaim']['claimName']}").iterdir())
         assert saved and saved[-1] == f"step-{int(config['steps']):08d}.pt", saved

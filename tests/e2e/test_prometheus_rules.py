@@ -71,8 +71,9 @@ def test_alert_unit_tests_can_fail(promtool, tmp_path, mutation):
     assert rules.count(old) == 1
     (tmp_path / "alerts.yml").write_text(rules.replace(old, new))
     shutil.copy(PROM_DIR / "alerts.test.yml", tmp_path)
-    result = subprocess.run([promtool, "test", "rules", "alerts.test.yml"], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [promtool, "test", "rules", "alerts.test.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode != 0 and alert in result.stdout + result.stderr, result.stdout + result.stderr
 
 

@@ -10,19 +10,25 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 def run_demo(*args: str, workers: int = 2) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([str(TORCHRUN), "--standalone", f"--nproc-per-node={workers}", "-m", "app.demo", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [str(TORCHRUN), "--standalone", f"--nproc-per-node={workers}", "-m", "app.demo", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
-@pytest.mark.parametrize("ddp", ["scratch", "torch"])
-def test_demo_passes_step_by_step(ddp):
-    result = run_demo("--steps", "5", "--bucket-cap-mb", "0.01", "--ddp", ddp)
+@pytest.mark.parametrize("wrapper", ["ours", "torch"])
+def test_demo_passes_step_by_step(wrapper):
+    result = run_demo("--steps", "5", "--bucket-cap-mb", "0.01", "--wrapper", wrapper)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line for line in result.stdout.splitlines() if re.match(r"\s+\d+\s+\d", line)]
     assert len(rows) == 5
@@ -32,8 +38,9 @@ def test_demo_passes_step_by_step(ddp):
 
 
 def test_demo_rejects_bad_steps_with_exit_code_2():
-    result = subprocess.run([sys.executable, "-m", "app.demo", "--steps", "0"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "app.demo", "--steps", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2
     assert "--steps must be >= 1" in result.stderr
     assert "Traceback" not in result.stderr

@@ -20,21 +20,34 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from app.ddp import DistributedDataParallel
-from app.metrics import CommSample, ScratchCommProbe, TorchCommProbe, TrainMetrics
+from app.metrics import TrainMetrics
 from app.models import MiniMLP
+from app.parallel.ddp import DistributedDataParallel
+from app.parallel.probes import CommSample, OursCommProbe, TorchCommProbe
 from tests.trainer_run import free_port, start_torchrun, wait_for_lines
 from tests.world import run_world
 
 CONTRACT = {  # name in the exposition -> type
-    "ddp_step_duration_seconds": "histogram", "ddp_forward_duration_seconds": "histogram",
-    "ddp_backward_duration_seconds": "histogram", "ddp_optimizer_duration_seconds": "histogram",
-    "ddp_allreduce_duration_seconds": "histogram", "ddp_exposed_comm_duration_seconds": "histogram",
-    "ddp_allreduce_bytes_total": "counter", "ddp_allreduce_bus_bandwidth_bytes_per_second": "gauge",
-    "ddp_samples_total": "counter", "ddp_optimizer_steps_total": "counter", "ddp_gradient_syncs_total": "counter",
-    "ddp_loss": "gauge", "ddp_learning_rate": "gauge", "ddp_world_size": "gauge",
-    "ddp_last_step_timestamp_seconds": "gauge", "ddp_checkpoint_duration_seconds": "histogram",
-    "ddp_last_checkpoint_step": "gauge", "ddp_rank_info": "gauge", "ddp_step": "gauge", "ddp_target_steps": "gauge",
+    "ddp_step_duration_seconds": "histogram",
+    "ddp_forward_duration_seconds": "histogram",
+    "ddp_backward_duration_seconds": "histogram",
+    "ddp_optimizer_duration_seconds": "histogram",
+    "ddp_allreduce_duration_seconds": "histogram",
+    "ddp_exposed_comm_duration_seconds": "histogram",
+    "ddp_allreduce_bytes_total": "counter",
+    "ddp_allreduce_bus_bandwidth_bytes_per_second": "gauge",
+    "ddp_samples_total": "counter",
+    "ddp_optimizer_steps_total": "counter",
+    "ddp_gradient_syncs_total": "counter",
+    "ddp_loss": "gauge",
+    "ddp_learning_rate": "gauge",
+    "ddp_world_size": "gauge",
+    "ddp_last_step_timestamp_seconds": "gauge",
+    "ddp_checkpoint_duration_seconds": "histogram",
+    "ddp_last_checkpoint_step": "gauge",
+    "ddp_rank_info": "gauge",
+    "ddp_step": "gauge",
+    "ddp_target_steps": "gauge",
 }
 PROMTOOL = shutil.which("promtool")
 PROMETHEUS = shutil.which("prometheus")
@@ -56,8 +69,7 @@ def _one_step_per_probe(rank: int, world: int) -> dict:
     torch_ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.01)
     ours = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.01)
     out = {"has_span": hasattr(ours.stats, "last_comm_span_seconds")}
-    for name, model, probe in (("torch", torch_ddp, TorchCommProbe(torch_ddp)),
-                               ("scratch", ours, ScratchCommProbe(ours))):
+    for name, model, probe in (("torch", torch_ddp, TorchCommProbe(torch_ddp)), ("ours", ours, OursCommProbe(ours))):
         for _ in range(3):
             loss = model(torch.randn(64, 32)).square().mean()
             t0 = time.perf_counter()
@@ -87,17 +99,26 @@ def test_torch_ddp_bus_bandwidth_uses_first_launch_to_last_completion(probes):
         _check_span(rank["torch"])
 
 
-def test_scratch_ddp_bus_bandwidth_uses_the_wrappers_comm_span(probes):
+def test_our_ddp_bus_bandwidth_uses_the_wrappers_comm_span(probes):
     if not probes[0]["has_span"]:
-        pytest.skip("app.ddp.CommStats has no last_comm_span_seconds yet: bus bandwidth falls back to the sum")
+        pytest.skip("app.parallel.ddp.CommStats has no last_comm_span_seconds yet: bus bandwidth falls back to the sum")
     for rank in probes:
-        _check_span(rank["scratch"])
+        _check_span(rank["ours"])
 
 
 def exposition() -> str:
     m = TrainMetrics(rank=3, local_rank=1, world_size=4, node="1", host="node-b")
-    m.observe_step(step_seconds=0.02, forward_seconds=0.005, backward_seconds=0.01, optimizer_seconds=0.002,
-                   comm=CommSample([0.001, 0.002], [4096, 8192], 0.0005), samples=32, syncs=1, loss=1.5, lr=0.003)
+    m.observe_step(
+        step_seconds=0.02,
+        forward_seconds=0.005,
+        backward_seconds=0.01,
+        optimizer_seconds=0.002,
+        comm=CommSample([0.001, 0.002], [4096, 8192], 0.0005),
+        samples=32,
+        syncs=1,
+        loss=1.5,
+        lr=0.003,
+    )
     m.observe_checkpoint(50, 0.04)
     m.observe_progress(51, 200)
     return generate_latest(m.registry).decode()
@@ -121,8 +142,9 @@ def test_exposition_has_the_contracts_names_types_and_labels():
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus; .ci/run does)")
 def test_exposition_is_promtool_clean():
-    check = subprocess.run([PROMTOOL, "check", "metrics"], input=exposition(), capture_output=True, text=True,
-                           timeout=30)
+    check = subprocess.run(
+        [PROMTOOL, "check", "metrics"], input=exposition(), capture_output=True, text=True, timeout=30
+    )
     assert check.returncode == 0 and check.stdout.strip() == "" and check.stderr.strip() == "", check
 
 
@@ -137,8 +159,20 @@ def wait_for_finished(proc, ranks: int, timeout: float = 150) -> None:
 
 def test_torch_ddp_reports_allreduce_per_bucket():
     port = free_port(2)
-    proc = start_torchrun("--ddp", "torch", "--steps", "30", "--metrics-port", str(port), "--bucket-cap-mb",
-                          "0.01", "--metrics-linger-seconds", "30", "--log-every", "30")
+    proc = start_torchrun(
+        "--wrapper",
+        "torch",
+        "--steps",
+        "30",
+        "--metrics-port",
+        str(port),
+        "--bucket-cap-mb",
+        "0.01",
+        "--metrics-linger-seconds",
+        "30",
+        "--log-every",
+        "30",
+    )
     try:
         wait_for_finished(proc, 2)
         bodies = [get(f"http://127.0.0.1:{port + r}/metrics") for r in range(2)]
@@ -150,29 +184,48 @@ def test_torch_ddp_reports_allreduce_per_bucket():
         # MiniMLP's 6 tensors (~19 KB) in 10 KB buckets: several all-reduces per step, each observed on its own.
         assert count > 30, body
         assert re.search(rf'ddp_allreduce_bytes_total{{rank="{rank}"}} [1-9]', body)
-        # Exposed communication happens inside PyTorch's C++ reducer: not reported for --ddp torch.
+        # Exposed communication happens inside PyTorch's C++ reducer: not reported for --wrapper torch.
         assert f'ddp_exposed_comm_duration_seconds_count{{rank="{rank}"}} 0.0' in body
 
 
 @pytest.mark.e2e
-@pytest.mark.skipif(PROMETHEUS is None or PROMTOOL is None,
-                    reason="prometheus/promtool not installed (apt-get install prometheus; .ci/run does)")
+@pytest.mark.skipif(
+    PROMETHEUS is None or PROMTOOL is None,
+    reason="prometheus/promtool not installed (apt-get install prometheus; .ci/run does)",
+)
 def test_real_prometheus_scrapes_both_ranks(tmp_path):
     port, web = free_port(2), free_port()
-    (tmp_path / "prometheus.yml").write_text(json.dumps({  # JSON is YAML
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
-        "scrape_configs": [{"job_name": "ddp-worker",
-                            "static_configs": [{"targets": [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]}]}],
-    }))
-    prometheus = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
-                                   f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{web}"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    (tmp_path / "prometheus.yml").write_text(
+        json.dumps(
+            {  # JSON is YAML
+                "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+                "scrape_configs": [
+                    {
+                        "job_name": "ddp-worker",
+                        "static_configs": [{"targets": [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]}],
+                    }
+                ],
+            }
+        )
+    )
+    prometheus = subprocess.Popen(
+        [
+            PROMETHEUS,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{web}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     worker = None
     try:
         _wait_ready(f"http://127.0.0.1:{web}/-/ready", prometheus)
         steps = 150
-        worker = start_torchrun("--steps", str(steps), "--metrics-port", str(port), "--metrics-linger-seconds", "5",
-                                "--log-every", "50")
+        worker = start_torchrun(
+            "--steps", str(steps), "--metrics-port", str(port), "--metrics-linger-seconds", "5", "--log-every", "50"
+        )
         wait_for_finished(worker, 2)
         body = get(f"http://127.0.0.1:{port}/metrics")  # a real body, during the linger
         out, err = worker.communicate(timeout=60)
@@ -194,8 +247,9 @@ def test_real_prometheus_scrapes_both_ranks(tmp_path):
         assert step_count == {"0": steps, "1": steps}  # the final values: scraped during the linger
         step_mean = query(f"{last('ddp_step_duration_seconds_sum')} / {last('ddp_step_duration_seconds_count')}")
         allreduce_count = query(last("ddp_allreduce_duration_seconds_count"))
-        allreduce_mean = query(f"{last('ddp_allreduce_duration_seconds_sum')} / "
-                               f"{last('ddp_allreduce_duration_seconds_count')}")
+        allreduce_mean = query(
+            f"{last('ddp_allreduce_duration_seconds_sum')} / {last('ddp_allreduce_duration_seconds_count')}"
+        )
         p50 = query(f"histogram_quantile(0.5, sum by (rank, le) ({last('ddp_allreduce_duration_seconds_bucket')}))")
         for rank in ("0", "1"):
             assert 0 < step_mean[rank] < 5, step_mean

@@ -14,9 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from app.comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
-from app.ddp import DistributedDataParallel as DDP
 from app.models import MiniMLP, TinyTransformer, parameter_checksum
+from app.parallel.comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from app.parallel.ddp import DistributedDataParallel as DDP
 from tests.world import run_world
 
 PARAM_TOL = 1e-6
@@ -72,8 +72,13 @@ class WithBatchNorm(nn.Module):
 
 
 def build(kind: str) -> nn.Module:
-    return {"mlp": lambda: MiniMLP(in_features=8, hidden=16, out_features=8), "tied": TiedModel,
-            "frozen": FrozenFirst, "bn": WithBatchNorm, "transformer": lambda: TinyTransformer(layers=4)}[kind]()
+    return {
+        "mlp": lambda: MiniMLP(in_features=8, hidden=16, out_features=8),
+        "tied": TiedModel,
+        "frozen": FrozenFirst,
+        "bn": WithBatchNorm,
+        "transformer": lambda: TinyTransformer(layers=4),
+    }[kind]()
 
 
 def batch(step: int, size: int, kind: str = "mlp"):
@@ -120,10 +125,16 @@ def train_vs_reference(rank, world, kind, opt_name, steps, bucket_cap_mb=25.0, p
         loss_of(kind, reference(x), y).backward()
         ref_opt.step()
         diffs.append(max_diff(model, reference))
-    return {"before": before, "after_wrap": after_wrap, "final": parameter_checksum(model), "diffs": diffs,
-            "buckets": len(ddp.bucket_sizes), "stats": ddp.stats,
-            "params": [p.detach().clone() for p in model.parameters()],
-            "grads_none": [p.grad is None for p in model.parameters()]}
+    return {
+        "before": before,
+        "after_wrap": after_wrap,
+        "final": parameter_checksum(model),
+        "diffs": diffs,
+        "buckets": len(ddp.bucket_sizes),
+        "stats": ddp.stats,
+        "params": [p.detach().clone() for p in model.parameters()],
+        "grads_none": [p.grad is None for p in model.parameters()],
+    }
 
 
 def grads_vs_torch_ddp(rank, world, kind):
@@ -177,11 +188,13 @@ def find_unused(rank, world):
         # Data-dependent branching: at step 0 every rank takes branch a; later, odd ranks take branch b.
         branch = [step > 0 and r % 2 == 1 for r in range(world)]
         opt.zero_grad()
-        F.mse_loss(ddp(x[rank * 4:(rank + 1) * 4], branch[rank]), y[rank * 4:(rank + 1) * 4]).backward()
+        F.mse_loss(ddp(x[rank * 4 : (rank + 1) * 4], branch[rank]), y[rank * 4 : (rank + 1) * 4]).backward()
         opt.step()
         ref_opt.zero_grad()
-        ref_loss = sum(F.mse_loss(reference(x[r * 4:(r + 1) * 4], branch[r]), y[r * 4:(r + 1) * 4])
-                       for r in range(world)) / world
+        ref_loss = (
+            sum(F.mse_loss(reference(x[r * 4 : (r + 1) * 4], branch[r]), y[r * 4 : (r + 1) * 4]) for r in range(world))
+            / world
+        )
         ref_loss.backward()
         ref_opt.step()
         diffs.append(max_diff(model, reference))
@@ -206,8 +219,14 @@ def find_unused_with_no_sync(rank, world):
     grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
     opt.step()
     ref_opt.zero_grad()
-    ref_loss = sum(F.mse_loss(reference(x[chunk(r, i)], uses_b(r, i)), y[chunk(r, i)]) / 2
-                   for r in range(world) for i in range(2)) / world
+    ref_loss = (
+        sum(
+            F.mse_loss(reference(x[chunk(r, i)], uses_b(r, i)), y[chunk(r, i)]) / 2
+            for r in range(world)
+            for i in range(2)
+        )
+        / world
+    )
     ref_loss.backward()
     ref_opt.step()
     gathered = [None] * world
@@ -236,10 +255,10 @@ def no_sync_accumulation(rank, world, k):
     for step in range(3):
         x, y = batch(step, micro * k * world)
         per_rank = micro * k
-        xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        xs, ys = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
         opt.zero_grad()
         for i in range(k):
-            xm, ym = xs[i * micro:(i + 1) * micro], ys[i * micro:(i + 1) * micro]
+            xm, ym = xs[i * micro : (i + 1) * micro], ys[i * micro : (i + 1) * micro]
             if i < k - 1:
                 with ddp.no_sync():
                     (F.mse_loss(ddp(xm), ym) / k).backward()
@@ -260,8 +279,13 @@ def compressed_hooks(rank, world):
     x, y = batch(0, 4 * world)
     mine = slice(rank * 4, (rank + 1) * 4)
     grads = {}
-    for name, hook in (("exact", None), ("plain", allreduce_hook), ("fp16", fp16_compress_hook), ("bf16", bf16_compress_hook),
-                       ("torch_fp16", "torch")):
+    for name, hook in (
+        ("exact", None),
+        ("plain", allreduce_hook),
+        ("fp16", fp16_compress_hook),
+        ("bf16", bf16_compress_hook),
+        ("torch_fp16", "torch"),
+    ):
         ddp = DDP(copy.deepcopy(base))
         if hook == "torch":  # PyTorch's own hook, unmodified, on our wrapper: same interface
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook as hook
@@ -293,7 +317,7 @@ def overlap_and_counters(rank, world):
     for _ in range(steps):
         ddp(torch.randn(4, 64)).sum().backward()
     param_bytes = sum(p.numel() * 4 for p in model.parameters())
-    return events[:len(ddp.bucket_sizes) + 1], ddp.stats, param_bytes, len(ddp.bucket_sizes), steps
+    return events[: len(ddp.bucket_sizes) + 1], ddp.stats, param_bytes, len(ddp.bucket_sizes), steps
 
 
 def mismatched_models(rank, world, same_numel):
@@ -460,7 +484,7 @@ def nccl_train(rank, world):
     for step in range(5):
         x, y = (t.cuda() for t in batch(step, 4 * world))
         opt.zero_grad()
-        F.mse_loss(ddp(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]).backward()
+        F.mse_loss(ddp(x[rank * 4 : (rank + 1) * 4]), y[rank * 4 : (rank + 1) * 4]).backward()
         opt.step()
         ref_opt.zero_grad()
         F.mse_loss(reference(x), y).backward()
@@ -468,9 +492,11 @@ def nccl_train(rank, world):
     return max_diff(model, reference)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2,
-                    reason=f"NCCL path needs 2 CUDA devices; this machine has {torch.cuda.device_count()} "
-                           f"(the same code runs on gloo/CPU in every other test)")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason=f"NCCL path needs 2 CUDA devices; this machine has {torch.cuda.device_count()} "
+    f"(the same code runs on gloo/CPU in every other test)",
+)
 def test_nccl_matches_single_process():
     for diff in run_world(nccl_train, 2, backend="nccl"):
         assert diff <= 1e-5

@@ -1,6 +1,6 @@
 """app.rendezvous_store for real: a TCPStore server that torchrun's c10d rendezvous meets at, and its restart rule.
 
-    .venv/bin/python -m pytest tests/test_rendezvous_store.py
+.venv/bin/python -m pytest tests/test_rendezvous_store.py
 """
 
 from __future__ import annotations
@@ -13,17 +13,25 @@ from pathlib import Path
 
 from tests.trainer_run import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
 def start_store(port: int, *args: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "app.rendezvous_store", "--host", "127.0.0.1", "--port",
-                             str(port), *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.rendezvous_store", "--host", "127.0.0.1", "--port", str(port), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 60
-    while subprocess.run([sys.executable, "-m", "app.rendezvous_store", "--check", f"127.0.0.1:{port}"],
-                         cwd=ROOT).returncode != 0:
+    while (
+        subprocess.run(
+            [sys.executable, "-m", "app.rendezvous_store", "--check", f"127.0.0.1:{port}"], cwd=ROOT
+        ).returncode
+        != 0
+    ):
         assert proc.poll() is None, proc.stdout.read()
         assert time.monotonic() < deadline, "the store did not answer within 60 s"
         time.sleep(0.5)
@@ -33,9 +41,23 @@ def start_store(port: int, *args: str) -> subprocess.Popen:
 def job(port: int, run_id: str) -> subprocess.CompletedProcess:
     """A one-node torchrun job that meets at the store and runs `true`."""
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([TORCHRUN, "--nnodes=1", "--nproc-per-node=1", "--rdzv-backend=c10d",
-                           f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}", "--no-python", "true"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [
+            TORCHRUN,
+            "--nnodes=1",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id={run_id}",
+            "--no-python",
+            "true",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_health_check_answers_only_while_a_store_serves():
@@ -80,7 +102,12 @@ def test_without_the_restart_a_finished_run_id_is_refused():
 
 
 def test_bad_port_is_a_one_line_error():
-    result = subprocess.run([sys.executable, "-m", "app.rendezvous_store", "--port", "70000"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "app.rendezvous_store", "--port", "70000"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == "error: --port 70000 is not a TCP port; give 1-65535"

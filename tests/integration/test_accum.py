@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app.accum import NonFiniteLossError, accumulation_step, effective_batch_size, resolve_grad_accum_steps
-from app.ddp import DistributedDataParallel
 from app.models import MiniMLP
+from app.parallel.accum import NonFiniteLossError, accumulation_step, effective_batch_size, resolve_grad_accum_steps
+from app.parallel.ddp import DistributedDataParallel
 from bench import accum as bench_accum
 from tests.world import run_world
 
@@ -33,8 +33,17 @@ def split(x, y, sizes):
     return list(zip(x.split(sizes), y.split(sizes)))
 
 
-def train_pair(model, *, rank=0, world=1, steps=3, sizes=MICRO, make_opt=lambda p: torch.optim.SGD(p, lr=0.1,
-               momentum=0.9), ref_sizes=None, **step_kwargs) -> tuple[float, float, torch.optim.Optimizer]:
+def train_pair(
+    model,
+    *,
+    rank=0,
+    world=1,
+    steps=3,
+    sizes=MICRO,
+    make_opt=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    ref_sizes=None,
+    **step_kwargs,
+) -> tuple[float, float, torch.optim.Optimizer]:
     """``model`` accumulates micro-batches of ``sizes`` on this rank's slice of each global batch; a bare copy
     trains on the whole batch (or accumulates ``ref_sizes``). Returns worst max |Δgrad|, final max |Δparam|."""
     ref = copy.deepcopy(getattr(model, "module", model))
@@ -48,8 +57,9 @@ def train_pair(model, *, rank=0, world=1, steps=3, sizes=MICRO, make_opt=lambda 
             ref_opt.step()
         else:
             accumulation_step(ref, ref_opt, split(x, y, ref_sizes), F.cross_entropy)
-        accumulation_step(model, opt, split(x.chunk(world)[rank], y.chunk(world)[rank], sizes), F.cross_entropy,
-                          **step_kwargs)
+        accumulation_step(
+            model, opt, split(x.chunk(world)[rank], y.chunk(world)[rank], sizes), F.cross_entropy, **step_kwargs
+        )
         dgrad = max(dgrad, bench_accum.max_diff(ref, model, grads=True))
     return dgrad, bench_accum.max_diff(ref, model, grads=False), opt
 
@@ -66,12 +76,15 @@ def test_effective_batch_derives_grad_accum_steps():
     assert resolve_grad_accum_steps(micro_batch=4, world_size=2) == 1
 
 
-@pytest.mark.parametrize("kwargs, names", [
-    ({"effective_batch": 30}, ["effective_batch=30", "multiple of 8"]),
-    ({"effective_batch": 0}, ["effective_batch=0"]),
-    ({"grad_accum_steps": 2, "effective_batch": 32}, ["effective_batch=32", "grad_accum_steps=2", "only one"]),
-    ({"grad_accum_steps": 0}, ["grad_accum_steps=0", ">= 1"]),
-])
+@pytest.mark.parametrize(
+    "kwargs, names",
+    [
+        ({"effective_batch": 30}, ["effective_batch=30", "multiple of 8"]),
+        ({"effective_batch": 0}, ["effective_batch=0"]),
+        ({"grad_accum_steps": 2, "effective_batch": 32}, ["effective_batch=32", "grad_accum_steps=2", "only one"]),
+        ({"grad_accum_steps": 0}, ["grad_accum_steps=0", ">= 1"]),
+    ],
+)
 def test_settings_that_do_not_fit_are_refused_in_one_line(kwargs, names):
     with pytest.raises(ValueError) as err:
         resolve_grad_accum_steps(micro_batch=4, world_size=2, **kwargs)
@@ -119,9 +132,15 @@ def _claims(rank: int, world: int) -> dict:
     which only the test checks."""
     torch.manual_seed(0)
     base = MiniMLP()
-    out = {name: measure(rank, world, base) for name, measure in (
-        ("equivalence", bench_accum.equivalence), ("syncs", bench_accum.sync_counts),
-        ("wrong_scale", bench_accum.wrong_scale), ("adamw", bench_accum.adamw_state))}
+    out = {
+        name: measure(rank, world, base)
+        for name, measure in (
+            ("equivalence", bench_accum.equivalence),
+            ("syncs", bench_accum.sync_counts),
+            ("wrong_scale", bench_accum.wrong_scale),
+            ("adamw", bench_accum.adamw_state),
+        )
+    }
 
     # A NaN on rank 1 only: every rank must stop before its step, and the world must stay usable afterwards.
     ddp = DistributedDataParallel(copy.deepcopy(base))
@@ -199,23 +218,51 @@ def test_non_finite_loss_on_one_rank_stops_every_rank(world):
 # -- make accum ---------------------------------------------------------------------------------------------------
 def test_make_accum_writes_the_sweep_and_the_plot(tmp_path, capsys):
     # main() in this process: the same code as `make accum` (its own 2 spawned ranks), with a tiny sweep.
-    argv = ["--accum-steps", "1,2", "--steps", "1", "--warmup", "0", "--width", "32", "--depth", "2",
-            "--out", str(tmp_path), "--timeout", "120"]
+    argv = [
+        "--accum-steps",
+        "1,2",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--width",
+        "32",
+        "--depth",
+        "2",
+        "--out",
+        str(tmp_path),
+        "--timeout",
+        "120",
+    ]
     assert bench_accum.main(argv) == 0
     printed = capsys.readouterr().out
     doc = json.loads((tmp_path / "accum-curve.json").read_text())
     assert doc["schema"] == "accum-curve.v1" and doc["failed"] == []
-    fields = {"effective_batch", "accum_steps", "micro_batch", "avg_loss", "samples_per_sec", "median_step_ms",
-              "sync_calls", "steps"}
+    fields = {
+        "effective_batch",
+        "accum_steps",
+        "micro_batch",
+        "avg_loss",
+        "samples_per_sec",
+        "median_step_ms",
+        "sync_calls",
+        "steps",
+    }
     assert [(p["sync_mode"], p["effective_batch"], p["sync_calls"]) for p in doc["points"]] == [
-        ("last", 16, 1), ("every", 16, 1), ("last", 32, 1), ("every", 32, 2)]
+        ("last", 16, 1),
+        ("every", 16, 1),
+        ("last", 32, 1),
+        ("every", 32, 2),
+    ]
     assert all(fields <= p.keys() and p["samples_per_sec"] > 0 for p in doc["points"])
     assert (tmp_path / "accum-curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "max|Δgrad|" in printed and "sync_on_last" in printed and "samples/s" in printed
 
 
-@pytest.mark.parametrize("argv, flag", [(["--accum-steps", "1,0"], "--accum-steps"), (["--steps", "-3"], "--steps"),
-                                        (["--warmup", "-1"], "--warmup")])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [(["--accum-steps", "1,0"], "--accum-steps"), (["--steps", "-3"], "--steps"), (["--warmup", "-1"], "--warmup")],
+)
 def test_make_accum_refuses_a_bad_flag_in_one_line(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_:
         bench_accum.parse_args(argv)

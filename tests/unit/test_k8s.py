@@ -28,20 +28,39 @@ from kubernetes_validate.utils import SchemaNotFoundError
 
 from app.config import load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 FILES = sorted(p for p in K8S.rglob("*") if p.suffix in (".yaml", ".yml", ".json"))
 # The oldest release we support (podFailurePolicy and podReplacementPolicy on by default) and the newest schemas.
 SCHEMA_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
-SHARED_LABELS = {"app.kubernetes.io/name": "ddp-cluster", "app.kubernetes.io/instance": "ddp-train",
-                 "app.kubernetes.io/part-of": "ddp-cluster", "app.kubernetes.io/managed-by": "kubectl"}
-CONTRACT_METRICS = {"ddp_step_duration_seconds", "ddp_forward_duration_seconds", "ddp_backward_duration_seconds",
-                    "ddp_optimizer_duration_seconds", "ddp_allreduce_duration_seconds",
-                    "ddp_exposed_comm_duration_seconds", "ddp_allreduce_bytes_total",
-                    "ddp_allreduce_bus_bandwidth_bytes_per_second", "ddp_samples_total", "ddp_optimizer_steps_total",
-                    "ddp_gradient_syncs_total", "ddp_loss", "ddp_learning_rate", "ddp_world_size",
-                    "ddp_last_step_timestamp_seconds", "ddp_checkpoint_duration_seconds",
-                    "ddp_last_checkpoint_step", "ddp_rank_info", "ddp_step", "ddp_target_steps"}
+SHARED_LABELS = {
+    "app.kubernetes.io/name": "ddp-cluster",
+    "app.kubernetes.io/instance": "ddp-train",
+    "app.kubernetes.io/part-of": "ddp-cluster",
+    "app.kubernetes.io/managed-by": "kubectl",
+}
+CONTRACT_METRICS = {
+    "ddp_step_duration_seconds",
+    "ddp_forward_duration_seconds",
+    "ddp_backward_duration_seconds",
+    "ddp_optimizer_duration_seconds",
+    "ddp_allreduce_duration_seconds",
+    "ddp_exposed_comm_duration_seconds",
+    "ddp_allreduce_bytes_total",
+    "ddp_allreduce_bus_bandwidth_bytes_per_second",
+    "ddp_samples_total",
+    "ddp_optimizer_steps_total",
+    "ddp_gradient_syncs_total",
+    "ddp_loss",
+    "ddp_learning_rate",
+    "ddp_world_size",
+    "ddp_last_step_timestamp_seconds",
+    "ddp_checkpoint_duration_seconds",
+    "ddp_last_checkpoint_step",
+    "ddp_rank_info",
+    "ddp_step",
+    "ddp_target_steps",
+}
 
 
 def load(path: Path) -> list[dict]:
@@ -65,8 +84,7 @@ def flags(args: list[str]) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------------------------
 # How the Job controller and the kubelet turn the pod template into pod i
 # ---------------------------------------------------------------------------------------------------------------
-_UNITS = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30,
-          "Ti": 2**40}
+_UNITS = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 
 
 def quantity(text: str | int) -> float:
@@ -76,8 +94,11 @@ def quantity(text: str | int) -> float:
 
 def expand(text: str, env: dict[str, str]) -> str:
     """Kubernetes' $(VAR) expansion: defined names are replaced, $$ escapes, anything else stays as written."""
-    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+    return re.sub(
+        r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+        lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
+        text,
+    )
 
 
 @dataclass
@@ -96,14 +117,24 @@ def render_pod(job: dict, objs: dict, index: int, namespace: str = "default") ->
     job_name, spec = job["metadata"]["name"], job["spec"]["template"]["spec"]
     c = spec["containers"][0]
     hostname = f"{job_name}-{index}"  # Indexed Jobs name the pod's host <job>-<index>
-    labels = {**job["spec"]["template"]["metadata"].get("labels", {}), "batch.kubernetes.io/job-name": job_name,
-              "job-name": job_name, "batch.kubernetes.io/job-completion-index": str(index)}
-    annotations = {**job["spec"]["template"]["metadata"].get("annotations", {}),
-                   "batch.kubernetes.io/job-completion-index": str(index)}
-    fields = {"metadata.name": f"{hostname}-{uuid.uuid4().hex[:5]}", "metadata.namespace": namespace,
-              "spec.nodeName": "emulated-node", "spec.serviceAccountName": "default",
-              **{f"metadata.labels['{k}']": v for k, v in labels.items()},
-              **{f"metadata.annotations['{k}']": v for k, v in annotations.items()}}
+    labels = {
+        **job["spec"]["template"]["metadata"].get("labels", {}),
+        "batch.kubernetes.io/job-name": job_name,
+        "job-name": job_name,
+        "batch.kubernetes.io/job-completion-index": str(index),
+    }
+    annotations = {
+        **job["spec"]["template"]["metadata"].get("annotations", {}),
+        "batch.kubernetes.io/job-completion-index": str(index),
+    }
+    fields = {
+        "metadata.name": f"{hostname}-{uuid.uuid4().hex[:5]}",
+        "metadata.namespace": namespace,
+        "spec.nodeName": "emulated-node",
+        "spec.serviceAccountName": "default",
+        **{f"metadata.labels['{k}']": v for k, v in labels.items()},
+        **{f"metadata.annotations['{k}']": v for k, v in annotations.items()},
+    }
     env: dict[str, str] = {}
     for var in c.get("env", []):
         source = var.get("valueFrom")
@@ -123,8 +154,12 @@ def render_pod(job: dict, objs: dict, index: int, namespace: str = "default") ->
             raise NotImplementedError(f"env {var['name']}: {sorted(source)} is not emulated; extend render_pod")
     env["JOB_COMPLETION_INDEX"] = str(index)  # added by the Job controller
     subdomain = spec.get("subdomain")
-    dns = [f"{hostname}.{subdomain}", f"{hostname}.{subdomain}.{namespace}",
-           f"{hostname}.{subdomain}.{namespace}.svc", f"{hostname}.{subdomain}.{namespace}.svc.cluster.local"]
+    dns = [
+        f"{hostname}.{subdomain}",
+        f"{hostname}.{subdomain}.{namespace}",
+        f"{hostname}.{subdomain}.{namespace}.svc",
+        f"{hostname}.{subdomain}.{namespace}.svc.cluster.local",
+    ]
     argv = [expand(a, env) for a in c.get("command", []) + c.get("args", [])]
     return Pod(index, fields["metadata.name"], hostname, dns if subdomain else [], env, argv, c, spec)
 
@@ -164,15 +199,27 @@ def test_crd_objects_have_valid_metadata_and_selectors():
     import jsonschema
     from referencing import Registry, Resource
 
-    defs = json.loads((Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema" /
-                       f"v{kubernetes_validate.latest_version()}-local-strict" / "_definitions.json").read_text())
+    defs = json.loads(
+        (
+            Path(kubernetes_validate.__file__).parent
+            / "kubernetes-json-schema"
+            / f"v{kubernetes_validate.latest_version()}-local-strict"
+            / "_definitions.json"
+        ).read_text()
+    )
     registry = Resource.from_contents(defs) @ Registry()
-    crd_objects = [o for p in FILES for o in load(p)
-                   if "." in o["apiVersion"].split("/")[0] and not o["apiVersion"].split("/")[0].endswith(".k8s.io")]
+    crd_objects = [
+        o
+        for p in FILES
+        for o in load(p)
+        if "." in o["apiVersion"].split("/")[0] and not o["apiVersion"].split("/")[0].endswith(".k8s.io")
+    ]
     assert [o["kind"] for o in crd_objects] == ["PodMonitor"]
     for obj in crd_objects:
-        for part, ref in ((obj["metadata"], "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"),
-                          (obj["spec"]["selector"], "io.k8s.apimachinery.pkg.apis.meta.v1.LabelSelector")):
+        for part, ref in (
+            (obj["metadata"], "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"),
+            (obj["spec"]["selector"], "io.k8s.apimachinery.pkg.apis.meta.v1.LabelSelector"),
+        ):
             schema = {"$ref": f"{defs['$id']}#/$defs/{ref}"}
             jsonschema.Draft202012Validator(schema, registry=registry).validate(part)
 
@@ -185,8 +232,11 @@ def _paths(value, prefix=""):
     return {prefix}
 
 
-@pytest.mark.parametrize("path", [p for p in FILES if p.parent.name != "monitoring" or "grafana" in p.name],
-                         ids=lambda p: str(p.relative_to(K8S)))
+@pytest.mark.parametrize(
+    "path",
+    [p for p in FILES if p.parent.name != "monitoring" or "grafana" in p.name],
+    ids=lambda p: str(p.relative_to(K8S)),
+)
 def test_python_client_loads_every_field(path):
     obj = load(path)[0]
     client = ApiClient()
@@ -242,8 +292,9 @@ def test_config_map_and_env_give_the_trainer_a_valid_config(variant, tmp_path):
     config = resolved.config
     assert "persistentVolumeClaim" in volumes[mounts[config.checkpoint_dir]], "checkpoints must outlive the pod"
     metrics = {p["name"]: p["containerPort"] for p in pod.container["ports"]}["metrics"]
-    assert config.metrics_port == metrics == int(job["spec"]["template"]["metadata"]["annotations"]
-                                                 ["prometheus.io/port"])
+    assert (
+        config.metrics_port == metrics == int(job["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"])
+    )
     assert config.metrics_linger_seconds > 0, "without linger Prometheus never sees a finished pod's last values"
     assert config.device == {"gpu": "cuda", "cpu": "cpu"}[name]
 
@@ -271,13 +322,20 @@ def test_cpu_variant_differs_from_the_gpu_job_only_in_cpu_gpu_settings():
         for key in ("image", "resources"):
             c.pop(key)
         job["spec"]["template"]["spec"].pop("tolerations", None)
-        next(v for v in job["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")["emptyDir"].pop(
-            "sizeLimit")
+        next(v for v in job["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")["emptyDir"].pop("sizeLimit")
     assert cpu == gpu
 
 
-RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
-                      "projected", "secret"}
+RESTRICTED_VOLUMES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
 
 
 def restricted_violations(pod_spec: dict) -> list[str]:
@@ -288,13 +346,16 @@ def restricted_violations(pod_spec: dict) -> list[str]:
     for c in pod_spec.get("initContainers", []) + pod_spec["containers"]:
         sc = {**pod_sc, **c.get("securityContext", {})}  # container settings override the pod's
         caps = sc.get("capabilities", {})
-        checks = {"privileged": not sc.get("privileged"), "hostPort": not any(p.get("hostPort") for p in
-                                                                              c.get("ports", [])),
-                  "allowPrivilegeEscalation": sc.get("allowPrivilegeEscalation") is False,
-                  "runAsNonRoot": sc.get("runAsNonRoot") is True, "runAsUser": sc.get("runAsUser") != 0,
-                  "capabilities.drop": "ALL" in caps.get("drop", []),
-                  "capabilities.add": set(caps.get("add", [])) <= {"NET_BIND_SERVICE"},
-                  "seccompProfile": sc.get("seccompProfile", {}).get("type") in {"RuntimeDefault", "Localhost"}}
+        checks = {
+            "privileged": not sc.get("privileged"),
+            "hostPort": not any(p.get("hostPort") for p in c.get("ports", [])),
+            "allowPrivilegeEscalation": sc.get("allowPrivilegeEscalation") is False,
+            "runAsNonRoot": sc.get("runAsNonRoot") is True,
+            "runAsUser": sc.get("runAsUser") != 0,
+            "capabilities.drop": "ALL" in caps.get("drop", []),
+            "capabilities.add": set(caps.get("add", [])) <= {"NET_BIND_SERVICE"},
+            "seccompProfile": sc.get("seccompProfile", {}).get("type") in {"RuntimeDefault", "Localhost"},
+        }
         bad += [f"{c['name']}: {name}" for name, ok in checks.items() if not ok]
     return bad
 
@@ -417,8 +478,9 @@ def write_dashboard_config_map() -> None:
 
 
 def test_grafana_dashboard_config_map_is_the_compose_dashboard_and_queries_contract_metrics():
-    assert DASHBOARD_CM.read_text() == dashboard_config_map_text(), \
+    assert DASHBOARD_CM.read_text() == dashboard_config_map_text(), (
         "k8s/monitoring/grafana-dashboard.yaml is out of date with the compose dashboard: run `make k8s-dashboard`"
+    )
     cm = load(DASHBOARD_CM)[0]
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1", "the label kube-prometheus-stack's sidecar watches"
     dashboard = json.loads(cm["data"]["ddp-cluster.json"])

@@ -22,10 +22,14 @@ def write(tmp_path, text: str) -> str:
 
 def test_defaults_are_the_contracts():
     cfg = load_config([], {}).config
-    assert (cfg.model, cfg.steps, cfg.micro_batch, cfg.seed, cfg.ddp) == ("mini_mlp", 200, 32, 0, "scratch")
+    assert (cfg.model, cfg.steps, cfg.micro_batch, cfg.seed, cfg.wrapper) == ("mini_mlp", 200, 32, 0, "ours")
     assert (cfg.bucket_cap_mb, cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints) == (25, "", 50, 3)
-    assert (cfg.metrics_port, cfg.metrics_linger_seconds, cfg.rendezvous_timeout_seconds, cfg.log_every) == \
-        (9400, 0, 60, 10)
+    assert (cfg.metrics_port, cfg.metrics_linger_seconds, cfg.rendezvous_timeout_seconds, cfg.log_every) == (
+        9400,
+        0,
+        60,
+        10,
+    )
     assert cfg.check_world(1) == 1  # grad_accum_steps defaults to 1
 
 
@@ -72,11 +76,18 @@ def test_unknown_env_setting_is_a_warning_not_silence():
     assert any("DDP_STPES" in w for w in resolved.warnings)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"steps": 0}, "steps"), ({"model": "resnet"}, "model"), ({"ddp": "horovod"}, "ddp"), ({"lr": 0.0}, "lr"),
-    ({"metrics_port": 70000}, "metrics_port"), ({"grad_accum_steps": 0}, "grad_accum_steps"),
-    ({"model": "tiny_transformer", "seq_len": 65}, "seq_len"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"steps": 0}, "steps"),
+        ({"model": "resnet"}, "model"),
+        ({"wrapper": "horovod"}, "wrapper"),
+        ({"lr": 0.0}, "lr"),
+        ({"metrics_port": 70000}, "metrics_port"),
+        ({"grad_accum_steps": 0}, "grad_accum_steps"),
+        ({"model": "tiny_transformer", "seq_len": 65}, "seq_len"),
+    ],
+)
 def test_validation_names_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=rf"^{field}="):
         TrainConfig(**kwargs)
@@ -86,23 +97,30 @@ def test_validation_names_the_field(kwargs, field):
 BAD = {
     "negative steps": (["--steps", "-5"], {}, "steps=-5"),
     "unknown model": (["--model", "resnet50"], {}, "model='resnet50'"),
-    "unknown ddp": (["--ddp", "horovod"], {}, "ddp='horovod'"),
+    "unknown wrapper": (["--wrapper", "horovod"], {}, "wrapper='horovod'"),
     "non-dividing effective_batch": (["--effective-batch", "100"], {"WORLD_SIZE": "2"}, "effective_batch=100"),
     "non-numeric env": ([], {"DDP_MICRO_BATCH": "lots"}, "micro_batch='lots' (from env DDP_MICRO_BATCH)"),
     "bad yaml key": (["--config", "@bad.yaml"], {}, "unknown setting 'stpes'"),
-    "ddp none with 2 ranks": (["--ddp", "none"], {"WORLD_SIZE": "2"}, "ddp=none with world_size=2"),
+    "wrapper none with 2 ranks": (["--wrapper", "none"], {"WORLD_SIZE": "2"}, "wrapper=none with world_size=2"),
     "unknown flag": (["--stpes", "5"], {}, "--stpes"),
-    "data set smaller than one micro-batch": (["--dataset-size", "16", "--micro-batch", "32"], {},
-                                              "dataset_size=16 gives each of world_size=1 ranks 16 samples, fewer "
-                                              "than micro_batch=32"),
-    "one micro-batch in all, two ranks": (["--dataset-size", "48", "--micro-batch", "32"], {"WORLD_SIZE": "2"},
-                                          "dataset_size=48 gives each of world_size=2 ranks 24 samples"),
+    "data set smaller than one micro-batch": (
+        ["--dataset-size", "16", "--micro-batch", "32"],
+        {},
+        "dataset_size=16 gives each of world_size=1 ranks 16 samples, fewer than micro_batch=32",
+    ),
+    "one micro-batch in all, two ranks": (
+        ["--dataset-size", "48", "--micro-batch", "32"],
+        {"WORLD_SIZE": "2"},
+        "dataset_size=48 gives each of world_size=2 ranks 24 samples",
+    ),
     # CUDA_VISIBLE_DEVICES="" hides any GPU, so this holds on GPU machines too.
     "device cuda without a GPU": (["--device", "cuda"], {"CUDA_VISIBLE_DEVICES": ""}, "device=cuda: no CUDA device"),
-    "metrics port past 65535": (["--metrics-port", "65535"],
-                                {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
-                                "metrics_port=65535: the 2 processes on this machine would listen on ports up to "
-                                "65536 > 65535; choose metrics_port <= 65534"),
+    "metrics port past 65535": (
+        ["--metrics-port", "65535"],
+        {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+        "metrics_port=65535: the 2 processes on this machine would listen on ports up to "
+        "65536 > 65535; choose metrics_port <= 65534",
+    ),
 }
 
 
@@ -111,8 +129,14 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path):
     args, env, expected = BAD[case]
     (tmp_path / "bad.yaml").write_text("stpes: 5\n")
     args = [str(tmp_path / a[1:]) if a.startswith("@") else a for a in args]
-    result = subprocess.run([PYTHON, "-m", "app.train", "--metrics-port", "0", *args], cwd=REPO,
-                            env=clean_env(**env), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [PYTHON, "-m", "app.train", "--metrics-port", "0", *args],
+        cwd=REPO,
+        env=clean_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1, result.stderr

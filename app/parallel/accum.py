@@ -20,8 +20,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,8 +42,9 @@ def effective_batch_size(micro_batch: int, grad_accum_steps: int, world_size: in
     return micro_batch * grad_accum_steps * world_size
 
 
-def resolve_grad_accum_steps(micro_batch: int, world_size: int, grad_accum_steps: int | None = None,
-                             effective_batch: int | None = None) -> int:
+def resolve_grad_accum_steps(
+    micro_batch: int, world_size: int, grad_accum_steps: int | None = None, effective_batch: int | None = None
+) -> int:
     """Per-rank accumulation steps from either ``grad_accum_steps`` or ``effective_batch`` (not both).
 
     Raises ValueError with a one-line message naming the field and the fix when they do not fit together.
@@ -58,14 +59,16 @@ def resolve_grad_accum_steps(micro_batch: int, world_size: int, grad_accum_steps
         if effective_batch_size(micro_batch, grad_accum_steps, world_size) != effective_batch:
             raise ValueError(
                 f"effective_batch={effective_batch} disagrees with micro_batch={micro_batch} × "
-                f"grad_accum_steps={grad_accum_steps} × world_size={world_size}; set only one of the two")
+                f"grad_accum_steps={grad_accum_steps} × world_size={world_size}; set only one of the two"
+            )
         return grad_accum_steps
     if effective_batch is not None:
         per_step = micro_batch * world_size
         if effective_batch <= 0 or effective_batch % per_step:
             raise ValueError(
                 f"effective_batch={effective_batch} is not a positive multiple of micro_batch × world_size = "
-                f"{micro_batch} × {world_size} = {per_step}; choose a multiple of {per_step} or change micro_batch")
+                f"{micro_batch} × {world_size} = {per_step}; choose a multiple of {per_step} or change micro_batch"
+            )
         return effective_batch // per_step
     return 1 if grad_accum_steps is None else grad_accum_steps
 
@@ -103,11 +106,17 @@ def _any_rank_true(model: nn.Module, local: bool) -> bool:
     return bool(flag.item())
 
 
-def accumulation_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-                      micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                      loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
-                      sync_every_micro_batch: bool = False, scale_loss: bool = True,
-                      check_finite: bool = True, synchronize: Callable[[], None] = lambda: None) -> StepResult:
+def accumulation_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    sync_every_micro_batch: bool = False,
+    scale_loss: bool = True,
+    check_finite: bool = True,
+    synchronize: Callable[[], None] = lambda: None,
+) -> StepResult:
     """One optimizer step over ``K = len(micro_batches)`` micro-batches.
 
     ``model`` is our DDP, PyTorch's DDP or a bare module (no ``no_sync``: nothing to skip). ``loss_fn`` returns
@@ -156,12 +165,16 @@ def accumulation_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     if check_finite and _any_rank_true(model, local):
         optimizer.zero_grad(set_to_none=True)
         where = "this rank" if local else f"another rank (here {mean_loss:.6g})"
-        raise NonFiniteLossError(f"loss is {mean_loss if local else 'NaN/inf'} on {where}; every rank stops before "
-                                 f"the optimizer step so the parameters and the last checkpoint stay good. Lower the "
-                                 f"learning rate or check the data", local=local)
+        raise NonFiniteLossError(
+            f"loss is {mean_loss if local else 'NaN/inf'} on {where}; every rank stops before "
+            f"the optimizer step so the parameters and the last checkpoint stay good. Lower the "
+            f"learning rate or check the data",
+            local=local,
+        )
     t3 = time.perf_counter()
     optimizer.step()  # once per effective batch: momentum and Adam moments advance once, not K times
     synchronize()
     opt = time.perf_counter() - t3
-    return StepResult(loss=mean_loss, samples=total, syncs=syncs, forward_seconds=fwd, backward_seconds=bwd,
-                      optimizer_seconds=opt)
+    return StepResult(
+        loss=mean_loss, samples=total, syncs=syncs, forward_seconds=fwd, backward_seconds=bwd, optimizer_seconds=opt
+    )

@@ -13,8 +13,19 @@ import time
 import torch
 
 from app.checkpoint import list_checkpoints, load_checkpoint
-from tests.trainer_run import (PYTHON, REPO, clean_env, describe, finished, free_port, losses, start_ranks,
-                               start_torchrun, torchrun, wait_for_lines)
+from tests.trainer_run import (
+    PYTHON,
+    REPO,
+    clean_env,
+    describe,
+    finished,
+    free_port,
+    losses,
+    start_ranks,
+    start_torchrun,
+    torchrun,
+    wait_for_lines,
+)
 
 
 def test_two_ranks_train_mini_mlp_with_accumulation():
@@ -31,8 +42,23 @@ def test_two_ranks_train_mini_mlp_with_accumulation():
 
 
 def test_tiny_transformer_learns_with_torch_ddp():
-    result = torchrun("--model", "tiny_transformer", "--ddp", "torch", "--steps", "40", "--micro-batch", "16",
-                      "--seq-len", "16", "--metrics-port", "0", "--log-every", "20", timeout=240)
+    result = torchrun(
+        "--model",
+        "tiny_transformer",
+        "--wrapper",
+        "torch",
+        "--steps",
+        "40",
+        "--micro-batch",
+        "16",
+        "--seq-len",
+        "16",
+        "--metrics-port",
+        "0",
+        "--log-every",
+        "20",
+        timeout=240,
+    )
     assert result.returncode == 0, describe(result)
     assert len(finished(result.stdout)) == 2
     loss = losses(result.stderr)
@@ -41,9 +67,14 @@ def test_tiny_transformer_learns_with_torch_ddp():
 
 
 def test_one_process_without_torchrun():
-    result = subprocess.run([PYTHON, "-m", "app.train", "--ddp", "none", "--steps", "20", "--metrics-port", "0",
-                             "--log-every", "20"], cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [PYTHON, "-m", "app.train", "--wrapper", "none", "--steps", "20", "--metrics-port", "0", "--log-every", "20"],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, describe(result)
     assert finished(result.stdout)[0]["world_size"] == "1"
 
@@ -51,13 +82,36 @@ def test_one_process_without_torchrun():
 def test_two_plain_runs_at_once_do_not_clash():
     """Without torchrun a run is a world of one: its store takes a free port, not a fixed default that a second
     run at the same time would find taken."""
-    first = subprocess.Popen([PYTHON, "-m", "app.train", "--ddp", "none", "--steps", "5", "--metrics-port",
-                              str(free_port()), "--metrics-linger-seconds", "60"], cwd=REPO, env=clean_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [
+            PYTHON,
+            "-m",
+            "app.train",
+            "--wrapper",
+            "none",
+            "--steps",
+            "5",
+            "--metrics-port",
+            str(free_port()),
+            "--metrics-linger-seconds",
+            "60",
+        ],
+        cwd=REPO,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for_lines(first, first.stdout, "FINISHED")  # trained; its process group (and store) live on in the linger
-        second = subprocess.run([PYTHON, "-m", "app.train", "--ddp", "none", "--steps", "5", "--metrics-port", "0"],
-                                cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+        second = subprocess.run(
+            [PYTHON, "-m", "app.train", "--wrapper", "none", "--steps", "5", "--metrics-port", "0"],
+            cwd=REPO,
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert second.returncode == 0, describe(second)
         first.send_signal(signal.SIGTERM)  # ends the linger
         first.communicate(timeout=30)
@@ -68,8 +122,18 @@ def test_two_plain_runs_at_once_do_not_clash():
 
 def test_sigterm_checkpoints_and_exits_0(tmp_path):
     """Both ranks signalled (docker compose stop, Job deletion): they agree on a step, rank 0 saves, both exit 0."""
-    procs = start_ranks("--steps", "100000", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "100000",
-                        "--metrics-port", "0", "--log-every", "50")
+    procs = start_ranks(
+        "--steps",
+        "100000",
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--checkpoint-every",
+        "100000",
+        "--metrics-port",
+        "0",
+        "--log-every",
+        "50",
+    )
     try:
         _wait_for_line(procs[0], "step 50/")
         sent = time.monotonic()
@@ -84,7 +148,7 @@ def test_sigterm_checkpoints_and_exits_0(tmp_path):
     # This bound catches a stop that never ends, with room for process exit on a loaded 2-core CI machine.
     assert elapsed < 30, f"took {elapsed:.1f}s to stop"
     assert not any("FINISHED" in out for out, _ in outs)  # stopped, not finished
-    (step, path), = list_checkpoints(tmp_path)
+    ((step, path),) = list_checkpoints(tmp_path)
     assert step >= 50 and f"stopped at step {step}" in outs[1][1]
     assert load_checkpoint(path)["step"] == step
 
@@ -92,8 +156,18 @@ def test_sigterm_checkpoints_and_exits_0(tmp_path):
 def test_sigterm_to_one_rank_stops_all_and_only_it_exits_0(tmp_path):
     """One rank scaled away: all stop at the same step with a checkpoint; the unsignalled one exits 1 so that an
     elastic torchrun re-forms the group and resumes."""
-    procs = start_ranks("--steps", "100000", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "100000",
-                        "--metrics-port", "0", "--log-every", "50")
+    procs = start_ranks(
+        "--steps",
+        "100000",
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--checkpoint-every",
+        "100000",
+        "--metrics-port",
+        "0",
+        "--log-every",
+        "50",
+    )
     try:
         _wait_for_line(procs[0], "step 50/")
         procs[1].send_signal(signal.SIGTERM)
@@ -110,8 +184,18 @@ def test_sigterm_to_torchrun_reaches_the_workers(tmp_path):
 
     torchrun itself then exits 1 (it re-raises the signal as an exception); the workers exit 0 after the checkpoint.
     """
-    proc = start_torchrun("--steps", "100000", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "100000",
-                          "--metrics-port", "0", "--log-every", "50")
+    proc = start_torchrun(
+        "--steps",
+        "100000",
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--checkpoint-every",
+        "100000",
+        "--metrics-port",
+        "0",
+        "--log-every",
+        "50",
+    )
     try:
         _wait_for_line(proc, "step 50/")
         proc.send_signal(signal.SIGTERM)
@@ -123,8 +207,18 @@ def test_sigterm_to_torchrun_reaches_the_workers(tmp_path):
 
 
 def test_nan_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(tmp_path):
-    result = torchrun("--steps", "40", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "5",
-                      "--inject-nan-at-step", "12", "--metrics-port", "0")
+    result = torchrun(
+        "--steps",
+        "40",
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--checkpoint-every",
+        "5",
+        "--inject-nan-at-step",
+        "12",
+        "--metrics-port",
+        "0",
+    )
     assert result.returncode != 0, describe(result)
     assert "loss became NaN/inf at step 12 on rank 1" in result.stderr
     assert "Last good checkpoint kept" in result.stderr and "step-00000010.pt" in result.stderr
@@ -138,8 +232,14 @@ def test_unreachable_rendezvous_fails_within_the_timeout_naming_the_endpoint():
     port = free_port()  # nobody listens here
     env = clean_env(RANK="1", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     start = time.monotonic()
-    result = subprocess.run([PYTHON, "-m", "app.train", "--rendezvous-timeout-seconds", "5", "--metrics-port", "0"],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [PYTHON, "-m", "app.train", "--rendezvous-timeout-seconds", "5", "--metrics-port", "0"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     elapsed = time.monotonic() - start
     assert result.returncode == 1, describe(result)
     # The promise is "fails within rendezvous_timeout_seconds (5 s)", after the interpreter has started and

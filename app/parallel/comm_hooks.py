@@ -1,7 +1,7 @@
 """Communication hooks: how a full gradient bucket is turned into averaged gradients.
 
 A hook has PyTorch's signature, ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``, so the same
-function works with ``app.ddp.DistributedDataParallel.register_comm_hook`` and with
+function works with ``app.parallel.ddp.DistributedDataParallel.register_comm_hook`` and with
 ``torch.nn.parallel.DistributedDataParallel.register_comm_hook``. ``state`` is the process group to use
 (``None`` means the default group); ``bucket`` offers ``buffer()``, the flat tensor holding the bucket's
 gradients. The future must resolve to a tensor of the bucket's shape and dtype holding the *average* over ranks:
@@ -53,8 +53,10 @@ def _compress_hook(dtype: torch.dtype):
         return fut.then(decompress)
 
     hook.__name__ = f"{str(dtype).removeprefix('torch.')}_compress_hook"
-    hook.__doc__ = (f"Cast the bucket to {dtype} (half the bytes on the wire), divide by the world size, all-reduce "
-                    f"with SUM, cast back. Rounding error: relative ~1e-3 (fp16) / ~1e-2 (bf16) per element.")
+    hook.__doc__ = (
+        f"Cast the bucket to {dtype} (half the bytes on the wire), divide by the world size, all-reduce "
+        f"with SUM, cast back. Rounding error: relative ~1e-3 (fp16) / ~1e-2 (bf16) per element."
+    )
     return hook
 
 

@@ -31,13 +31,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 
@@ -84,7 +84,7 @@ class GradBucket:
         # All parameters of one bucket share dtype and device (see _build_buckets), so one buffer fits all.
         self._buffer = torch.zeros(sum(self._numels), dtype=params[0].dtype, device=params[0].device)
         # Views made once: slicing per gradient per step would cost Python time on the backward's critical path.
-        self._views = [self._buffer[o: o + n].view_as(p) for o, n, p in zip(self._offsets, self._numels, params)]
+        self._views = [self._buffer[o : o + n].view_as(p) for o, n, p in zip(self._offsets, self._numels, params)]
 
     # -- PyTorch's GradBucket interface, what comm hooks may call ------------------------------------------------
     def index(self) -> int:
@@ -129,7 +129,7 @@ def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group) -> None:
         offset = 0
         with torch.no_grad():
             for t in same_kind:
-                t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
 
@@ -147,12 +147,21 @@ class DistributedDataParallel(nn.Module):
             parameters (branches, early exits). Without it such a backward raises an error naming them.
     """
 
-    def __init__(self, module: nn.Module, *, process_group=None, bucket_cap_mb: float = 25,
-                 broadcast_buffers: bool = True, find_unused_parameters: bool = False):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group=None,
+        bucket_cap_mb: float = 25,
+        broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
+    ):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("DistributedDataParallel needs an initialised process group: call "
-                               "torch.distributed.init_process_group() first (torchrun sets its env:// variables)")
+            raise RuntimeError(
+                "DistributedDataParallel needs an initialised process group: call "
+                "torch.distributed.init_process_group() first (torchrun sets its env:// variables)"
+            )
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.module = module
@@ -172,13 +181,16 @@ class DistributedDataParallel(nn.Module):
         self._param_names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
         self._buffers_to_sync = list(module.buffers())
         if not self._params:
-            raise ValueError("the module has no parameter that requires a gradient: there is nothing for "
-                             "DistributedDataParallel to synchronise; run it unwrapped")
+            raise ValueError(
+                "the module has no parameter that requires a gradient: there is nothing for "
+                "DistributedDataParallel to synchronise; run it unwrapped"
+            )
 
         self._check_same_model_everywhere()
         # 1. Everyone starts from rank 0's weights: ranks seeded differently would otherwise drift apart forever.
-        _broadcast_coalesced([p.data for p in module.parameters()] + self._buffers_to_sync,
-                             src=self._src_rank, group=self.process_group)
+        _broadcast_coalesced(
+            [p.data for p in module.parameters()] + self._buffers_to_sync, src=self._src_rank, group=self.process_group
+        )
 
         self._buckets, self._slot = self._build_buckets()
         self._bucket_sizes = [b.nbytes for b in self._buckets]
@@ -209,15 +221,20 @@ class DistributedDataParallel(nn.Module):
         # Count, total size and a fingerprint of every parameter's (shape, dtype): two models with the same
         # number of elements but other shapes would otherwise average unrelated tensors without a word.
         layout = hashlib.sha256(repr([(tuple(p.shape), str(p.dtype)) for p in self._params]).encode()).digest()
-        mine = torch.tensor([len(self._params), sum(p.numel() for p in self._params),
-                             int.from_bytes(layout[:7], "little")], dtype=torch.int64, device=self._params[0].device)
+        mine = torch.tensor(
+            [len(self._params), sum(p.numel() for p in self._params), int.from_bytes(layout[:7], "little")],
+            dtype=torch.int64,
+            device=self._params[0].device,
+        )
         low, high = mine.clone(), mine.clone()
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.process_group)
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.process_group)
         if not torch.equal(low, high):
-            raise RuntimeError(f"ranks wrap different models: {len(self._params)} parameters, {mine[1].item()} "
-                               f"elements, layout fingerprint {layout[:7].hex()} here, but the ranks disagree; "
-                               f"build the same model on every rank")
+            raise RuntimeError(
+                f"ranks wrap different models: {len(self._params)} parameters, {mine[1].item()} "
+                f"elements, layout fingerprint {layout[:7].hex()} here, but the ranks disagree; "
+                f"build the same model on every rank"
+            )
 
     def _build_buckets(self) -> tuple[list[GradBucket], list[tuple[int, int]]]:
         """Group parameters into buckets of at most ``bucket_cap_bytes``, in *reverse* registration order.
@@ -234,8 +251,9 @@ class DistributedDataParallel(nn.Module):
             nbytes = p.numel() * p.element_size()
             first = self._params[current[0]] if current else None
             cap = min(self.bucket_cap_bytes, FIRST_BUCKET_BYTES) if not groups else self.bucket_cap_bytes
-            starts_new = first is not None and (current_bytes + nbytes > cap
-                                                or (p.dtype, p.device) != (first.dtype, first.device))
+            starts_new = first is not None and (
+                current_bytes + nbytes > cap or (p.dtype, p.device) != (first.dtype, first.device)
+            )
             if starts_new:
                 groups.append(current)
                 current, current_bytes = [], 0
@@ -244,8 +262,9 @@ class DistributedDataParallel(nn.Module):
         if current:
             groups.append(current)
 
-        buckets = [GradBucket(i, [self._params[j] for j in g], g, is_last=(i == len(groups) - 1))
-                   for i, g in enumerate(groups)]
+        buckets = [
+            GradBucket(i, [self._params[j] for j in g], g, is_last=(i == len(groups) - 1)) for i, g in enumerate(groups)
+        ]
         slot = [(0, 0)] * len(self._params)  # parameter index -> (bucket index, position in bucket)
         for b in buckets:
             for pos, index in enumerate(b.param_indices):
@@ -278,7 +297,7 @@ class DistributedDataParallel(nn.Module):
         """Replace the default all-reduce of each bucket by ``hook(state, bucket) -> Future[Tensor]``.
 
         The future must resolve to the bucket's *averaged* gradients (the hook divides by the world size).
-        ``app.comm_hooks`` has plain, fp16 and bf16 hooks; PyTorch's ``ddp_comm_hooks`` work too.
+        ``app.parallel.comm_hooks`` has plain, fp16 and bf16 hooks; PyTorch's ``ddp_comm_hooks`` work too.
         """
         if self._comm_hook is not None:
             # As PyTorch: swapping reductions between steps would silently mix two averaging schemes.
@@ -344,15 +363,18 @@ class DistributedDataParallel(nn.Module):
                 for unused in self._unused:
                     self._mark_ready(unused, grad=self._params[unused].grad)
             self._mark_ready(index, grad=param.grad)
+
         return hook
 
     def _mark_ready(self, index: int, grad: torch.Tensor | None) -> None:
         if self._ready[index]:
             # A parameter used twice in one graph still gets one hook call after accumulation. A second call means
             # the graph walk called it unused, yet backward reached it: the loss used it outside forward's output.
-            raise RuntimeError(f"parameter {self._param_names[id(self._params[index])]!r} got a gradient although "
-                               f"forward's output does not depend on it (find_unused_parameters marked it unused): "
-                               f"the loss uses it outside forward; route every use through forward")
+            raise RuntimeError(
+                f"parameter {self._param_names[id(self._params[index])]!r} got a gradient although "
+                f"forward's output does not depend on it (find_unused_parameters marked it unused): "
+                f"the loss uses it outside forward; route every use through forward"
+            )
         self._ready[index] = True
         bucket_index, pos = self._slot[index]
         bucket = self._buckets[bucket_index]
@@ -379,8 +401,9 @@ class DistributedDataParallel(nn.Module):
                 # Built-in path: all-reduce with SUM, in place. The division by the world size happens when the
                 # result is copied back into p.grad (_finalize_backward): fused into that copy, it costs no extra
                 # pass over the gradients (PyTorch's Reducer fuses it into its copy *into* the bucket instead).
-                fut = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.SUM, group=self.process_group,
-                                      async_op=True).get_future()
+                fut = dist.all_reduce(
+                    bucket.buffer(), op=dist.ReduceOp.SUM, group=self.process_group, async_op=True
+                ).get_future()
             else:
                 fut = self._comm_hook(self._comm_state, bucket)  # the hook averages, as with PyTorch's DDP
 
@@ -402,7 +425,8 @@ class DistributedDataParallel(nn.Module):
             raise RuntimeError(
                 f"parameters that received no gradient in this backward: {', '.join(missing)}; every rank would "
                 f"wait forever for their buckets. Pass find_unused_parameters=True to DistributedDataParallel if "
-                f"forward skips them on purpose, or make sure the loss depends on them")
+                f"forward skips them on purpose, or make sure the loss depends on them"
+            )
 
         globally_used = self._all_reduce_used_flags() if self.find_unused_parameters else None
         # The built-in all-reduce leaves the SUM in the bucket; a comm hook leaves the average.

@@ -1,0 +1,55 @@
+"""What this project teaches and measures, one idea per file, none of it importing the training worker.
+
+- ``ddp.py``: ``DistributedDataParallel`` from scratch (broadcast, buckets, async all-reduce, ``no_sync``, ...)
+- ``comm_hooks.py``: comm hooks for it (plain all-reduce, fp16, bf16), PyTorch's signature
+- ``accum.py``: the gradient-accumulation step (``accumulation_step``)
+- ``probes.py``: what one step's communication cost, whichever wrapper did it
+
+``wrap_model`` is the one place that chooses between our wrapper and PyTorch's: the demo, the trainer and the
+benchmarks all call it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+# torch is imported inside wrap_model, not here: app.config reads WRAPPERS, and a bad flag must fail before the
+# seconds-long torch import.
+WRAPPERS = ("ours", "torch", "none")  # ours: app.parallel.ddp; torch: torch.nn.parallel; none: the bare module
+
+
+def wrap_model(model: nn.Module, wrapper: str = "ours", *, bucket_cap_mb: float = 25.0, **kwargs) -> nn.Module:
+    """Wrap ``model`` for data-parallel training in the current process group.
+
+    Args:
+        model: the module, already on this rank's device.
+        wrapper: ``"ours"`` (``app.parallel.ddp.DistributedDataParallel``), ``"torch"``
+            (``torch.nn.parallel.DistributedDataParallel``) or ``"none"`` (the model itself: one process).
+        bucket_cap_mb: gradient bucket size in MiB (both wrappers).
+        **kwargs: passed on to the wrapper (``find_unused_parameters``, ``process_group``, ...).
+
+    On CUDA, ``device_ids`` is set to the model's device, as PyTorch's DDP expects one GPU per process.
+
+    Example::
+
+        model = wrap_model(MiniMLP(), "ours", bucket_cap_mb=25)
+        loss_fn(model(x), y).backward()  # gradients are averaged over the ranks when this returns
+    """
+    import torch
+
+    if wrapper == "none":
+        return model
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        kwargs.setdefault("device_ids", [device])
+    if wrapper == "torch":
+        return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **kwargs)
+    if wrapper == "ours":
+        from app.parallel.ddp import DistributedDataParallel
+
+        kwargs.pop("device_ids", None)  # ours follows the parameters' device
+        return DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **kwargs)
+    raise ValueError(f"wrapper={wrapper!r}: choose one of {', '.join(WRAPPERS)}")
