@@ -345,3 +345,28 @@ def describe(resolved: Resolved) -> str:
         for name, value in resolved.config.as_dict().items()
     ]
     return "configuration:\n" + "\n".join(lines)
+
+
+def config_table_markdown() -> str:
+    """The configuration table of docs/training.md, one row per ``TrainConfig`` field, from the fields themselves.
+
+    ``make docs-config`` writes it into the docs; ``tests/unit/test_docs.py`` fails when the docs hold another one,
+    so a field added here cannot be missing there.
+
+    Example::
+
+        >>> print(config_table_markdown().splitlines()[2])
+        | `model` | `DDP_MODEL` | `--model` | `mini_mlp` | model to train: mini_mlp \\| tiny_transformer |
+    """
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")  # a bare | would end the Markdown cell
+
+    rows = ["| field | env | flag | default | meaning |", "|---|---|---|---|---|"]
+    for f in fields(TrainConfig):
+        value = f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
+        default = "unset" if value is None else f"`{value!r}`" if value == "" else f"`{value}`"
+        rows.append(
+            f"| `{f.name}` | `{env_name(f.name)}` | `{flag_name(f.name)}` | {default} | {cell(f.metadata['doc'])} |"
+        )
+    return "\n".join(rows) + "\n"
