@@ -45,6 +45,13 @@ bench: venv ## DDP step time side by side (ours vs torch's vs the lesson's loop)
 accum: venv ## gradient accumulation on 2 CPU ranks: equivalence, sync counts, sweep; JSON + PNG in bench/results/
 	$(PY) -m bench.accum
 
+.PHONY: docs-config
+docs-config: venv ## rewrite docs/training.md's configuration table from TrainConfig (app/config.py)
+	$(PY) -c "import pathlib; from app.config import config_table_markdown as table; \
+	p = pathlib.Path('docs/training.md'); s = p.read_text(); \
+	b, e = '<!-- config-table:begin -->', '<!-- config-table:end -->'; i, j = s.index(b) + len(b), s.index(e); \
+	p.write_text(s[:i] + '\n' + table() + s[j:])"
+
 # -- the training worker on this machine (app/train.py; README section "training") ---------------------------------
 # `make run STEPS=100` works too: STEPS is the demo's (20) unless given on the command line or in the environment.
 RUN_STEPS ?= $(if $(filter command line environment,$(origin STEPS)),$(STEPS),300)
