@@ -9,6 +9,7 @@ Each test is marked by the folder it sits in, so ``pytest -m "not e2e"`` selects
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -21,3 +22,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         folder = Path(str(item.fspath)).resolve().relative_to(TESTS).parts[0]
         if folder in ("unit", "integration", "e2e"):
             item.add_marker(getattr(pytest.mark, folder))
+
+
+@pytest.fixture(autouse=True)
+def _keep_worker_output(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """Where tests.trainer_run.keep_output writes a failed worker's whole output: one folder per test under
+    pytest's tmp dir (created only when something is written)."""
+    from tests import trainer_run
+
+    name = re.sub(r"[^\w.-]+", "_", request.node.name)[:120]
+    # Resolved only when something is written: most tests never need pytest's tmp dir.
+    trainer_run.OUTPUT_DIR = lambda: tmp_path_factory.getbasetemp() / "worker-output" / name
+    yield
+    trainer_run.OUTPUT_DIR = None

@@ -2,18 +2,31 @@
 
 Every run has a timeout (a hang fails the test instead of blocking CI), one BLAS thread per rank, and none of the
 caller's ``DDP_*`` variables, so a developer's shell cannot change what a test sees.
+
+When a worker fails a test, its whole output and exit code are kept: attached to the assertion message and written
+to ``<pytest's tmp dir>/worker-output/<test>/`` (``keep_output``), so an intermittent failure can be read after
+the fact instead of rerun.
+
+Ports (``free_port``) come from below the kernel's ephemeral range and are reserved across processes for a while:
+a port picked by ``bind(0)`` is free only "a moment ago", and with many tests (and other checkouts) running, the
+kernel hands the same range out for every outgoing connection (gloo's mesh, store clients) before the worker, still
+importing torch, binds it.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import random
 import re
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,27 +46,99 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def free_port(count: int = 1) -> int:
-    """A port p such that p .. p+count-1 were all free a moment ago (metrics use base port + local rank)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
+PORT_RESERVATIONS = Path(tempfile.gettempdir()) / "ddp-cluster-test-ports"
+_RESERVATION_S = 900  # a reserved port is not handed out again for this long (longer than any test)
+_LOWEST_PORT = 10000  # below: well-known services (Prometheus 9090, the metrics default 9400, ...)
+OUTPUT_DIR: Callable[[], Path] | None = None  # set per test by tests/conftest.py: where keep_output writes
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _reserve(port: int) -> bool:
+    """Claim ``port`` for this test run across processes (O_EXCL file); stale claims are taken over."""
+    PORT_RESERVATIONS.mkdir(exist_ok=True)
+    path = PORT_RESERVATIONS / str(port)
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
         try:
-            socks = []
-            for p in range(base, base + count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", p))
-            return base
+            if time.time() - path.stat().st_mtime > _RESERVATION_S:
+                path.touch()
+                return True
         except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports")
+            pass
+        return False
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))  # every interface: the metrics server binds 0.0.0.0
+        except OSError:
+            return False
+    return True
+
+
+def free_port(count: int = 1) -> int:
+    """A port p such that p .. p+count-1 are free, reserved for this test (metrics use base port + local rank).
+
+    Chosen at random below the ephemeral range, where the kernel never assigns a port by itself, so nothing else
+    takes it in the seconds before the worker binds it; reserved in ``PORT_RESERVATIONS`` so that other test
+    processes (parallel runs, other checkouts) skip it.
+
+    Args:
+        count: how many consecutive ports.
+
+    Example::
+
+        port = free_port(2)  # ranks 0 and 1 serve /metrics on port and port + 1
+    """
+    low, _ = _ephemeral_range()
+    high = max(low - count, _LOWEST_PORT + 1000)
+    rng = random.Random()  # its own: a test that seeds `random` must not make every run pick the same ports
+    for _ in range(500):
+        base = rng.randrange(_LOWEST_PORT, high)
+        ports = range(base, base + count)
+        if all(_bindable(p) for p in ports) and all(_reserve(p) for p in ports):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports in {_LOWEST_PORT}..{high}")
+
+
+def keep_output(cmd, code, stdout: str, stderr: str, note: str = "") -> str:
+    """Write a worker's whole output and exit code to ``OUTPUT_DIR`` and return them as text for an assertion.
+
+    Args:
+        cmd: the command line (list or string).
+        code: the exit code (negative: killed by that signal), or a description such as "still running".
+        stdout, stderr: everything the process printed.
+        note: what the test was waiting for.
+
+    Example::
+
+        assert result.returncode == 0, keep_output(result.args, result.returncode, result.stdout, result.stderr)
+    """
+    if isinstance(code, int) and code < 0:
+        code = f"{code} (killed by {signal.Signals(-code).name})"
+    text = (
+        f"command: {cmd if isinstance(cmd, str) else ' '.join(map(str, cmd))}\nexit: {code}\n"
+        + (f"{note}\n" if note else "")
+        + f"--- stdout\n{stdout}\n--- stderr\n{stderr}\n"
+    )
+    where = ""
+    if OUTPUT_DIR is not None:
+        folder = OUTPUT_DIR()
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{time.strftime('%H%M%S')}-{os.getpid()}-{len(list(folder.iterdir()))}.log"
+        path.write_text(text)
+        where = f"(whole output also in {path})\n"
+    return where + text
 
 
 def torchrun(
@@ -126,21 +211,34 @@ def wait_for_lines(proc: subprocess.Popen, stream, wanted: str, count: int = 1, 
         try:
             line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
         except queue.Empty:
+            which = "stdout" if stream is proc.stdout else "stderr"
             raise AssertionError(
-                f"{count}× {wanted!r} not seen within {timeout:g}s; last output:\n{''.join(seen[-20:])}"
+                f"{count}× {wanted!r} not seen within {timeout:g}s\n"
+                + keep_output(
+                    proc.args,
+                    "nothing (still running)" if proc.poll() is None else proc.returncode,
+                    "",
+                    "",
+                    note=f"{which} so far (the other stream unread):\n{''.join(seen)}",
+                )
             ) from None
         if line is None:
             break
         seen.append(line)
     if sum(wanted in line for line in seen) < count:
+        # The stream reached its end: the process closed it, so it is exiting; everything it wrote is in `seen`
+        # and in the other pipe, which read() drains without blocking once the process is gone.
         try:
-            code, other = proc.wait(timeout=10), proc.stderr if stream is proc.stdout else proc.stdout
-            tail = (other.read() if other else "")[-3000:]  # safe: the process is gone, read() cannot block
+            code = proc.wait(timeout=10)
+            other = proc.stderr if stream is proc.stdout else proc.stdout
+            rest = other.read() if other else ""
         except subprocess.TimeoutExpired:
-            code, tail = "nothing (still running)", ""
+            code, rest = "nothing (still running, output closed)", ""
+        read, unread = "".join(seen), rest
+        out, err = (read, unread) if stream is proc.stdout else (unread, read)
         raise AssertionError(
-            f"worker closed its output and exited {code} before printing {count}× {wanted!r}; "
-            f"last output:\n{''.join(seen[-20:])}{tail}"
+            f"worker closed its output and exited {code} before printing {count}× {wanted!r}\n"
+            + keep_output(proc.args, code, out, err, note=f"waited for {count}× {wanted!r}")
         )
     return seen
 
@@ -161,4 +259,5 @@ def losses(log: str) -> dict[int, float]:
 
 
 def describe(result: subprocess.CompletedProcess) -> str:
-    return f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-6000:]}"
+    """A failed run for an assertion message: exit code and the whole output (also kept in a file)."""
+    return keep_output(result.args, result.returncode, result.stdout or "", result.stderr or "")
