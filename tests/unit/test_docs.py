@@ -130,6 +130,36 @@ def test_readme_links_every_docs_page() -> None:
     assert missing == [], f"README.md does not link {missing}"
 
 
+def code_map_tables(path: Path) -> list[tuple[str, list[str]]]:
+    """Tables that map prose onto code: a header cell ``where in `some/file.py``` and, below it, the names it cites.
+
+    Returns ``(file, names)`` per table, the names being every backticked identifier in that column.
+    """
+    found = []
+    lines = FENCE.sub("", path.read_text(encoding="utf-8")).splitlines()
+    for i, line in enumerate(lines):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.lstrip().startswith("|") else []
+        column = next((k for k, c in enumerate(cells) if re.fullmatch(r"where in `[^`]+\.py`", c)), None)
+        if column is None:
+            continue
+        names = []
+        for row in lines[i + 2 :]:
+            if not row.lstrip().startswith("|"):
+                break
+            cell = re.split(r"(?<!\\)\|", row.strip().strip("|"))[column]
+            names += re.findall(r"`(\w+)(?:\(\))?`", cell)
+        found.append((re.search(r"`([^`]+)`", cells[column])[1], names))
+    return found
+
+
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_code_named_in_the_docs_exists(path: Path) -> None:
+    for file, names in code_map_tables(path):
+        source = (ROOT / file).read_text(encoding="utf-8")
+        gone = [n for n in names if not re.search(rf"^\s*(?:def|class)\s+{n}\b", source, re.M)]
+        assert gone == [], f"{path.relative_to(ROOT)} names {gone} in {file}, which defines no such function or class"
+
+
 def test_config_table_is_generated_from_train_config() -> None:
     text = (ROOT / "docs" / "training.md").read_text(encoding="utf-8")
     assert TABLE_BEGIN in text and TABLE_END in text, f"docs/training.md lost its {TABLE_BEGIN} / {TABLE_END} markers"
