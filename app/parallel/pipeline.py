@@ -1,0 +1,316 @@
+"""Pipeline parallelism across ranks on PyTorch's engine (``torch.distributed.pipelining``): one stage per rank.
+
+Model parallelism (``app.parallel.model_parallel``) leaves all but one device idle at any moment. A pipeline cuts
+the batch into M *micro-batches* and streams them through the S stages, so stage 1 works on micro-batch 0 while
+stage 0 already works on micro-batch 1. What is left idle is the *bubble*: the fill and drain at the ends of each
+step. With equal stages, GPipe (all forwards, then all backwards) idles each stage for a share
+
+    bubble = (S - 1) / (M + S - 1)
+
+of the step. 1F1B (one forward, one backward, in steady state) has the same bubble but holds at most S
+micro-batches' activations instead of M, which is why it is the default of large trainings.
+
+    runner = build_pipeline_stage(model, stage_index=rank, num_stages=world, n_microbatches=4, schedule="1f1b")
+    optimizer = torch.optim.SGD(runner.module.parameters(), lr=0.1)   # this stage's parameters only
+    stats = runner.step(x, y)      # x used on the first stage, y on the last; stats.loss on every stage
+    optimizer.step(); optimizer.zero_grad()
+
+The schedules, the send/recv of activations and gradients, and the shape inference are PyTorch's (``PipelineStage``,
+``ScheduleGPipe``, ``Schedule1F1B``); this file splits the model (``split_model``, shared with model parallelism),
+measures each step (compute vs blocked time, bytes sent) and adds data parallelism across pipeline replicas with
+this project's DDP wrapper over a sub-group (``build_pipeline_groups``).
+
+Every rank builds the whole model from the same seed and keeps its slice: the stages start as the slices of one
+model, which is what makes a pipeline comparable with single-process training. (A model too big for one host would
+be built on the ``meta`` device and materialised per stage instead.)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from app.parallel.ddp import DistributedDataParallel
+from app.parallel.model_parallel import merge_stage_state_dicts, sequential_of, split_model
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def theoretical_bubble(num_stages: int, n_microbatches: int) -> float:
+    """GPipe's (and 1F1B's) idle share per stage with equal stages and free communication: (S−1)/(M+S−1)."""
+    return (num_stages - 1) / (n_microbatches + num_stages - 1)
+
+
+class StepStats(NamedTuple):
+    """One pipeline step as this rank saw it (the fields of the ``ddp_pipeline_*`` metrics).
+
+    loss: mean of the micro-batch losses, i.e. the loss of the whole batch (from the last stage, on every stage)
+    compute_seconds: this stage's forward + backward + loss time
+    send_recv_seconds: the rest of the step: blocked waiting for activations/gradients (and their sends)
+    bubble_ratio: send_recv_seconds / step wall time, the measured idle share
+    activation_bytes: bytes of activations (forward) and gradients (backward) this stage sent to its neighbours
+    """
+
+    loss: float
+    compute_seconds: float
+    send_recv_seconds: float
+    bubble_ratio: float
+    activation_bytes: int
+
+
+class TimedStage(PipelineStage):
+    """PyTorch's ``PipelineStage``, timing its compute, counting the bytes it sends, and driving our DDP wrapper.
+
+    Everything a schedule does outside ``forward_one_chunk``/``backward_one_chunk`` (and the loss) is waiting on a
+    neighbour or handing it a tensor: that is what the bubble is made of on this stage.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.compute_seconds = 0.0
+        self.sent_bytes = 0
+
+    def forward_one_chunk(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return super().forward_one_chunk(*args, **kwargs)
+        finally:
+            self.compute_seconds += time.perf_counter() - start
+
+    def backward_one_chunk(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return super().backward_one_chunk(*args, **kwargs)
+        finally:
+            self.compute_seconds += time.perf_counter() - start
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        self.sent_bytes += sum(op.tensor.nelement() * op.tensor.element_size() for op in ops)
+        return ops
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        self.sent_bytes += sum(op.tensor.nelement() * op.tensor.element_size() for op in ops)
+        return ops
+
+    def forward_maybe_with_nosync(self, *args, **kwargs):
+        if isinstance(self.submod, DistributedDataParallel):
+            # Every micro-batch's forward runs without sync; the last backward is armed in
+            # backward_maybe_with_nosync, as PyTorch's PipelineStage does for its own DDP.
+            with self.submod.no_sync():
+                return self.submod(*args, **kwargs)
+        return super().forward_maybe_with_nosync(*args, **kwargs)
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if isinstance(self.submod, DistributedDataParallel) and last_backward:
+            # Our wrapper decides at forward time whether a backward syncs, but the schedules interleave forwards
+            # and backwards of different micro-batches. So, like PyTorch's PipelineStage with
+            # reducer.prepare_for_backward, arm the sync right before the last micro-batch's backward: its hooks
+            # then all-reduce p.grad, which by then holds the sum over all M micro-batches.
+            self.submod._prepare_for_backward(bwd_kwargs["stage_output"])
+            self.submod._sync_this_backward = True
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
+class PipelineRunner:
+    """This rank's stage of a pipeline: its module, PyTorch's stage and schedule, and a measured ``step``.
+
+    Attributes:
+        module: this stage's layers (an ``nn.Sequential`` keyed by the model's layer indices): give its
+            parameters to the optimizer; ``state_dict()`` below names them as in the whole model.
+        stage_index, num_stages, n_microbatches, schedule_name: as built.
+    """
+
+    def __init__(self, module, stage: TimedStage, schedule, prefix: str, group, dp_group, schedule_name: str):
+        self.module = module
+        self.stage = stage
+        self.schedule = schedule
+        self.prefix = prefix
+        self.group = group
+        self.dp_group = dp_group
+        self.schedule_name = schedule_name
+        self.stage_index = stage.stage_index
+        self.num_stages = stage.num_stages
+        self.n_microbatches = schedule._n_microbatches
+        self._last_stage_rank = dist.get_global_rank(group, self.num_stages - 1) if group is not None else None
+
+    def check_batch(self, batch_size: int) -> None:
+        """One-line ``ValueError`` unless ``batch_size`` splits into equal micro-batches."""
+        if batch_size % self.n_microbatches:
+            raise ValueError(
+                f"batch of {batch_size} does not split into {self.n_microbatches} equal micro-batches: make the "
+                f"batch a multiple of n_microbatches, or choose n_microbatches dividing {batch_size}"
+            )
+
+    def step(self, x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> StepStats:
+        """One training step's forward and backward through the pipeline (no optimizer step).
+
+        Args:
+            x: the input batch (read by the first stage only).
+            y: the labels (read by the last stage only).
+
+        Unequal micro-batches would make the mean of micro-batch means differ from the batch mean, so a batch that
+        does not split evenly is refused. Gradients are divided by M, so they equal the whole batch's.
+        """
+        for t in (x, y):
+            if t is not None:
+                self.check_batch(t.shape[0])
+        compute0, bytes0 = self.stage.compute_seconds, self.stage.sent_bytes
+        losses: list[torch.Tensor] = []
+        start = time.perf_counter()
+        if self.stage.is_first:
+            self.schedule.step(x, return_outputs=False)
+        elif self.stage.is_last:
+            self.schedule.step(target=y, losses=losses, return_outputs=False)
+        else:
+            self.schedule.step(return_outputs=False)
+        wall = time.perf_counter() - start
+        compute = self.stage.compute_seconds - compute0
+        loss = self._share_loss(losses)
+        blocked = max(0.0, wall - compute)
+        return StepStats(loss, compute, blocked, blocked / wall if wall > 0 else 0.0, self.stage.sent_bytes - bytes0)
+
+    def _share_loss(self, losses: list[torch.Tensor]) -> float:
+        # One float from the last stage to the others, so every rank (the worker logs on rank 0) knows the loss.
+        value = torch.zeros(1)
+        if losses:
+            value[0] = torch.stack([loss.detach().float().cpu() for loss in losses]).mean()
+        src = self._last_stage_rank if self._last_stage_rank is not None else self.num_stages - 1
+        dist.broadcast(value, src=src, group=self.group)
+        return value.item()
+
+    def state_dict(self) -> dict:
+        """This stage's parameters under the whole model's keys (``net.12.weight``): merge with the other stages'
+        by ``merge_stage_state_dicts(..., prefix="")`` or ``merge_state_dicts`` below."""
+        return {self.prefix + k: v for k, v in self.module.state_dict().items()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load this stage's slice from a whole-model (or this stage's) ``state_dict``."""
+        own = {k.removeprefix(self.prefix): v for k, v in state_dict.items() if k.startswith(self.prefix)}
+        self.module.load_state_dict({k: v for k, v in own.items() if k in self.module.state_dict()})
+
+
+def merge_state_dicts(stage_state_dicts: list[dict]) -> dict:
+    """One whole-model ``state_dict`` from ``PipelineRunner.state_dict()`` of every stage (any order).
+
+    Example::
+
+        model.load_state_dict(merge_state_dicts(gathered))  # the bare model, no pipeline needed
+    """
+    return merge_stage_state_dicts(stage_state_dicts, prefix="")
+
+
+def build_pipeline_groups(num_stages: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, int, int]:
+    """Process groups for ``world_size / num_stages`` pipeline replicas of ``num_stages`` stages each.
+
+    Rank r is stage ``r % S`` of replica ``r // S``. The pipeline group joins the stages of one replica (for
+    send/recv); the data-parallel group joins one stage's replicas (for the gradient all-reduce). Every rank must
+    call this, in the same order: ``new_group`` is collective.
+
+    Returns:
+        ``(pipeline_group, dp_group, stage_index, replica_index)``; a group is ``None`` when it would be the
+        whole world (pipeline) or a single rank (data parallel).
+
+    Example::
+
+        pp, dp, stage, replica = build_pipeline_groups(2)  # 4 ranks: 2 replicas of a 2-stage pipeline
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if num_stages < 2:
+        raise ValueError(f"a pipeline needs >= 2 stages, got {num_stages}: run data parallel (--parallel ddp) instead")
+    if world % num_stages:
+        raise ValueError(
+            f"world size {world} is not a multiple of {num_stages} stages: use {num_stages} x replicas ranks"
+        )
+    replicas = world // num_stages
+    pipeline_group = dp_group = None
+    for replica in range(replicas):
+        ranks = list(range(replica * num_stages, (replica + 1) * num_stages))
+        group = dist.new_group(ranks) if replicas > 1 else None
+        if rank in ranks:
+            pipeline_group = group
+    for stage in range(num_stages):
+        ranks = list(range(stage, world, num_stages))
+        group = dist.new_group(ranks) if replicas > 1 else None
+        if rank in ranks:
+            dp_group = group
+    return pipeline_group, dp_group, rank % num_stages, rank // num_stages
+
+
+def build_pipeline_stage(
+    model: nn.Module,
+    *,
+    stage_index: int,
+    num_stages: int,
+    n_microbatches: int,
+    schedule: str = "gpipe",
+    device: torch.device | str = "cpu",
+    group: dist.ProcessGroup | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.mse_loss,
+    balance: str = "params",
+    bucket_cap_mb: float = 25.0,
+) -> PipelineRunner:
+    """Build this rank's stage of ``model``, on PyTorch's pipelining engine.
+
+    Args:
+        model: the whole model (an ``nn.Sequential`` or a module with one as ``.net``), the same on every rank.
+        stage_index: this rank's stage, 0-based (its rank in ``group``).
+        num_stages: stages in the pipeline (>= 2, at most the model's layers; uneven splits allowed).
+        n_microbatches: micro-batches per step; the batch must be a multiple of it (1F1B needs >= num_stages).
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+        device: this stage's device.
+        group: the pipeline's process group (``None``: the world, which must then have ``num_stages`` ranks).
+        dp_group: if given, this stage's replicas: the stage is wrapped in ``app.parallel.ddp`` over it, and its
+            gradients are averaged across the replicas once per step.
+        loss_fn: ``loss_fn(output, target)`` with a *mean* reduction (gradients are divided by M).
+        balance: ``"params"`` or ``"time"`` (see ``app.parallel.model_parallel.split_model``).
+        bucket_cap_mb: the DDP wrapper's bucket size when ``dp_group`` is given.
+
+    Example::
+
+        runner = build_pipeline_stage(DeepMLP(64, 8), stage_index=rank, num_stages=2, n_microbatches=4)
+        stats = runner.step(x, y)  # StepStats(loss, compute_seconds, send_recv_seconds, bubble_ratio, ...)
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    if num_stages < 2:
+        raise ValueError(f"a pipeline needs >= 2 stages, got {num_stages}: run data parallel (--parallel ddp) instead")
+    if n_microbatches < 1:
+        raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
+    if schedule == "1f1b" and n_microbatches < num_stages:
+        raise ValueError(
+            f"1f1b needs n_microbatches >= stages ({n_microbatches} < {num_stages}): raise n_microbatches or use gpipe"
+        )
+    group_size = dist.get_world_size(group)
+    if group_size != num_stages:
+        raise ValueError(f"the pipeline group has {group_size} ranks for {num_stages} stages: one stage per rank")
+    _, prefix = sequential_of(model)
+    module = split_model(model, num_stages, balance)[stage_index].to(device)
+    submod = module
+    if dp_group is not None:
+        submod = DistributedDataParallel(module, process_group=dp_group, bucket_cap_mb=bucket_cap_mb)
+    stage = TimedStage(submod, stage_index, num_stages, torch.device(device), group=group)
+    timed_loss = _timed(loss_fn, stage)
+    sched = SCHEDULES[schedule](stage, n_microbatches=n_microbatches, loss_fn=timed_loss, scale_grads=True)
+    return PipelineRunner(module, stage, sched, prefix, group, dp_group, schedule)
+
+
+def _timed(loss_fn: Callable, stage: TimedStage) -> Callable:
+    # The loss is computed by the schedule between the last stage's forward and backward: compute, not waiting.
+    def loss(output, target):
+        start = time.perf_counter()
+        try:
+            return loss_fn(output, target)
+        finally:
+            stage.compute_seconds += time.perf_counter() - start
+
+    return loss
