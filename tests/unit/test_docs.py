@@ -160,6 +160,37 @@ def test_code_named_in_the_docs_exists(path: Path) -> None:
         assert gone == [], f"{path.relative_to(ROOT)} names {gone} in {file}, which defines no such function or class"
 
 
+def documented_metrics() -> dict[str, str]:
+    """``{name: type}`` from the contract table of docs/metrics.md (its header starts ``| metric | type``)."""
+    lines = FENCE.sub("", (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8")).splitlines()
+    start = next(i for i, line in enumerate(lines) if re.match(r"\|\s*metric\s*\|\s*type\s*\|", line))
+    documented = {}
+    for row in lines[start + 2 :]:
+        if not row.startswith("|"):
+            break
+        names, kind = row.strip("|").split("|")[:2]
+        documented.update((name, kind.split()[0]) for name in re.findall(r"`(ddp_\w+)`", names))
+    return documented
+
+
+def test_metrics_doc_matches_what_a_rank_exports() -> None:
+    from prometheus_client import generate_latest
+
+    from app.metrics import TrainMetrics
+
+    metrics = TrainMetrics(rank=0, local_rank=0, world_size=1, node="0", host="docs")
+    exported = dict(re.findall(r"^# TYPE (ddp_\w+) (\w+)", generate_latest(metrics.registry).decode(), re.M))
+    documented = documented_metrics()
+    assert {n: k for n, k in exported.items() if documented.get(n) != k} == {}, (
+        "docs/metrics.md's table lacks these metrics of app/metrics.py, or gives another type"
+    )
+    # Metrics registered only in some modes (a pipeline stage, say) are not in a default registry: the source has them.
+    source = (ROOT / "app" / "metrics.py").read_text(encoding="utf-8")
+    assert [n for n in documented if n.removesuffix("_total") not in source] == [], (
+        "docs/metrics.md documents metrics app/metrics.py does not define"
+    )
+
+
 def test_config_table_is_generated_from_train_config() -> None:
     text = (ROOT / "docs" / "training.md").read_text(encoding="utf-8")
     assert TABLE_BEGIN in text and TABLE_END in text, f"docs/training.md lost its {TABLE_BEGIN} / {TABLE_END} markers"
