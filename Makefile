@@ -70,14 +70,27 @@ run: venv ## train WORKERS ranks under torchrun here: progress from rank 0, live
 bench-metrics: venv ## step time with Prometheus metrics on vs off (2 ranks, interleaved); JSON in bench/results/
 	$(PY) -m bench.metrics_overhead
 
-.PHONY: k8s-validate k8s-emulate k8s-dashboard
-k8s-validate: venv ## check k8s/ offline: API schemas, the Python client, the wiring (no cluster needed)
+# Benchmarks record their commit, settings and machine load (bench/provenance.py); the docs' tables are rendered from
+# the committed JSON, and tests/unit/test_bench_report.py fails when they drift apart.
+.PHONY: bench-report mutants
+MUTANTS_ARGS ?=      # e.g. MUTANTS_ARGS="--only ckpt-no-fsync --timeout 300"; --list shows the names
+bench-report: venv ## rewrite docs/benchmarks.md's generated tables from bench/results/*.json
+	$(PY) -m bench.report
+
+mutants: venv ## plant one-line bugs (in a temporary copy), one at a time, run the tests meant to catch each; score
+	$(PY) -m bench.mutants $(MUTANTS_ARGS)
+
+.PHONY: k8s-validate k8s-emulate k8s-rules
+k8s-validate: venv ## check what `kubectl apply -f k8s/` and each `apply -k k8s/<dir>/` send: schemas, client, wiring
 	$(PY) -m pytest tests/unit/test_k8s.py $(PYTEST_ARGS)
 
-k8s-dashboard: venv ## regenerate k8s/monitoring/grafana-dashboard.yaml from docker/grafana/dashboards/
-	$(PY) -c "from tests.unit.test_k8s import write_dashboard_config_map; write_dashboard_config_map()"
+RULE := k8s/monitoring/prometheusrule.yaml
+k8s-rules: ## rewrite $(RULE) below `spec:` from docker/prometheus/alerts.yml (comments kept)
+	sed '/^spec:/q' $(RULE) > $(RULE).tmp
+	sed -n '/^groups:/,$$p' docker/prometheus/alerts.yml | sed 's/^\(.\)/  \1/' >> $(RULE).tmp
+	mv $(RULE).tmp $(RULE)
 
-k8s-emulate: venv image ## run k8s/cpu/job.yaml's pod template for real: Docker containers named like the pods
+k8s-emulate: venv image ## run the k8s/cpu/ render's pods for real: Docker containers named like the pods
 	$(PY) -m pytest tests/e2e/test_k8s_emulation.py $(PYTEST_ARGS)
 
 # -- the cluster: one container per rank (docker/, compose.yaml; README section "cluster") ------------------------

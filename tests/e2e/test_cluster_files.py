@@ -87,8 +87,10 @@ def test_compose_scales_and_publishes_only_on_loopback():
             assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} beyond this machine"
     assert {n for n, s in services.items() if s.get("ports")} == {"prometheus", "grafana"}
     command = " ".join(services["worker"]["command"])
-    assert "--nnodes=${WORKERS:-4}" in command and "--rdzv-endpoint=rendezvous:29400" in command
-    assert services["worker"]["deploy"]["replicas"] == "${WORKERS:-4}"  # the world size and the replica count
+    # Elastic: the world is whoever is there, from 1 to MAX_WORKERS, meeting at the store service.
+    assert re.search(r"--nnodes=1:\$\{MAX_WORKERS:-\d+\}", command), command
+    assert "--rdzv-backend=c10d" in command and "--rdzv-endpoint=rendezvous:29400" in command
+    assert services["worker"]["deploy"]["replicas"] == "${WORKERS:-4}"  # what `up` starts without --scale
 
 
 def test_compose_pins_third_party_images():

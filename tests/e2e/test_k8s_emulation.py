@@ -2,11 +2,12 @@
 
 Why: no cluster can run here, yet the wiring of k8s/ (torchrun's node rank from the completion index, the
 rendezvous at pod 0 through the headless Service's DNS name, the env the trainer reads, the volumes, the
-security context, the metrics port Prometheus is told about) is only proven when it trains. So this test reads
-k8s/cpu/job.yaml (the CPU/gloo variant, the one kind/minikube run; tests/test_k8s.py checks that the GPU default
-differs from it only in GPU settings), renders pod i the way the Job controller and kubelet would
-(tests/test_k8s.py:render_pod), and starts it from the `ddp-cluster:latest` image on a Docker network where each
-container answers to exactly the pod's DNS names (ddp-train-i.ddp-train, and the namespace-qualified forms):
+security context, the metrics port Prometheus is told about) is only proven when it trains. So this test takes
+what `kubectl apply -k k8s/cpu/` sends (the CPU/gloo variant, the one kind/minikube run, rendered by
+`kubectl kustomize`; tests/unit/test_k8s.py checks that the GPU default differs from it only in GPU settings),
+renders pod i the way the Job controller and kubelet would (tests/unit/test_k8s.py:render_pod), and starts it
+from the `ddp-cluster:latest` image on a Docker network where each container answers to exactly the pod's DNS
+names (ddp-train-i.ddp-train, and the namespace-qualified forms):
 
 - command + args as written in the manifest, $(VAR) expanded from the pod's env;
 - env as the kubelet builds it (downward API fields, resource limits, JOB_COMPLETION_INDEX);
@@ -41,14 +42,23 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_k8s import K8S, container, folder, load, quantity, render_pod
+from tests.unit.test_k8s import ROOT, container, kustomize, quantity, render_pod
 
 # Bounded by DEADLINE_S once started; the rest is room for a cold `make image` under CI.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
-JOB = K8S / "cpu" / "job.yaml"
-# The manifest's own image (ddp-cluster:latest, what `make image` builds); DDP_IMAGE runs another build instead.
-IMAGE = os.environ.get("DDP_IMAGE") or container(load(JOB)[0])["image"]
+
+def cpu_render() -> tuple[dict, dict]:
+    """(the Job, every object) as `kubectl apply -k k8s/cpu/` sends them."""
+    objs = kustomize("cpu")
+    return objs[("Job", "ddp-train")], objs
+
+
+def image() -> str:
+    """The manifest's own image (ddp-cluster:latest, what `make image` builds); DDP_IMAGE runs another build."""
+    return os.environ.get("DDP_IMAGE") or container(cpu_render()[0])["image"]
+
+
 NAMESPACE = "default"
 POD0_DELAY_S = 4.0  # pod 0 starts this long after the others
 DEADLINE_S = 180.0
@@ -71,11 +81,11 @@ def require_docker_and_image() -> None:
         unavailable("no Docker client or the engine does not answer: run `make docker-setup`")
     if info.returncode != 0:
         unavailable(f"Docker engine not reachable ({info.stderr.strip()[:120]}): run `make docker-setup`")
-    if docker("image", "inspect", IMAGE, check=False).returncode != 0:
+    if docker("image", "inspect", image(), check=False).returncode != 0:
         if os.environ.get("CI") != "true":
-            pytest.skip(f"image {IMAGE} not built: run `make image` (or `make k8s-emulate`, which builds it)")
+            pytest.skip(f"image {image()} not built: run `make image` (or `make k8s-emulate`, which builds it)")
         # CI builds it for the compose tests, which run first; alone, build it here (minutes when cold).
-        build = subprocess.run(["make", "image"], cwd=K8S.parent, capture_output=True, text=True, timeout=900)
+        build = subprocess.run(["make", "image"], cwd=ROOT, capture_output=True, text=True, timeout=900)
         assert build.returncode == 0, f"make image failed:\n{build.stdout[-3000:]}\n{build.stderr[-3000:]}"
 
 
@@ -144,9 +154,9 @@ def docker_run_args(pod, objs: dict, workdir: Path, name: str, network: str) -> 
         argv += ["-e", f"{key}={value}"]
     command, args = c.get("command"), pod.argv[len(c.get("command", [])) :]
     if command:  # the manifest's command replaces the image's entrypoint, as in Kubernetes
-        argv += ["--entrypoint", pod.argv[0], IMAGE, *pod.argv[1 : len(command)], *args]
+        argv += ["--entrypoint", pod.argv[0], image(), *pod.argv[1 : len(command)], *args]
     else:
-        argv += [IMAGE, *args]
+        argv += [image(), *args]
     return argv
 
 
@@ -157,7 +167,7 @@ def scrape(url: str) -> str:
 
 def test_job_pod_template_trains_as_containers_named_like_the_pods(tmp_path):
     require_docker_and_image()
-    job, objs = load(JOB)[0], folder(JOB.parent)
+    job, objs = cpu_render()
     n = job["spec"]["completions"]
     pods = [render_pod(job, objs, i, NAMESPACE) for i in range(n)]
     config = yaml.safe_load(objs[("ConfigMap", "ddp-train-config")]["data"]["config.yaml"])
@@ -207,8 +217,8 @@ def test_job_pod_template_trains_as_containers_named_like_the_pods(tmp_path):
         )
         codes = {p.index: int(docker("inspect", "-f", "{{.State.ExitCode}}", names[p.index]).stdout) for p in pods}
         still_running = docker("ps", "-q", "--filter", f"network={network}").stdout.split()
-        built = docker("image", "inspect", "-f", "{{.Created}}", IMAGE).stdout.strip()
-        report = f"image {IMAGE} built {built} (older than app/? `make image`)\n" + "\n".join(
+        built = docker("image", "inspect", "-f", "{{.Created}}", image()).stdout.strip()
+        report = f"image {image()} built {built} (older than app/? `make image`)\n" + "\n".join(
             f"--- pod {i} (exit {codes[i]}) ---\n{log.stdout[-3000:]}\n{log.stderr[-3000:]}" for i, log in logs.items()
         )
         assert not still_running, f"pods still running after {DEADLINE_S:.0f} s\n{report}"
@@ -233,7 +243,8 @@ def test_job_pod_template_trains_as_containers_named_like_the_pods(tmp_path):
 
         mount = next(m for m in container(job)["volumeMounts"] if m["mountPath"] == pods[0].env["DDP_CHECKPOINT_DIR"])
         claim = next(v for v in job["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
-        saved = sorted(p.name for p in (tmp_path / f"pvc-{claim['persistentVolumeClaim']['claimName']}").iterdir())
+        pvc = tmp_path / f"pvc-{claim['persistentVolumeClaim']['claimName']}"
+        saved = sorted(p.name for p in pvc.glob("step-*.pt"))
         assert saved and saved[-1] == f"step-{int(config['steps']):08d}.pt", saved
         assert len(saved) <= int(config["keep_checkpoints"]), saved
     finally:

@@ -1,21 +1,36 @@
-"""The Kubernetes manifests in k8s/: valid for the API server, accepted by the Python client, and wired right.
+"""The Kubernetes manifests, checked as each apply command sends them: valid for the API server, accepted by the
+Python client, and wired right.
 
-No cluster needed: every file is checked against the Kubernetes JSON schemas that ``kubernetes-validate`` ships
+What reaches the API server is what is checked:
+
+- ``kubectl apply -f k8s/``: the ``.yaml``/``.yml``/``.json`` files of ``k8s/`` itself, as written (links
+  followed, subfolders not: kubectl reads a folder without ``-R`` that way);
+- ``kubectl apply -k k8s/<name>/``: the render of ``kubectl kustomize k8s/<name>/``, the kustomize built into
+  kubectl, which is what ``apply -k`` sends.
+
+No cluster needed: every object is checked against the Kubernetes JSON schemas that ``kubernetes-validate`` ships
 (offline; strict, so an unknown or misspelled field fails), loaded into the ``kubernetes`` client's typed models,
 and read the way the Job controller and the kubelet read it (``render_pod``: hostname, DNS names, env with the
 downward API and ``$(VAR)`` expansion) to check what a user would hit: pods that cannot find pod 0, a node rank
 that is not the completion index, a config the trainer rejects, a pod that Pod Security "restricted" refuses.
-tests/e2e/test_k8s_emulation.py runs the same rendered pods for real as Docker containers.
+tests/e2e/test_k8s_emulation.py runs the rendered CPU pods for real as Docker containers.
 
-    make k8s-validate        # or: .venv/bin/python -m pytest tests/test_k8s.py
+    make k8s-validate        # or: .venv/bin/python -m pytest tests/unit/test_k8s.py
+
+kubectl comes with this project's machine image; without it the ``-k`` checks skip, saying so (under CI=true they
+fail).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
+import os
 import re
+import shutil
+import subprocess
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,15 +45,18 @@ from app.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
-FILES = sorted(p for p in K8S.rglob("*") if p.suffix in (".yaml", ".yml", ".json"))
+# Every kustomization (folder under k8s/) that a documented `kubectl apply -k` names.
+KUSTOMIZATIONS = ("base", "cpu", "monitoring")
+COMMANDS = ("kubectl apply -f k8s/", *(f"kubectl apply -k k8s/{name}/" for name in KUSTOMIZATIONS))
+# Everything written by hand that kubectl or kustomize reads: each a YAML file with one object.
+YAML_FILES = sorted(
+    {p.resolve() for p in K8S.rglob("*") if p.suffix in (".yaml", ".yml")}
+    | {ROOT / "docker/grafana/kustomization.yaml"}
+)
 # The oldest release we support (podFailurePolicy and podReplacementPolicy on by default) and the newest schemas.
 SCHEMA_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
-SHARED_LABELS = {
-    "app.kubernetes.io/name": "ddp-cluster",
-    "app.kubernetes.io/instance": "ddp-train",
-    "app.kubernetes.io/part-of": "ddp-cluster",
-    "app.kubernetes.io/managed-by": "kubectl",
-}
+BUILTIN_API_VERSIONS = {"v1", "batch/v1", "networking.k8s.io/v1"}
+CRD_KINDS = {"PodMonitor", "PrometheusRule"}
 CONTRACT_METRICS = {
     "ddp_step_duration_seconds",
     "ddp_forward_duration_seconds",
@@ -60,6 +78,19 @@ CONTRACT_METRICS = {
     "ddp_rank_info",
     "ddp_step",
     "ddp_target_steps",
+    # pipeline parallelism
+    "ddp_pipeline_stage",
+    "ddp_pipeline_compute_seconds",
+    "ddp_pipeline_send_recv_seconds",
+    "ddp_pipeline_bubble_ratio",
+    "ddp_pipeline_activation_bytes_total",
+    # elastic worlds
+    "ddp_min_world_size",
+    "ddp_max_world_size",
+    "ddp_elastic_restart_count",
+    "ddp_world_generation",
+    "ddp_reformation_seconds",
+    "ddp_steps_redone_total",
 }
 
 
@@ -68,9 +99,37 @@ def load(path: Path) -> list[dict]:
 
 
 def folder(path: Path) -> dict[tuple[str, str], dict]:
-    """What `kubectl apply -f <path>` applies: the folder's own files, not its subfolders."""
+    """What `kubectl apply -f <path>` sends: the folder's own files (links followed), not its subfolders."""
     objs = [obj for f in sorted(path.iterdir()) if f.suffix in (".yaml", ".yml", ".json") for obj in load(f)]
     return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason} (CI=true: the kustomize renders must be checked, not skipped)")
+    pytest.skip(reason)
+
+
+@functools.cache
+def _render(name: str) -> str:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        _unavailable("kubectl not found: its built-in kustomize renders what `kubectl apply -k` sends")
+    result = subprocess.run([kubectl, "kustomize", str(K8S / name)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"kubectl kustomize k8s/{name}/ failed:\n{result.stderr}"
+    return result.stdout
+
+
+def kustomize(name: str) -> dict[tuple[str, str], dict]:
+    """What `kubectl apply -k k8s/<name>/` sends, rendered by `kubectl kustomize` (a fresh copy each call)."""
+    objs = [doc for doc in yaml.safe_load_all(_render(name)) if doc]
+    return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+
+def sent(command: str) -> dict[tuple[str, str], dict]:
+    """The objects one of COMMANDS sends to the API server."""
+    target = command.split()[-1].removeprefix("k8s/").strip("/")
+    return folder(K8S) if " -f " in command else kustomize(target)
 
 
 def container(job: dict) -> dict:
@@ -79,6 +138,11 @@ def container(job: dict) -> dict:
 
 def flags(args: list[str]) -> dict[str, str]:
     return dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
+
+
+def gpus_per_pod(job: dict) -> int:
+    """Processes per pod: the GPU limit, or 1 where the pod has no GPU (the CPU variant)."""
+    return int(container(job)["resources"]["limits"].get("nvidia.com/gpu", 1))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -164,34 +228,54 @@ def render_pod(job: dict, objs: dict, index: int, namespace: str = "default") ->
     return Pod(index, fields["metadata.name"], hostname, dns if subdomain else [], env, argv, c, spec)
 
 
-JOBS = {"gpu": K8S / "job.yaml", "cpu": K8S / "cpu" / "job.yaml"}
+LAUNCHER = ["python", "-m", "app.k8s_launch"]
 
 
-@pytest.fixture(params=sorted(JOBS), ids=lambda v: f"{v}-job")
+@pytest.fixture(params=["gpu", "cpu"], ids=lambda v: f"{v}-job")
 def variant(request):
-    path = JOBS[request.param]
-    return request.param, load(path)[0], folder(path.parent)
+    objs = folder(K8S) if request.param == "gpu" else kustomize("cpu")
+    return request.param, objs[("Job", "ddp-train")], objs
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Valid for the API server and the Python client
+# Each apply command sends valid Kubernetes objects, and only those
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(K8S)))
+@pytest.mark.parametrize("path", YAML_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_each_file_is_one_object_in_two_space_yaml(path):
-    assert len(load(path)) == 1, f"{path.name}: one Kubernetes object per file"
+    assert len(load(path)) == 1, f"{path.name}: one object per file"
     odd = [n for n, line in enumerate(path.read_text().splitlines(), 1) if (len(line) - len(line.lstrip(" "))) % 2]
     assert not odd, f"{path.name}: lines {odd} are not indented by multiples of two spaces"
 
 
+def test_apply_minus_f_sends_no_kustomization_and_no_crd():
+    # kubectl sends every .yaml/.yml/.json of the folder: a Kustomization there would be refused by the API server.
+    files = [f for f in K8S.iterdir() if f.suffix in (".yaml", ".yml", ".json")]
+    assert files and all(f.is_symlink() and f.resolve().parent == K8S / "base" for f in files), (
+        "k8s/*.yaml are links to k8s/base/, so the GPU manifests exist once"
+    )
+    objs = folder(K8S)
+    assert {o["apiVersion"] for o in objs.values()} <= BUILTIN_API_VERSIONS, "only built-in kinds in a plain apply"
+    assert {kind for kind, _ in objs} == {"Job", "Service", "ConfigMap", "PersistentVolumeClaim", "NetworkPolicy"}
+
+
+def test_apply_minus_f_and_the_base_render_send_the_same_objects():
+    # The files repeat the shared labels for `-f`; kustomize adds them for `-k`. Equal renders: the files carry
+    # exactly the component's labels, and every overlay starts from what `-f` applies.
+    assert folder(K8S) == kustomize("base")
+
+
 @pytest.mark.parametrize("version", SCHEMA_VERSIONS)
-@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(K8S)))
-def test_built_in_objects_are_valid_against_the_kubernetes_schemas(path, version):
-    obj = load(path)[0]
-    try:
-        kubernetes_validate.validate(obj, version, strict=True)  # strict: an unknown field is an error
-    except SchemaNotFoundError:
-        assert path.parent.name == "monitoring", f"{path.name}: {obj['kind']} needs a CRD; keep it in k8s/monitoring/"
-        pytest.skip(f"{obj['kind']} is a CRD kind without a bundled schema: checked in test_crd_objects")
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_object_sent_is_valid_against_the_kubernetes_schemas(command, version):
+    objs = sent(command)
+    assert objs
+    for obj in objs.values():
+        if obj["kind"] in CRD_KINDS:
+            continue  # no bundled schema: test_crd_objects_have_valid_metadata_and_selectors
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)  # strict: an unknown field is an error
+        except SchemaNotFoundError:
+            pytest.fail(f"{obj['kind']} has no schema: a CRD kind belongs in k8s/monitoring/ and in CRD_KINDS")
 
 
 def test_crd_objects_have_valid_metadata_and_selectors():
@@ -208,18 +292,15 @@ def test_crd_objects_have_valid_metadata_and_selectors():
         ).read_text()
     )
     registry = Resource.from_contents(defs) @ Registry()
-    crd_objects = [
-        o
-        for p in FILES
-        for o in load(p)
-        if "." in o["apiVersion"].split("/")[0] and not o["apiVersion"].split("/")[0].endswith(".k8s.io")
-    ]
-    assert [o["kind"] for o in crd_objects] == ["PodMonitor"]
+    objs = kustomize("monitoring")
+    crd_objects = [o for o in objs.values() if o["kind"] in CRD_KINDS]
+    assert sorted(o["kind"] for o in crd_objects) == sorted(CRD_KINDS)
+    meta = "io.k8s.apimachinery.pkg.apis.meta.v1"
     for obj in crd_objects:
-        for part, ref in (
-            (obj["metadata"], "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"),
-            (obj["spec"]["selector"], "io.k8s.apimachinery.pkg.apis.meta.v1.LabelSelector"),
-        ):
+        parts = [(obj["metadata"], f"{meta}.ObjectMeta")]
+        if obj["kind"] == "PodMonitor":
+            parts.append((obj["spec"]["selector"], f"{meta}.LabelSelector"))
+        for part, ref in parts:
             schema = {"$ref": f"{defs['$id']}#/$defs/{ref}"}
             jsonschema.Draft202012Validator(schema, registry=registry).validate(part)
 
@@ -232,31 +313,41 @@ def _paths(value, prefix=""):
     return {prefix}
 
 
-@pytest.mark.parametrize(
-    "path",
-    [p for p in FILES if p.parent.name != "monitoring" or "grafana" in p.name],
-    ids=lambda p: str(p.relative_to(K8S)),
-)
-def test_python_client_loads_every_field(path):
-    obj = load(path)[0]
+@pytest.mark.parametrize("command", COMMANDS)
+def test_python_client_loads_every_field(command):
     client = ApiClient()
-    model = client.deserialize(json.dumps(obj), f"V1{obj['kind']}", "application/json")  # typed, validated
-    # The models silently drop fields they do not know: every field of the file must survive the round trip.
-    lost = _paths(obj) - _paths(client.sanitize_for_serialization(model))
-    assert not lost, f"{path.name}: the kubernetes client does not know {sorted(lost)}"
+    for obj in sent(command).values():
+        if obj["kind"] in CRD_KINDS:
+            continue
+        model = client.deserialize(json.dumps(obj), f"V1{obj['kind']}", "application/json")  # typed, validated
+        # The models silently drop fields they do not know: every field must survive the round trip.
+        lost = _paths(obj) - _paths(client.sanitize_for_serialization(model))
+        assert not lost, f"{obj['kind']}: the kubernetes client does not know {sorted(lost)}"
+
+
+def shared_labels() -> dict[str, str]:
+    (entry,) = load(K8S / "labels" / "kustomization.yaml")[0]["labels"]
+    return entry["pairs"]
+
+
+def test_shared_labels_are_set_in_one_place_and_carried_by_everything_sent():
+    labels = shared_labels()
+    assert labels["app.kubernetes.io/name"] == "ddp-cluster"
+    kustomizations = [p for p in YAML_FILES if p.name == "kustomization.yaml" and p.parent.name != "labels"]
+    for path in kustomizations:
+        spec = load(path)[0]
+        assert not {"labels", "commonLabels"} & set(spec), f"{path}: shared labels belong in k8s/labels/ only"
+    for command in COMMANDS:
+        for (kind, name), obj in sent(command).items():
+            assert labels.items() <= obj["metadata"]["labels"].items(), f"{command}: {kind}/{name}"
+            assert "app.kubernetes.io/component" in obj["metadata"]["labels"], f"{command}: {kind}/{name}"
+            if kind == "Job":
+                assert labels.items() <= obj["spec"]["template"]["metadata"]["labels"].items(), command
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Wired right
 # ---------------------------------------------------------------------------------------------------------------
-def test_plain_apply_needs_no_crd_and_the_cpu_folder_is_complete():
-    builtin = {"v1", "batch/v1", "networking.k8s.io/v1"}
-    for path in (K8S, K8S / "cpu"):
-        objs = folder(path)
-        assert {o["apiVersion"] for o in objs.values()} <= builtin, f"{path}: only built-in kinds in a plain apply"
-        assert {kind for kind, _ in objs} == {"Job", "Service", "ConfigMap", "PersistentVolumeClaim", "NetworkPolicy"}
-
-
 def test_pods_find_pod_zero_through_the_headless_service(variant):
     _, job, objs = variant
     spec, c = job["spec"], container(job)
@@ -269,7 +360,7 @@ def test_pods_find_pod_zero_through_the_headless_service(variant):
     pods = [render_pod(job, objs, i) for i in range(n)]
     for pod in pods:
         f = flags(pod.argv)
-        assert pod.argv[0] == "torchrun" and pod.argv[-2:] == ["-m", "app.train"]
+        assert pod.argv[:3] == LAUNCHER and pod.argv[-2:] == ["-m", "app.train"]
         assert f["nnodes"] == str(n), "--nnodes must equal completions"
         assert f["node-rank"] == str(pod.index) == pod.env["JOB_COMPLETION_INDEX"]
         assert f["rdzv-backend"] == "static"
@@ -277,6 +368,15 @@ def test_pods_find_pod_zero_through_the_headless_service(variant):
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         svc_ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
         assert int(f["master-port"]) == ports["rendezvous"] == svc_ports["rendezvous"]
+
+
+def test_launcher_accepts_the_manifest_arguments(variant):
+    from torch.distributed.run import parse_args
+
+    _, job, objs = variant
+    args = parse_args(render_pod(job, objs, 1).argv[len(LAUNCHER) :])  # app.k8s_launch's own parser: torchrun's
+    assert (args.node_rank, args.module, args.training_script) == (1, True, "app.train")
+    assert args.max_restarts == 0, "a static rendezvous cannot re-form around one restarted node: the Job restarts"
 
 
 def test_config_map_and_env_give_the_trainer_a_valid_config(variant, tmp_path):
@@ -300,10 +400,11 @@ def test_config_map_and_env_give_the_trainer_a_valid_config(variant, tmp_path):
 
 
 def test_gpu_job_is_the_default_and_runs_one_nccl_process_per_gpu():
-    job = load(K8S / "job.yaml")[0]
+    job = folder(K8S)[("Job", "ddp-train")]
     c = container(job)
     pod = render_pod(job, folder(K8S), 0)
-    assert int(c["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+    limits, requests = c["resources"]["limits"], c["resources"]["requests"]
+    assert int(limits["nvidia.com/gpu"]) >= 1 and limits["nvidia.com/gpu"] == requests["nvidia.com/gpu"]
     assert flags(pod.argv)["nproc-per-node"] == "gpu", "one process per visible GPU"
     assert pod.env["NCCL_SOCKET_IFNAME"] == "eth0" and pod.env["NCCL_DEBUG"] in {"WARN", "INFO"}
     shm = next(v for v in pod.spec["volumes"] if v["name"] == "dshm")
@@ -312,18 +413,56 @@ def test_gpu_job_is_the_default_and_runs_one_nccl_process_per_gpu():
     assert quantity(shm["emptyDir"]["sizeLimit"]) < quantity(c["resources"]["limits"]["memory"])
 
 
+def test_each_process_gets_its_share_of_the_cpu_limit(variant):
+    from app.k8s_launch import set_omp_threads
+
+    _, job, objs = variant
+    pod = render_pod(job, objs, 0)
+    assert "OMP_NUM_THREADS" not in pod.env, "a fixed value would be the whole pod's for each of its processes"
+    assert pod.env["CPU_LIMIT"] == str(math.ceil(quantity(container(job)["resources"]["limits"]["cpu"])))
+    env = dict(pod.env)
+    set_omp_threads(str(gpus_per_pod(job)), env)  # what app.k8s_launch does, for the pod's process count
+    assert int(env["OMP_NUM_THREADS"]) * gpus_per_pod(job) <= max(int(pod.env["CPU_LIMIT"]), gpus_per_pod(job))
+    eight = dict(pod.env, CPU_LIMIT="64")
+    set_omp_threads("8", eight)
+    assert eight["OMP_NUM_THREADS"] == "8", "8 GPUs on 64 CPUs: 8 threads each, not 64"
+
+
+def metrics_ports(job: dict) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in container(job)["ports"] if p["name"].startswith("metrics")}
+
+
+def test_every_local_rank_has_a_declared_metrics_port(variant):
+    _, job, _ = variant
+    base = int(job["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"])
+    expected = {"metrics" if r == 0 else f"metrics-{r}": base + r for r in range(gpus_per_pod(job))}
+    assert metrics_ports(job) == expected, "one port per GPU, 9400 + local rank (app.train serves there)"
+
+
+def _normalized(job: dict) -> dict:
+    job = copy.deepcopy(job)
+    c = container(job)
+    c["args"] = [a for a in c["args"] if not a.startswith("--nproc-per-node=")]
+    c["env"] = sorted(  # the order matters only to $(VAR) references, and none of these has one
+        (e for e in c["env"] if e["name"] != "DDP_DEVICE" and "NCCL" not in e["name"]), key=lambda e: e["name"]
+    )
+    for key in ("image", "resources"):
+        c.pop(key)
+    c["ports"] = [p for p in c["ports"] if not p["name"].startswith("metrics-")]
+    pod = job["spec"]["template"]["spec"]
+    pod.pop("tolerations", None)
+    next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"].pop("sizeLimit")
+    pod["volumes"].sort(key=lambda v: v["name"])  # a strategic merge patch puts the items it touched first
+    return job
+
+
 def test_cpu_variant_differs_from_the_gpu_job_only_in_cpu_gpu_settings():
-    gpu, cpu = load(K8S / "job.yaml")[0], load(K8S / "cpu" / "job.yaml")[0]
-    allowed_env = {"DDP_DEVICE"} | {e["name"] for e in container(gpu)["env"] if "NCCL" in e["name"]}
-    for job in (gpu, cpu):
-        c = container(job)
-        c["args"] = [a for a in c["args"] if not a.startswith("--nproc-per-node=")]
-        c["env"] = [e for e in c["env"] if e["name"] not in allowed_env]
-        for key in ("image", "resources"):
-            c.pop(key)
-        job["spec"]["template"]["spec"].pop("tolerations", None)
-        next(v for v in job["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")["emptyDir"].pop("sizeLimit")
-    assert cpu == gpu
+    gpu, cpu = folder(K8S), kustomize("cpu")
+    assert set(gpu) == set(cpu)
+    assert _normalized(cpu[("Job", "ddp-train")]) == _normalized(gpu[("Job", "ddp-train")])
+    assert flags(container(cpu[("Job", "ddp-train")])["args"])["nproc-per-node"] == "1"
+    for key in set(gpu) - {("Job", "ddp-train"), ("PersistentVolumeClaim", "ddp-train-checkpoints")}:
+        assert cpu[key] == gpu[key], f"{key}: the CPU variant changes only the Job and the volume claim"
 
 
 RESTRICTED_VOLUMES = {
@@ -368,7 +507,7 @@ def test_pods_meet_pod_security_restricted(variant):
 
 @pytest.mark.parametrize("breach", ["escalation", "capability", "root", "hostpath", "seccomp"])
 def test_restricted_check_catches_a_breach(breach):
-    spec = copy.deepcopy(load(K8S / "job.yaml")[0]["spec"]["template"]["spec"])
+    spec = copy.deepcopy(folder(K8S)[("Job", "ddp-train")]["spec"]["template"]["spec"])
     sc = spec["containers"][0]["securityContext"]
     if breach == "escalation":
         sc["allowPrivilegeEscalation"] = True
@@ -392,16 +531,23 @@ def test_every_container_has_requests_and_limits(variant):
             assert quantity(c["resources"]["requests"][kind]) <= quantity(c["resources"]["limits"][kind])
 
 
-def test_failures_are_retried_as_a_group_and_bounded(variant):
+def test_only_the_pod_that_failed_first_spends_the_retry_budget(variant):
+    from app.k8s_launch import EXIT_PEER, EXIT_STOPPED
+
     _, job, _ = variant
     spec = job["spec"]
     assert spec["template"]["spec"]["restartPolicy"] == "Never"
-    assert spec["backoffLimit"] >= spec["completions"], "one incident fails every pod of the group"
+    assert spec["podReplacementPolicy"] == "Failed", "a replacement must not share the old pod's hostname"
     rules = spec["podFailurePolicy"]["rules"]
     assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
-    fail = next(r for r in rules if r["action"] == "FailJob")["onExitCodes"]
-    assert fail["containerName"] == container(job)["name"] and 2 in fail["values"]
-    assert spec["activeDeadlineSeconds"] > 0
+    by_action = {r["action"]: r["onExitCodes"] for r in rules if "onExitCodes" in r}
+    for action, codes in by_action.items():
+        assert codes["containerName"] == container(job)["name"] and codes["operator"] == "In", action
+    assert 2 in by_action["FailJob"]["values"]
+    assert set(by_action["Ignore"]["values"]) == {EXIT_PEER, EXIT_STOPPED}, "a peer's failure, a requested stop"
+    assert 1 not in by_action["Ignore"]["values"] and 137 not in by_action["Ignore"]["values"], "own failures count"
+    assert 1 <= spec["backoffLimit"] < spec["completions"] * 3, "one incident costs one failure, not `completions`"
+    assert spec["activeDeadlineSeconds"] > 0, "bounds a group whose failures all look like a peer's"
 
 
 def test_network_policy_opens_ports_to_peers_and_metrics_to_monitoring_only():
@@ -418,75 +564,54 @@ def test_network_policy_opens_ports_to_peers_and_metrics_to_monitoring_only():
     assert monitoring["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
     metrics = int(job["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"])
     assert monitoring["ports"] == [{"protocol": "TCP", "port": metrics, "endPort": metrics + 7}]  # 8 local ranks
+    assert set(metrics_ports(job).values()) <= set(range(metrics, metrics + 8))
 
 
-def test_every_object_and_pod_carries_the_shared_labels():
-    for path in FILES:
-        obj = load(path)[0]
-        assert SHARED_LABELS.items() <= obj["metadata"]["labels"].items(), path.name
-        assert "app.kubernetes.io/component" in obj["metadata"]["labels"], path.name
-        if obj["kind"] == "Job":
-            assert SHARED_LABELS.items() <= obj["spec"]["template"]["metadata"]["labels"].items(), path.name
+def _kept_by_pod_monitor(endpoint: dict, port_name: str) -> bool:
+    """Prometheus' `keep` relabeling on the port name, as the operator's generated scrape job applies it."""
+    keep = [r for r in endpoint["relabelings"] if r.get("action") == "keep"]
+    return all(
+        re.fullmatch(r["regex"], port_name)
+        for r in keep
+        if r["sourceLabels"] == ["__meta_kubernetes_pod_container_port_name"]
+    )
 
 
-def test_prometheus_finds_the_workers():
-    job = load(K8S / "job.yaml")[0]
+def test_prometheus_scrapes_every_local_rank_and_nothing_else():
+    job = folder(K8S)[("Job", "ddp-train")]
     annotations = job["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
-    monitor = load(K8S / "monitoring" / "podmonitor.yaml")[0]["spec"]
+    monitor = kustomize("monitoring")[("PodMonitor", "ddp-train")]["spec"]
     assert monitor["selector"]["matchLabels"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
-    ports = {p["name"] for p in container(job)["ports"]}
-    for endpoint in monitor["podMetricsEndpoints"]:
-        assert endpoint["port"] in ports and endpoint["path"] == "/metrics"
-        assert {"targetLabel": "job", "replacement": "ddp-worker", "action": "replace"} in endpoint["relabelings"]
+    (endpoint,) = monitor["podMetricsEndpoints"]
+    assert "port" not in endpoint and endpoint["path"] == "/metrics", "every declared port is a target, then kept"
+    eight_gpus = ["metrics"] + [f"metrics-{r}" for r in range(1, 8)]
+    assert all(_kept_by_pod_monitor(endpoint, name) for name in [*metrics_ports(job), *eight_gpus])
+    others = [p["name"] for p in container(job)["ports"] if not p["name"].startswith("metrics")]
+    assert others and not any(_kept_by_pod_monitor(endpoint, name) for name in others), (
+        "the rendezvous port is no target"
+    )
 
 
 COMPOSE_DASHBOARD = ROOT / "docker" / "grafana" / "dashboards" / "ddp-cluster.json"
-DASHBOARD_CM = K8S / "monitoring" / "grafana-dashboard.yaml"
-_DASHBOARD_HEAD = """\
-# The compose stack's Grafana dashboard (docker/grafana/dashboards/ddp-cluster.json) for Grafana on Kubernetes:
-# the dashboard sidecar of kube-prometheus-stack loads every ConfigMap labelled grafana_dashboard: "1" from its
-# namespace. Generated: edit the JSON file, then `make k8s-dashboard` (tests/test_k8s.py fails on drift).
-#   kubectl apply -n monitoring -f k8s/monitoring/grafana-dashboard.yaml
-# Its panels use the datasource uid "prometheus" (kube-prometheus-stack's default) and job="ddp-worker" (set by
-# k8s/monitoring/podmonitor.yaml).
-apiVersion: v1
-kind: ConfigMap
-metadata:
-  name: ddp-cluster-dashboard
-  labels:
-    app.kubernetes.io/name: ddp-cluster
-    app.kubernetes.io/instance: ddp-train
-    app.kubernetes.io/component: dashboard
-    app.kubernetes.io/part-of: ddp-cluster
-    app.kubernetes.io/version: "0.1.0"
-    app.kubernetes.io/managed-by: kubectl
-    grafana_dashboard: "1"
-data:
-  ddp-cluster.json: |
-"""
 
 
-def dashboard_config_map_text() -> str:
-    dashboard = json.dumps(json.loads(COMPOSE_DASHBOARD.read_text()), indent=2, ensure_ascii=False)
-    return _DASHBOARD_HEAD + "".join(f"    {line}\n" for line in dashboard.splitlines())
-
-
-def write_dashboard_config_map() -> None:
-    """`make k8s-dashboard`: regenerate k8s/monitoring/grafana-dashboard.yaml from the compose dashboard."""
-    DASHBOARD_CM.write_text(dashboard_config_map_text())
-
-
-def test_grafana_dashboard_config_map_is_the_compose_dashboard_and_queries_contract_metrics():
-    assert DASHBOARD_CM.read_text() == dashboard_config_map_text(), (
-        "k8s/monitoring/grafana-dashboard.yaml is out of date with the compose dashboard: run `make k8s-dashboard`"
-    )
-    cm = load(DASHBOARD_CM)[0]
+def test_grafana_dashboard_config_map_is_generated_from_the_compose_dashboard():
+    cm = kustomize("monitoring")[("ConfigMap", "ddp-cluster-dashboard")]
+    assert cm["data"] == {"ddp-cluster.json": COMPOSE_DASHBOARD.read_text()}, "the compose file, byte for byte"
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1", "the label kube-prometheus-stack's sidecar watches"
+    assert cm["metadata"]["namespace"] == "monitoring", "the sidecar's namespace in kube-prometheus-stack"
     dashboard = json.loads(cm["data"]["ddp-cluster.json"])
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     used = {m for e in exprs for m in re.findall(r"\bddp_[a-z_]+", e)}
     assert used and used <= {m + s for m in CONTRACT_METRICS for s in ("", "_bucket", "_sum", "_count")}
-    jobs = {j for e in exprs for j in re.findall(r'job="([^"]+)"', e)}
-    monitor = load(K8S / "monitoring" / "podmonitor.yaml")[0]["spec"]["podMetricsEndpoints"][0]["relabelings"]
-    assert jobs <= {r["replacement"] for r in monitor if r["targetLabel"] == "job"}
+    # Compose names its scrape job ddp-worker, a cluster's Prometheus names it as it likes: select on neither.
+    assert not [e for e in exprs if "job=" in e], "a job= filter matches one scrape configuration only"
+
+
+def test_prometheus_rule_carries_the_compose_alerts():
+    rule = kustomize("monitoring")[("PrometheusRule", "ddp-train")]
+    alerts = yaml.safe_load((ROOT / "docker/prometheus/alerts.yml").read_text())
+    assert rule["spec"] == {"groups": alerts["groups"]}, (
+        "k8s/monitoring/prometheusrule.yaml differs from docker/prometheus/alerts.yml: run `make k8s-rules`"
+    )

@@ -1,0 +1,162 @@
+"""What a pod of the Kubernetes Job runs: torchrun, with what a pod of an Indexed Job needs around it.
+
+    # the arguments are torchrun's own (k8s/base/job.yaml); pod 1 of 2, pod 0 hosts the store
+    python -m app.k8s_launch --rdzv-backend=static --nnodes=2 --nproc-per-node=gpu --node-rank=1 \\
+        --master-addr=ddp-train-0.ddp-train --master-port=29500 --rdzv-conf=timeout=900 --max-restarts=0 \\
+        -m app.train
+
+Around torchrun, three things the Job needs and torchrun does not do:
+
+- **A store of this attempt only.** The Job replaces a failed pod as soon as that pod has ended, not when its
+  peers have: a new pod 1 can meet the previous attempt's pod 0 while it is still ending, and torchrun's static
+  rendezvous has no per-attempt key, so the new pod would read the old world's keys (ranks, NCCL bootstrap data).
+  Before torchrun joins, pod i > 0 counts itself in at the store (``k8s_launch/joined/<i>``): a count above one
+  means this store has already had a node ``i`` in its world, so it is a previous attempt's; the pod waits for a
+  new pod 0 (a new store) instead. Pod 0 hosts the store, always a new one.
+- **Threads.** The downward API gives the pod's whole CPU limit (``CPU_LIMIT``); each of the pod's processes (one
+  per GPU) gets ``OMP_NUM_THREADS = CPU_LIMIT // processes``, at least 1. An ``OMP_NUM_THREADS`` already set wins.
+- **Exit codes that podFailurePolicy can read.** torchrun ends with 1 for any failed worker. This ends with:
+
+  ====  ============================================================================================
+  0     every rank finished
+  2     a bad configuration (a worker exited 2) or bad torchrun arguments: no retry can help
+  75    the failure was a peer's: every failed local rank exited 75 (its peer went away or was
+        stopped; app.train), so this pod only went down with it. The Job ignores it.
+  143   this pod was asked to stop (SIGTERM: deleted, evicted, preempted); its ranks checkpointed.
+        The Job ignores it. Never 0: an index that ends 0 counts as done and is not run again.
+  1     anything else: this pod's own failure, which the Job counts
+  ====  ============================================================================================
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+import time
+
+from torch.distributed import TCPStore
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import determine_local_world_size, parse_args, run
+
+log = logging.getLogger("app.k8s_launch")
+
+EXIT_PEER = 75  # sysexits' EX_TEMPFAIL: not this pod's fault, try again
+EXIT_STOPPED = 143  # 128 + SIGTERM, what a container stopped by its signal reports
+_TERMINATED_BY_TORCHRUN = -15  # torchrun ends a pod's other ranks with SIGTERM once one has failed
+JOINED_KEY = "k8s_launch/joined/{node_rank}"
+
+
+def wait_for_fresh_store(host: str, port: int, node_rank: int, timeout_s: float, poll_s: float = 1.0) -> int:
+    """Returns once the TCPStore at ``host:port`` has never had node ``node_rank`` join it.
+
+    Each call counts node ``node_rank`` in at the store it reaches; a count above one is a store whose world
+    already had this node, so a previous attempt's. Node 0 hosts the store and returns at once.
+
+    Args:
+        host, port: the store torchrun will join (``--master-addr``, ``--master-port``).
+        node_rank: this pod's node rank (the Job's completion index).
+        timeout_s: give up after this long (torchrun's rendezvous timeout): ``TimeoutError``.
+        poll_s: pause between tries while the store is unreachable or stale.
+
+    Returns the number of stale stores seen (0 when the first store reached was fresh).
+
+    Example::
+
+        wait_for_fresh_store("ddp-train-0.ddp-train", 29500, node_rank=1, timeout_s=900)
+    """
+    if node_rank == 0:
+        return 0
+    deadline = time.monotonic() + timeout_s
+    stale, last_error = 0, "never reached"
+    while time.monotonic() < deadline:
+        try:
+            # A plain client: no world_size, so the server's count of torchrun's own clients is left alone.
+            store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=5))
+            joins = store.add(JOINED_KEY.format(node_rank=node_rank), 1)
+        except RuntimeError as e:  # not up yet, or its name not yet in DNS: the store of pod 0 is still coming
+            last_error = str(e).splitlines()[0]
+        else:
+            if joins == 1:
+                if stale:
+                    log.warning("node %d: a new store at %s:%d; joining it", node_rank, host, port)
+                return stale
+            if stale == 0:
+                log.warning(
+                    "node %d: the store at %s:%d already had a node %d (joined %d times): it is a previous "
+                    "attempt's, still ending; waiting for a new pod 0",
+                    node_rank,
+                    host,
+                    port,
+                    node_rank,
+                    joins - 1,
+                )
+            stale += 1
+        time.sleep(poll_s)
+    raise TimeoutError(f"no new rendezvous store at {host}:{port} within {timeout_s:g} s (last: {last_error})")
+
+
+def set_omp_threads(nproc_per_node: str, env: dict[str, str] = os.environ) -> None:
+    """``OMP_NUM_THREADS = CPU_LIMIT // processes per pod`` (at least 1), unless already set or no ``CPU_LIMIT``.
+
+    Example::
+
+        set_omp_threads("8", {"CPU_LIMIT": "64"})  # OMP_NUM_THREADS=8
+    """
+    if "OMP_NUM_THREADS" in env or not env.get("CPU_LIMIT"):
+        return
+    processes = determine_local_world_size(nproc_per_node)
+    env["OMP_NUM_THREADS"] = str(max(1, int(env["CPU_LIMIT"]) // processes))
+
+
+def pod_exit_code(failed_ranks: dict[int, int]) -> int:
+    """The pod's exit code from the exit codes of its failed ranks (``{}``: every rank finished).
+
+    Example::
+
+        pod_exit_code({3: 75, 2: -15})  # 75: a peer's failure, and torchrun stopped the other rank
+    """
+    codes = set(failed_ranks.values())
+    if not codes:
+        return 0
+    if 2 in codes:
+        return 2
+    if EXIT_PEER in codes and codes <= {EXIT_PEER, _TERMINATED_BY_TORCHRUN}:
+        return EXIT_PEER
+    return 1
+
+
+def _rendezvous_timeout(rdzv_conf: str) -> float:
+    conf = dict(kv.split("=", 1) for kv in rdzv_conf.split(",") if "=" in kv)
+    return float(conf.get("timeout", 600))
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s k8s_launch %(levelname)s %(message)s")
+    args = parse_args(argv)  # torchrun's own parser: bad arguments exit 2 here
+    if args.rdzv_backend == "static":
+        try:
+            wait_for_fresh_store(
+                args.master_addr, args.master_port, args.node_rank, _rendezvous_timeout(args.rdzv_conf)
+            )
+        except TimeoutError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 1
+    set_omp_threads(args.nproc_per_node)
+    try:
+        run(args)
+    except SignalException as e:
+        log.warning("%s: the ranks were asked to stop; exit %d", e.sigval.name, EXIT_STOPPED)
+        return EXIT_STOPPED
+    except ChildFailedError as e:
+        failed = {rank: failure.exitcode for rank, failure in e.failures.items()}
+        code = pod_exit_code(failed)
+        log.warning("ranks failed with exit codes %s; exit %d", failed, code)
+        return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
