@@ -21,15 +21,17 @@ if TYPE_CHECKING:
 WRAPPERS = ("ours", "torch", "none")  # ours: app.parallel.ddp; torch: torch.nn.parallel; none: the bare module
 
 
-def wrap_model(model: nn.Module, wrapper: str = "ours", *, bucket_cap_mb: float = 25.0, **kwargs) -> nn.Module:
+def wrap_model(model: nn.Module, wrapper: str = "ours", *, bucket_cap_mb: float | None = None, **kwargs) -> nn.Module:
     """Wrap ``model`` for data-parallel training in the current process group.
 
     Args:
         model: the module, already on this rank's device.
         wrapper: ``"ours"`` (``app.parallel.ddp.DistributedDataParallel``), ``"torch"``
             (``torch.nn.parallel.DistributedDataParallel``) or ``"none"`` (the model itself: one process).
-        bucket_cap_mb: gradient bucket size in MiB (both wrappers).
-        **kwargs: passed on to the wrapper (``find_unused_parameters``, ``process_group``, ...).
+        bucket_cap_mb: gradient bucket size in MiB (both wrappers); ``None`` is PyTorch's default (25, and a
+            1 MiB first bucket).
+        **kwargs: passed on to the wrapper; both take PyTorch's constructor arguments (``find_unused_parameters``,
+            ``gradient_as_bucket_view``, ``static_graph``, ``process_group``, ...).
 
     On CUDA, ``device_ids`` is set to the model's device, as PyTorch's DDP expects one GPU per process.
 
@@ -50,6 +52,5 @@ def wrap_model(model: nn.Module, wrapper: str = "ours", *, bucket_cap_mb: float 
     if wrapper == "ours":
         from app.parallel.ddp import DistributedDataParallel
 
-        kwargs.pop("device_ids", None)  # ours follows the parameters' device
         return DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **kwargs)
     raise ValueError(f"wrapper={wrapper!r}: choose one of {', '.join(WRAPPERS)}")

@@ -1,4 +1,4 @@
-"""DistributedDataParallel from scratch: the lesson's wrapper, grown into what PyTorch's does.
+"""DistributedDataParallel from scratch: the lesson's wrapper, grown into a drop-in for PyTorch's.
 
 Read this file top to bottom. The idea fits in four lines:
 
@@ -19,9 +19,11 @@ because every rank applies the same averaged gradient to the same parameters, th
     p_1.grad ready ─┐                                                                                  │   copy into
     p_0.grad ready ─┴──► bucket k full ──► all_reduce(SUM)/world ─────────────────────────────────────┘   p.grad
 
-The names match PyTorch's (``bucket_cap_mb``, ``broadcast_buffers``, ``find_unused_parameters``,
-``require_backward_grad_sync``, ``no_sync()``, ``register_comm_hook``) so either wrapper can be swapped for the
-other and a reader can map this file onto ``torch/nn/parallel/distributed.py`` and its C++ ``Reducer``.
+The constructor is PyTorch 2.13's, argument for argument (``DistributedDataParallel(model, device_ids=[rank])``
+works by changing the import only); docs/ddp-api.md maps each argument to what it does here. With
+``gradient_as_bucket_view=True`` step 4 disappears: ``p.grad`` *is* a slice of the bucket, so the gradient exists
+once. With ``static_graph=True`` the first iteration is studied once (unused parameters, the order gradients
+arrive in) and later iterations reuse it.
 
 Try it: ``make demo`` (4 CPU ranks under torchrun, compared step by step with single-process training).
 """
@@ -31,8 +33,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,30 +43,102 @@ from torch import nn
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 
+DEFAULT_BUCKET_CAP_MB = 25  # PyTorch's default, used when bucket_cap_mb is None
 # The first bucket is capped lower than the rest, as in PyTorch (dist._DEFAULT_FIRST_BUCKET_BYTES): the last
 # layers' gradients arrive first, and a small first bucket gets communication going while most of backward is
 # still ahead. With one 25 MB bucket for a 24 MB model, nothing could overlap at all.
 FIRST_BUCKET_BYTES = 1024 * 1024
 
+# Arguments of PyTorch's constructor that this wrapper does not implement, with the value that means "not used".
+# Any other value is refused: silently ignoring them would change what training computes or how fast.
+_NOT_IMPLEMENTED = {
+    "delay_all_reduce_named_params": None,
+    "param_to_hook_all_reduce": None,
+    "mixed_precision": None,
+    "device_mesh": None,
+    "bucket_cap_mb_list": None,
+    "batched_grad_copy": False,
+}
 
-@dataclass
+
+class _Clock:
+    """Timestamps for one synchronised backward: ``perf_counter`` on CPU, CUDA events on a GPU.
+
+    On CUDA a collective's future completes when the collective is *enqueued*, and ``fut.wait()`` only makes the
+    current stream wait; host clocks would time the launch, not the communication. CUDA events recorded on the
+    streams that the collective's completion is synchronised with time the real thing; they are read (a host sync
+    per event, already complete by then) only when the stats are read, after the step's own synchronisation.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()  # on the current stream: in a future's callback, one synchronised with the collective
+        return event
+
+    def seconds(self, start, end) -> float:
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
 class CommStats:
     """What the wrapper did on the wire; the trainer turns these into Prometheus metrics.
 
     Counters are cumulative since construction; ``last_*`` fields describe the most recent synchronised backward.
+    On CUDA the times are computed from CUDA events the first time a time field is read (after the step has
+    synchronised, reading costs nothing; before, it waits for the step's communication).
     """
 
-    sync_calls: int = 0  # backward passes that synchronised gradients (no_sync() passes are not counted)
-    buckets_reduced: int = 0  # buckets handed to the comm hook
-    bytes_reduced: int = 0  # bytes of bucket buffers handed to the comm hook (before any compression)
-    allreduce_seconds: float = 0.0  # sum over buckets of launch -> result ready
-    wait_seconds: float = 0.0  # time the end of backward blocked on communication ("exposed" comm)
-    last_bucket_seconds: list[float] = field(default_factory=list)  # per bucket, in launch order
-    last_bucket_bytes: list[int] = field(default_factory=list)
-    last_wait_seconds: float = 0.0
-    # First bucket's launch -> last bucket's completion: the wall time the reduction took. Buckets overlap and
-    # queue behind each other, so the sum of last_bucket_seconds double-counts; bandwidth uses this span.
-    last_comm_span_seconds: float = 0.0
+    def __init__(self):
+        self.sync_calls = 0  # backward passes that synchronised gradients (no_sync() passes are not counted)
+        self.buckets_reduced = 0  # buckets handed to the comm hook
+        self.bytes_reduced = 0  # bytes of bucket buffers handed to the comm hook (before any compression)
+        self.last_bucket_bytes: list[int] = []
+        self._allreduce_seconds = 0.0  # sum over buckets of launch -> result ready
+        self._wait_seconds = 0.0  # time the end of backward blocked on communication ("exposed" comm)
+        self._last_bucket_seconds: list[float] = []  # per bucket, in launch order
+        self._last_wait_seconds = 0.0
+        # First bucket's launch -> last bucket's completion: the wall time the reduction took. Buckets overlap and
+        # queue behind each other, so the sum of last_bucket_seconds double-counts; bandwidth uses this span.
+        self._last_comm_span_seconds = 0.0
+        self._pending: Callable[[], tuple[list[float], float, float]] | None = None
+
+    def _record(self, bucket_bytes: list[int], timings: Callable[[], tuple[list[float], float, float]]) -> None:
+        self._resolve()  # the previous step's times, if nobody read them
+        self.sync_calls += 1
+        self.buckets_reduced += len(bucket_bytes)
+        self.bytes_reduced += sum(bucket_bytes)
+        self.last_bucket_bytes = bucket_bytes
+        self._pending = timings
+
+    def _resolve(self) -> None:
+        if self._pending is None:
+            return
+        bucket_seconds, wait, span = self._pending()
+        self._pending = None
+        self._allreduce_seconds += sum(bucket_seconds)
+        self._wait_seconds += wait
+        self._last_bucket_seconds, self._last_wait_seconds, self._last_comm_span_seconds = bucket_seconds, wait, span
+
+    def __getstate__(self):  # CUDA events do not pickle: resolve them first
+        self._resolve()
+        return self.__dict__
+
+    def _resolved(name: str):  # noqa: N805 (a property factory used in the class body, not a method)
+        return property(lambda self: (self._resolve(), getattr(self, name))[1])
+
+    allreduce_seconds = _resolved("_allreduce_seconds")
+    wait_seconds = _resolved("_wait_seconds")
+    last_bucket_seconds = _resolved("_last_bucket_seconds")
+    last_wait_seconds = _resolved("_last_wait_seconds")
+    last_comm_span_seconds = _resolved("_last_comm_span_seconds")
+    del _resolved
 
 
 class GradBucket:
@@ -133,45 +207,129 @@ def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group) -> None:
                 offset += t.numel()
 
 
+def _device_of(d) -> torch.device:
+    """``device_ids`` entries as PyTorch accepts them: an int (a CUDA index), a string or a ``torch.device``."""
+    return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return a.type == b.type and (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
+def _to_device(obj, device: torch.device):
+    """Move every tensor in a (nested) forward input to ``device``, as PyTorch's DDP does when given device_ids."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_to_device(o, device) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
 class DistributedDataParallel(nn.Module):
     """Wrap ``module`` so that ``loss.backward()`` leaves every rank with the gradient averaged over all ranks.
 
-    Args (keyword-only, as in PyTorch):
+    The signature is ``torch.nn.parallel.DistributedDataParallel``'s (torch 2.13), same order, same defaults.
+
+    Args:
+        module: the model, on one device (this rank's GPU, or the CPU).
+        device_ids: ``None``, or one device: the GPU ``module`` lives on. Forward inputs are then moved to it, as
+            PyTorch does. More than one device, or any device for a CPU module, is an error (as PyTorch's).
+        output_device: ``None`` or ``device_ids[0]``; like PyTorch 2.13 with one device per process, nothing is
+            moved to it. Given for a CPU module, an error (as PyTorch's).
+        dim: the scatter dimension of the old one-process-many-GPUs mode; one device per process never scatters,
+            so only ``0`` is accepted.
+        broadcast_buffers: deprecated in 2.13 for ``forward_sync_buffers`` (same FutureWarning); ``False`` also
+            leaves buffers out of the broadcast at construction. ``None``: ``True``.
+        init_sync: at construction, check that every rank wraps the same model and broadcast rank 0's parameters
+            (and buffers) to all. ``False`` skips both: the ranks must already agree.
         process_group: the group to synchronise over; ``None`` is the default (world) group.
-        bucket_cap_mb: bucket size in MiB. Bigger buckets mean fewer all-reduces (less latency paid) but a later
-            start of the first one (less overlap with backward); 25 is PyTorch's default.
-        broadcast_buffers: re-send buffers (BatchNorm running stats) from rank 0 before each forward, so every
-            rank evaluates with the same statistics.
+        bucket_cap_mb: bucket size in MiB; ``None`` is 25. Bigger buckets mean fewer all-reduces (less latency
+            paid) but a later start of the first one (less overlap with backward). The first bucket is capped at
+            1 MiB whatever the value (PyTorch caps it only when ``bucket_cap_mb`` is ``None``).
         find_unused_parameters: walk the autograd graph after each forward and mark parameters it did not reach as
-            ready, so their buckets still complete. Costs a graph walk per step; needed only when forward skips
-            parameters (branches, early exits). Without it such a backward raises an error naming them.
+            ready, so their buckets still complete. Costs a graph walk and a small all-reduce per step; needed only
+            when forward skips parameters. Without it such a backward raises an error naming them.
+        check_reduction: deprecated and ignored, as in PyTorch (a FutureWarning when ``True``).
+        gradient_as_bucket_view: ``p.grad`` becomes a view into its bucket after the first synchronised backward:
+            the gradient is stored once, and the copy back from the bucket disappears (so does the copy into it
+            when ``p.grad`` is kept between steps, e.g. ``zero_grad(set_to_none=False)``).
+        static_graph: the set of used parameters and the order gradients arrive in never change. The first
+            iteration finds both (as ``find_unused_parameters`` would); later ones skip the graph walk and the
+            used-flags all-reduce, and buckets are rebuilt once in rank 0's arrival order so each fills up and
+            launches in turn.
+        skip_all_reduce_unused_params: with ``find_unused_parameters`` or ``static_graph``: trust that every rank
+            leaves the same parameters unused; skip the used-flags all-reduce and buckets holding only unused
+            parameters. Ranks that disagree would hang, as in PyTorch.
+        forward_sync_buffers: broadcast rank 0's buffers (BatchNorm running stats) before each synchronising
+            forward. ``None``: ``True``. Buffers are broadcast at construction either way (with ``init_sync``).
+        delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, device_mesh,
+            bucket_cap_mb_list, batched_grad_copy: not implemented; a non-default value raises
+            ``NotImplementedError`` naming it.
+
+    Example::
+
+        dist.init_process_group("gloo")
+        model = DistributedDataParallel(MiniMLP())  # or (model.cuda(rank), device_ids=[rank]) on GPUs
+        loss_fn(model(x), y).backward()  # every rank now holds the averaged gradient
     """
 
     def __init__(
         self,
-        module: nn.Module,
-        *,
+        module,
+        device_ids=None,
+        output_device=None,
+        dim=0,
+        broadcast_buffers=None,
+        init_sync=True,
         process_group=None,
-        bucket_cap_mb: float = 25,
-        broadcast_buffers: bool = True,
-        find_unused_parameters: bool = False,
+        bucket_cap_mb=None,
+        find_unused_parameters=False,
+        check_reduction=False,
+        gradient_as_bucket_view=False,
+        static_graph=False,
+        delay_all_reduce_named_params=None,
+        param_to_hook_all_reduce=None,
+        mixed_precision=None,
+        device_mesh=None,
+        skip_all_reduce_unused_params=False,
+        bucket_cap_mb_list=None,
+        batched_grad_copy=False,
+        forward_sync_buffers=None,
     ):
         super().__init__()
+        _refuse_not_implemented(locals())
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "DistributedDataParallel needs an initialised process group: call "
                 "torch.distributed.init_process_group() first (torchrun sets its env:// variables)"
             )
+        bucket_cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        if dim != 0:
+            raise ValueError(
+                f"dim={dim}: inputs are never scattered (one device per process), so only dim=0 is accepted"
+            )
+        if check_reduction:
+            warnings.warn("check_reduction is deprecated and ignored, as in PyTorch", FutureWarning, stacklevel=2)
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
         # Global rank of the group's rank 0: broadcast takes a global rank even inside a subgroup.
         self._src_rank = dist.get_global_rank(self.process_group, 0)
-        self.broadcast_buffers = broadcast_buffers
+        self.dim = dim
+        self.forward_sync_buffers, init_sync_buffers = _buffer_sync_flags(broadcast_buffers, forward_sync_buffers)
         self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
+        self.bucket_bytes_cap = self.bucket_cap_bytes  # PyTorch's attribute name
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.stats = CommStats()
 
@@ -185,17 +343,27 @@ class DistributedDataParallel(nn.Module):
                 "the module has no parameter that requires a gradient: there is nothing for "
                 "DistributedDataParallel to synchronise; run it unwrapped"
             )
+        self.device = self._params[0].device
+        self.device_ids, self.output_device = self._check_devices(device_ids, output_device)
+        self._clock = _Clock(self.device)
 
-        self._check_same_model_everywhere()
-        # 1. Everyone starts from rank 0's weights: ranks seeded differently would otherwise drift apart forever.
-        _broadcast_coalesced(
-            [p.data for p in module.parameters()] + self._buffers_to_sync, src=self._src_rank, group=self.process_group
-        )
+        if init_sync:
+            self._check_same_model_everywhere()
+            # 1. Everyone starts from rank 0's weights: ranks seeded differently would otherwise drift apart forever.
+            buffers = self._buffers_to_sync if init_sync_buffers else []
+            _broadcast_coalesced(
+                [p.data for p in module.parameters()] + buffers, src=self._src_rank, group=self.process_group
+            )
 
-        self._buckets, self._slot = self._build_buckets()
+        self._buckets, self._slot = self._build_buckets(list(reversed(range(len(self._params)))))
         self._bucket_sizes = [b.nbytes for b in self._buckets]
         self._comm_hook: CommHook | None = None  # None: the built-in all-reduce (see _launch_ready_buckets)
         self._comm_state: Any = self.process_group
+
+        # What static_graph learns in its first synchronised iteration (None until then).
+        self._static_unused: list[int] | None = None
+        self._static_used_flags: list[bool] | None = None
+        self._arrival_order: list[int] = []
 
         # Per-backward state, reset by _prepare_for_backward() in each synchronising forward.
         self._sync_this_backward = False
@@ -203,8 +371,8 @@ class DistributedDataParallel(nn.Module):
         self._ready: list[bool] = []  # per parameter: gradient already copied into its bucket
         self._next_bucket = 0  # buckets are launched strictly in index order (see _launch_ready_buckets)
         self._futures: list[torch.futures.Future | None] = []
-        self._launch_times: list[float] = []
-        self._done_times: list[float] = []
+        self._launch_times: list = []
+        self._done_times: list = []
         self._unused: list[int] = []  # not reached by this forward's graph (find_unused_parameters)
         self._locally_unused: list[int] = []  # ... and without any gradient accumulated under no_sync()
         self._callback_queued = False
@@ -216,6 +384,32 @@ class DistributedDataParallel(nn.Module):
     # ------------------------------------------------------------------------------------------------------------
     # Construction helpers
     # ------------------------------------------------------------------------------------------------------------
+    def _check_devices(self, device_ids, output_device) -> tuple[list[int] | None, int | None]:
+        """PyTorch's rules for ``device_ids``/``output_device``, plus: the one device must be the module's."""
+        if device_ids is not None and len(device_ids) > 1:
+            raise ValueError(
+                f"device_ids={device_ids}: device_ids can only be None or contain a single element "
+                f"(one process per device; start one rank per GPU with torchrun)"
+            )
+        devices = {p.device for p in self._params}
+        if len({d.type for d in devices}) != 1 or len(devices) > 1:
+            raise ValueError(f"the module's parameters are on several devices ({devices}): move it to one device")
+        if not device_ids or self.device.type == "cpu":
+            if device_ids or output_device:  # PyTorch's truthiness: output_device=0 passes for a CPU module
+                raise ValueError(
+                    f"device_ids={device_ids}, output_device={output_device}: these work only for a module on one "
+                    f"GPU, but the module is on {self.device}; pass neither (DDP(model)) for a CPU module"
+                )
+            return None, None
+        wanted = _device_of(device_ids[0])
+        if not _same_device(wanted, self.device):
+            raise ValueError(
+                f"device_ids={device_ids}: the module lives on {self.device}; move it first "
+                f"(model.to({wanted})) or pass device_ids=[{self.device.index}]"
+            )
+        out = _device_of(output_device if output_device is not None else device_ids[0])
+        return [self.device.index], out.index
+
     def _check_same_model_everywhere(self) -> None:
         """Fail clearly, on every rank, if ranks wrapped different models (a bucket mismatch would hang later)."""
         # Count, total size and a fingerprint of every parameter's (shape, dtype): two models with the same
@@ -224,7 +418,7 @@ class DistributedDataParallel(nn.Module):
         mine = torch.tensor(
             [len(self._params), sum(p.numel() for p in self._params), int.from_bytes(layout[:7], "little")],
             dtype=torch.int64,
-            device=self._params[0].device,
+            device=self.device,
         )
         low, high = mine.clone(), mine.clone()
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.process_group)
@@ -236,17 +430,19 @@ class DistributedDataParallel(nn.Module):
                 f"build the same model on every rank"
             )
 
-    def _build_buckets(self) -> tuple[list[GradBucket], list[tuple[int, int]]]:
-        """Group parameters into buckets of at most ``bucket_cap_bytes``, in *reverse* registration order.
+    def _build_buckets(self, order: list[int]) -> tuple[list[GradBucket], list[tuple[int, int]]]:
+        """Group parameters, taken in ``order``, into buckets of at most ``bucket_cap_bytes``.
 
-        Backward runs roughly from the last layer to the first, so the last-registered parameters get their
-        gradients first: putting them in bucket 0 lets the first all-reduce start while the earlier layers'
-        gradients are still being computed. That is the overlap. Bucket 0 is capped at FIRST_BUCKET_BYTES.
+        The order is the *reverse* registration order at construction: backward runs roughly from the last layer
+        to the first, so the last-registered parameters get their gradients first, and putting them in bucket 0
+        lets the first all-reduce start while the earlier layers' gradients are still being computed. That is the
+        overlap. (static_graph later rebuilds with the order really observed.) Bucket 0 is capped at
+        FIRST_BUCKET_BYTES.
         """
         groups: list[list[int]] = []
         current: list[int] = []
         current_bytes = 0
-        for index in reversed(range(len(self._params))):
+        for index in order:
             p = self._params[index]
             nbytes = p.numel() * p.element_size()
             first = self._params[current[0]] if current else None
@@ -273,8 +469,26 @@ class DistributedDataParallel(nn.Module):
 
     @property
     def bucket_sizes(self) -> list[int]:
-        """Bytes per bucket, in launch order (for logs, metrics and tests); fixed once the buckets are built."""
+        """Bytes per bucket, in launch order (for logs, metrics and tests)."""
         return self._bucket_sizes
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """The deprecated name of ``forward_sync_buffers``, as in PyTorch 2.13."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    def gradient_bytes(self) -> int:
+        """Bytes held by gradients and buckets together, each storage counted once (a view costs nothing)."""
+        storages = {b.buffer().untyped_storage().data_ptr(): b.nbytes for b in self._buckets}
+        for p in self._params:
+            if p.grad is not None:
+                s = p.grad.untyped_storage()
+                storages[s.data_ptr()] = s.nbytes()
+        return sum(storages.values())
 
     # ------------------------------------------------------------------------------------------------------------
     # Public API (as PyTorch's)
@@ -305,9 +519,15 @@ class DistributedDataParallel(nn.Module):
         self._comm_hook = hook
         self._comm_state = state
 
+    def _set_static_graph(self) -> None:
+        """PyTorch's older way to ask for ``static_graph=True`` after construction (before the first forward)."""
+        self.static_graph = True
+
     def forward(self, *inputs, **kwargs):
+        if self.device_ids:
+            inputs, kwargs = _to_device(inputs, self.device), _to_device(kwargs, self.device)
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-        if sync and self.broadcast_buffers and self._buffers_to_sync:
+        if sync and self.forward_sync_buffers and self._buffers_to_sync:
             # BatchNorm's running stats are updated locally by each rank's forward; rank 0's win. Done only for
             # forwards that will sync, like PyTorch (buffers are not re-sent inside no_sync()).
             _broadcast_coalesced(self._buffers_to_sync, src=self._src_rank, group=self.process_group)
@@ -326,10 +546,19 @@ class DistributedDataParallel(nn.Module):
         self._ready = [False] * len(self._params)
         self._next_bucket = 0
         self._futures = [None] * n
-        self._launch_times = [0.0] * n
-        self._done_times = [0.0] * n
+        self._launch_times = [None] * n
+        self._done_times = [None] * n
         self._callback_queued = False
-        self._unused = self._find_unused(output) if self.find_unused_parameters else []
+        self._arrival_order = []
+        if self._static_unused is not None:
+            self._unused = self._static_unused  # static graph: learned in the first iteration, no walk
+        elif self.find_unused_parameters or self.static_graph:
+            self._unused = self._find_unused(output)
+        else:
+            self._unused = []
+
+    def _learning_static_graph(self) -> bool:
+        return self.static_graph and self._static_unused is None
 
     def _find_unused(self, output) -> list[int]:
         """Indices of parameters this forward's autograd graph does not reach (their hooks will never fire)."""
@@ -361,12 +590,12 @@ class DistributedDataParallel(nn.Module):
                 # under no_sync() by earlier micro-batches that did use them (it must still be averaged).
                 self._locally_unused = [i for i in self._unused if self._params[i].grad is None]
                 for unused in self._unused:
-                    self._mark_ready(unused, grad=self._params[unused].grad)
-            self._mark_ready(index, grad=param.grad)
+                    self._mark_ready(unused)
+            self._mark_ready(index)
 
         return hook
 
-    def _mark_ready(self, index: int, grad: torch.Tensor | None) -> None:
+    def _mark_ready(self, index: int) -> None:
         if self._ready[index]:
             # A parameter used twice in one graph still gets one hook call after accumulation. A second call means
             # the graph walk called it unused, yet backward reached it: the loss used it outside forward's output.
@@ -376,13 +605,21 @@ class DistributedDataParallel(nn.Module):
                 f"the loss uses it outside forward; route every use through forward"
             )
         self._ready[index] = True
+        if self._learning_static_graph():
+            self._arrival_order.append(index)
         bucket_index, pos = self._slot[index]
         bucket = self._buckets[bucket_index]
+        param, view = self._params[index], bucket.view(pos)
         # (Autograd runs hooks with grad mode off, and the buffer is no leaf of any graph: a plain copy suffices.)
-        if grad is None:
-            bucket.view(pos).zero_()
-        else:
-            bucket.view(pos).copy_(grad)
+        if param.grad is None:
+            view.zero_()
+        elif param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+            if self.gradient_as_bucket_view:
+                # From now on p.grad *is* the bucket slot: the separate gradient tensor is freed, and while p.grad
+                # is kept (zero_grad(set_to_none=False), no_sync()), autograd accumulates straight into the bucket.
+                param.grad = view
+        # else: p.grad already is the bucket slot (gradient_as_bucket_view), nothing to copy.
         self._pending[bucket_index] -= 1
         if self._pending[bucket_index] == 0:
             self._launch_ready_buckets()
@@ -396,8 +633,12 @@ class DistributedDataParallel(nn.Module):
         while self._next_bucket < len(self._buckets) and self._pending[self._next_bucket] == 0:
             i = self._next_bucket
             bucket = self._buckets[i]
-            self._launch_times[i] = time.perf_counter()
-            if self._comm_hook is None:
+            self._launch_times[i] = self._clock.now()
+            if self._skips(bucket):
+                # Only unused parameters, on every rank by the caller's promise: nothing to reduce.
+                fut = torch.futures.Future()
+                fut.set_result(bucket.buffer())
+            elif self._comm_hook is None:
                 # Built-in path: all-reduce with SUM, in place. The division by the world size happens when the
                 # result is copied back into p.grad (_finalize_backward): fused into that copy, it costs no extra
                 # pass over the gradients (PyTorch's Reducer fuses it into its copy *into* the bucket instead).
@@ -408,14 +649,21 @@ class DistributedDataParallel(nn.Module):
                 fut = self._comm_hook(self._comm_state, bucket)  # the hook averages, as with PyTorch's DDP
 
             def record_done(f: torch.futures.Future, i=i) -> torch.Tensor:
-                # Runs on the communication thread when the reduction completes: launch -> done is the
+                # Runs when the reduction completes (gloo: on its thread, once the data is back; CUDA: on a stream
+                # synchronised with the collective, so the event completes with it). launch -> done is the
                 # all-reduce latency the metrics report, independent of when backward gets around to waiting.
-                self._done_times[i] = time.perf_counter()
+                self._done_times[i] = self._clock.now()
                 value = f.value()
                 return value[0] if isinstance(value, list) else value  # all_reduce's future holds a list
 
             self._futures[i] = fut.then(record_done)
             self._next_bucket += 1
+
+    def _skips(self, bucket: GradBucket) -> bool:
+        if not self.skip_all_reduce_unused_params or not self._locally_unused:
+            return False
+        unused = set(self._locally_unused)
+        return all(i in unused for i in bucket.param_indices)
 
     def _finalize_backward(self) -> None:
         """Called by autograd after the last gradient of this backward: wait, then write averages to ``p.grad``."""
@@ -428,50 +676,116 @@ class DistributedDataParallel(nn.Module):
                 f"forward skips them on purpose, or make sure the loss depends on them"
             )
 
-        globally_used = self._all_reduce_used_flags() if self.find_unused_parameters else None
+        globally_used = self._globally_used_flags()
         # The built-in all-reduce leaves the SUM in the bucket; a comm hook leaves the average.
         divisor = self.world_size if self._comm_hook is None else 1
-        waited = 0.0
+        waits = []
         with torch.no_grad():
             for bucket, fut in zip(self._buckets, self._futures):
-                # Wait bucket by bucket and copy each out as soon as it is back: the copy of bucket i overlaps
+                # Wait bucket by bucket and write each out as soon as it is back: the write of bucket i overlaps
                 # the reduction of bucket i+1. Only the waiting counts as exposed communication.
-                wait_start = time.perf_counter()
+                before = self._clock.now()
                 averaged = fut.wait()
-                waited += time.perf_counter() - wait_start
+                waits.append((before, self._clock.now()))
                 if averaged.data_ptr() != bucket.buffer().data_ptr():
                     bucket.buffer().copy_(averaged)  # hooks may return a new tensor rather than the buffer
-                for pos, (p, index) in enumerate(zip(bucket.parameters(), bucket.param_indices)):
-                    if globally_used is not None and not globally_used[index]:
-                        continue  # no rank used it: leave p.grad untouched (None), as PyTorch does
-                    view = bucket.view(pos)
-                    if p.grad is None:
-                        p.grad = view / divisor if divisor != 1 else view.clone()
-                    elif divisor != 1:
-                        torch.div(view, divisor, out=p.grad)  # SUM ÷ world size, written straight into p.grad
-                    else:
-                        p.grad.copy_(view)
-
-        seconds = [done - launch for done, launch in zip(self._done_times, self._launch_times)]
-        s = self.stats
-        s.sync_calls += 1
-        s.buckets_reduced += len(self._buckets)
-        s.bytes_reduced += sum(self.bucket_sizes)
-        s.allreduce_seconds += sum(seconds)
-        s.wait_seconds += waited
-        s.last_bucket_seconds = seconds
-        s.last_bucket_bytes = self.bucket_sizes
-        s.last_wait_seconds = waited
-        s.last_comm_span_seconds = max(self._done_times) - min(self._launch_times)
+                self._write_back(bucket, globally_used, divisor)
+        self._record_stats(waits)
+        if self._learning_static_graph():
+            self._learn_static_graph(globally_used)
         self._sync_this_backward = False
 
-    def _all_reduce_used_flags(self) -> torch.Tensor:
-        """Which parameters some rank used: only those get a gradient. One tiny extra all-reduce, as in PyTorch."""
-        used = torch.ones(len(self._params), dtype=torch.int32, device=self._buckets[0].buffer().device)
+    def _write_back(self, bucket: GradBucket, globally_used: list[bool] | None, divisor: int) -> None:
+        """Make ``p.grad`` hold the bucket's averages: a copy, or (gradient_as_bucket_view) the slot itself."""
+        if self.gradient_as_bucket_view and divisor != 1:
+            bucket.buffer().div_(divisor)  # p.grad is the slot: divide in place, one pass over the bucket
+        for pos, (p, index) in enumerate(zip(bucket.parameters(), bucket.param_indices)):
+            if globally_used is not None and not globally_used[index]:
+                continue  # no rank used it: leave p.grad untouched (None), as PyTorch does
+            view = bucket.view(pos)
+            if self.gradient_as_bucket_view:
+                if p.grad is None:
+                    p.grad = view  # unused here but used elsewhere: the average arrives only through the bucket
+            elif p.grad is None:
+                p.grad = view / divisor if divisor != 1 else view.clone()
+            elif divisor != 1:
+                torch.div(view, divisor, out=p.grad)  # SUM ÷ world size, written straight into p.grad
+            else:
+                p.grad.copy_(view)
+
+    def _globally_used_flags(self) -> list[bool] | None:
+        """Which parameters some rank used (only those get a gradient); ``None`` when all are, by construction."""
+        if self._static_used_flags is not None:
+            return self._static_used_flags  # static graph: the first iteration's answer holds for every iteration
+        if not (self.find_unused_parameters or self.static_graph):
+            return None
+        used = torch.ones(len(self._params), dtype=torch.int32, device=self.device)
         used[self._locally_unused] = 0  # not reached by this forward and no gradient accumulated under no_sync()
-        # int32 rather than bool: NCCL and gloo both reduce int32 with SUM.
-        dist.all_reduce(used, op=dist.ReduceOp.SUM, group=self.process_group)
+        if not self.skip_all_reduce_unused_params:
+            # One tiny extra all-reduce, as in PyTorch. int32 rather than bool: NCCL and gloo both SUM int32.
+            dist.all_reduce(used, op=dist.ReduceOp.SUM, group=self.process_group)
         return used.bool().tolist()
+
+    def _record_stats(self, waits: list) -> None:
+        clock, launches, dones = self._clock, self._launch_times, self._done_times
+
+        def timings() -> tuple[list[float], float, float]:
+            seconds = [clock.seconds(start, end) for start, end in zip(launches, dones)]
+            waited = sum(clock.seconds(start, end) for start, end in waits)
+            # Buckets launch in index order, so bucket 0's launch is the first.
+            span = max(clock.seconds(launches[0], end) for end in dones)
+            return seconds, waited, span
+
+        self.stats._record(list(self.bucket_sizes), timings)
+        if not clock.cuda:
+            self.stats._resolve()  # host clocks are final already
+
+    def _learn_static_graph(self, globally_used: list[bool] | None) -> None:
+        """End of the first iteration under static_graph: keep what it found, rebuild buckets in arrival order."""
+        self._static_unused = list(self._unused)
+        self._static_used_flags = globally_used if globally_used is not None else [True] * len(self._params)
+        # Every rank must bucket identically (collectives match by call order): rank 0's order is the order.
+        order = torch.tensor(self._arrival_order, dtype=torch.int64, device=self.device)
+        dist.broadcast(order, src=self._src_rank, group=self.process_group)
+        order_list = order.tolist()
+        if order_list == [i for b in self._buckets for i in b.param_indices]:
+            return  # gradients arrived in bucket order already
+        self._buckets, self._slot = self._build_buckets(order_list)
+        self._bucket_sizes = [b.nbytes for b in self._buckets]
+        if self.gradient_as_bucket_view:
+            with torch.no_grad():
+                for index, p in enumerate(self._params):
+                    if p.grad is not None:  # a slot of the old buckets: move it into the new ones
+                        bucket_index, pos = self._slot[index]
+                        view = self._buckets[bucket_index].view(pos)
+                        view.copy_(p.grad)
+                        p.grad = view
+
+
+def _refuse_not_implemented(arguments: dict) -> None:
+    for name, default in _NOT_IMPLEMENTED.items():
+        if arguments[name] is not default and arguments[name] != default:
+            raise NotImplementedError(
+                f"DistributedDataParallel({name}=...) is not implemented by app.parallel.ddp; leave it at "
+                f"{default!r} or use torch.nn.parallel.DistributedDataParallel"
+            )
+
+
+def _buffer_sync_flags(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
+    """(sync buffers before each forward, broadcast buffers at construction), by PyTorch 2.13's rules."""
+    if broadcast_buffers is not None:
+        ignored = "; its value is ignored: `forward_sync_buffers` is given" if forward_sync_buffers is not None else ""
+        warnings.warn(
+            "`broadcast_buffers` is deprecated (as in PyTorch 2.13): use `forward_sync_buffers`"
+            + ignored
+            + ". Unlike `broadcast_buffers=False`, `forward_sync_buffers=False` still syncs buffers at init.",
+            FutureWarning,
+            stacklevel=3,
+        )
+    if forward_sync_buffers is not None:
+        return forward_sync_buffers, True
+    effective = broadcast_buffers if broadcast_buffers is not None else True
+    return effective, effective
 
 
 def _tensors_in(output) -> list[torch.Tensor]:
