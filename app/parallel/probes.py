@@ -8,17 +8,19 @@ optimizer step and hands the ``CommSample`` to the metrics.
 - torch (``torch.nn.parallel.DistributedDataParallel``): a comm hook wrapping PyTorch's own ``allreduce_hook`` times
   each bucket's future the same way. The wait at the end of backward happens inside PyTorch's C++ reducer, out of
   reach: exposed communication is not reported (``wait_seconds`` is None).
+
+On CUDA both time with CUDA events, not host clocks: a NCCL collective's future completes when the collective is
+enqueued, so host clocks would report the launch. The events are read in ``take()``, after the step has synchronised.
 - no wrapper (one process): no communication, an empty sample.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from app.parallel.ddp import DistributedDataParallel
+from app.parallel.ddp import DistributedDataParallel, _Clock
 
 
 @dataclass
@@ -69,23 +71,23 @@ class TorchCommProbe:
     def __init__(self, ddp_model, process_group=None):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        self._seconds: list[float] = []
+        self._clock = _Clock(next(ddp_model.parameters()).device)
+        self._marks: list[tuple] = []  # per bucket: (launch, done) timestamps (floats, or CUDA events)
         self._bytes: list[int] = []
-        self._first_launch = self._last_done = None
+        self._first_launch = None
 
         def timed_allreduce(state, bucket):
             nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
-            launched = time.perf_counter()
+            launched = self._clock.now()
             if self._first_launch is None:
                 self._first_launch = launched
             fut = allreduce_hook(state, bucket)
 
             def record(f):
-                # Runs when the reduction completes (on the comm thread): launch -> done, as for ours.
-                done = time.perf_counter()
-                self._seconds.append(done - launched)
+                # Runs when the reduction completes (gloo: on its thread; CUDA: on a stream synchronised with the
+                # collective): launch -> done, as for ours.
+                self._marks.append((launched, self._clock.now()))
                 self._bytes.append(nbytes)
-                self._last_done = done if self._last_done is None else max(self._last_done, done)
                 return f.value()
 
             return fut.then(record)
@@ -94,10 +96,11 @@ class TorchCommProbe:
 
     def take(self) -> CommSample:
         # One synchronised backward per step (see OursCommProbe), so the span is that backward's.
-        span = self._last_done - self._first_launch if self._seconds else 0.0
-        sample = CommSample(self._seconds, self._bytes, None, span)
-        self._seconds, self._bytes = [], []
-        self._first_launch = self._last_done = None
+        clock, marks = self._clock, self._marks
+        seconds = [clock.seconds(start, end) for start, end in marks]
+        span = max((clock.seconds(self._first_launch, end) for _, end in marks), default=0.0)
+        sample = CommSample(seconds, self._bytes, None, span)
+        self._marks, self._bytes, self._first_launch = [], [], None
         return sample
 
 
