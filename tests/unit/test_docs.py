@@ -191,6 +191,28 @@ def test_metrics_doc_matches_what_a_rank_exports() -> None:
     )
 
 
+def test_readme_results_are_the_benchmark_results() -> None:
+    import json
+
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| variant |"))
+    header = [c.strip() for c in lines[start].strip("|").split("|")]
+    models = [c.removesuffix(" ms") for c in header[1::2]]  # | variant | <model> ms | ×torch | <model> ms | ×torch |
+    bench = json.loads((ROOT / "bench" / "results" / "ddp-bench.json").read_text())["models"]
+    wrong = []
+    for row in lines[start + 2 :]:
+        if not row.startswith("|"):
+            break
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        variant = cells[0].strip("`")
+        for k, model in enumerate(models):
+            result = bench[model]["variants"][variant]
+            want = [f"{result['median_s'] * 1e3:.1f}", f"{result['ratio_to_torch']:.2f}"]
+            if cells[1 + 2 * k : 3 + 2 * k] != want:
+                wrong.append(f"{variant} on {model}: README {cells[1 + 2 * k : 3 + 2 * k]}, JSON {want}")
+    assert wrong == [], "README.md's results table differs from bench/results/ddp-bench.json: copy the JSON's values"
+
+
 def test_config_table_is_generated_from_train_config() -> None:
     text = (ROOT / "docs" / "training.md").read_text(encoding="utf-8")
     assert TABLE_BEGIN in text and TABLE_END in text, f"docs/training.md lost its {TABLE_BEGIN} / {TABLE_END} markers"
