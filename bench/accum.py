@@ -14,8 +14,10 @@ This process spawns ``--world-size`` ranks (real processes, gloo on loopback) an
     AdamW         the optimizer state advances once per effective step, not once per micro-batch
     sweep         fixed micro-batch, K in 1..16: samples/s, median step time and syncs, sync on last vs every
 
-It writes the sweep and the checks to ``bench/results/accum-curve.json`` (schema ``accum-curve.v1``) with a plot,
-``accum-curve.png``, beside it. Exit status: 1 if a claim does not hold, 2 on a bad flag.
+It writes the sweep and the checks to ``bench/results/accum-curve.json`` (schema ``accum-curve.v1``, with the commit,
+settings and machine load of the run: ``bench/provenance.py``) and a plot, ``accum-curve.png``, beside it; with other
+flags than the defaults to ``runs/`` instead, unless ``--out`` names the JSON. Exit status: 1 if a claim does not
+hold, 2 on a bad flag.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch.nn.functional as F
 from app.models import DeepMLP, MiniMLP
 from app.parallel import wrap_model
 from app.parallel.accum import accumulation_step, effective_batch_size
+from bench.provenance import describe_output, load_average, output_path, provenance
 
 SCHEMA = "accum-curve.v1"
 TOLERANCE = 1e-4  # the issue's bar for "equal": max |Δgrad| and max |Δparam| against one big batch
@@ -502,11 +505,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="sweep: unmeasured steps per point (default 1)")
     p.add_argument("--width", type=positive, default=256, help="sweep: DeepMLP width (default 256)")
     p.add_argument("--depth", type=positive, default=24, help="sweep: DeepMLP depth (default 24)")
-    p.add_argument("--out", type=Path, default=Path("bench/results"), help="folder for accum-curve.{json,png}")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON file (or folder) to write, the plot beside it (default: bench/results/)",
+    )
     p.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are killed (default 600)")
     args = p.parse_args(argv)
     if args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.out is not None and (args.out.is_dir() or args.out.suffix != ".json"):
+        args.out = args.out / "accum-curve.json"  # a folder, as before: the JSON and the plot go in it
+    args.out = output_path(p, args, "accum-curve")
     return args
 
 
@@ -522,6 +533,7 @@ def main(argv=None) -> int:
         "depth": args.depth,
     }
     started = time.monotonic()
+    load_before = load_average()
     try:
         report = run_ranks(args.world_size, cfg, args.timeout)
     except RuntimeError as e:
@@ -529,10 +541,10 @@ def main(argv=None) -> int:
         return 1
     print(render(report, cfg))
     failed = check(report)
-    args.out.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "schema": SCHEMA,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **provenance(args, load_before),
         "torch": torch.__version__,
         "backend": "gloo",
         "world_size": args.world_size,
@@ -547,10 +559,10 @@ def main(argv=None) -> int:
         "checks": report,
         "failed": failed,
     }
-    json_path = args.out / "accum-curve.json"
-    json_path.write_text(json.dumps(doc, indent=1) + "\n")
-    plot(doc["points"], doc["compute_only_samples_per_sec"], cfg, args.out / "accum-curve.png")
-    print(f"wrote {json_path} and accum-curve.png in {time.monotonic() - started:.0f}s")
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    plot(doc["points"], doc["compute_only_samples_per_sec"], cfg, args.out.with_suffix(".png"))
+    plot_name, took = args.out.with_suffix(".png").name, time.monotonic() - started
+    print(f"{describe_output(args.out)}; the plot: {plot_name}; {took:.0f}s")
     for text in failed:
         print(f"FAILED: {text}", file=sys.stderr)
     return 1 if failed else 0
