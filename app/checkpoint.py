@@ -7,6 +7,8 @@ Layout: ``<checkpoint_dir>/step-00000050.pt`` (zero-padded so names sort by step
      "optimizer": <optimizer.state_dict()>,
      "data": {"epoch": 0, "consumed": 6400},            # sampler position, counted over all ranks
      "rng": {"cpu": [<uint8 tensor per rank>], "cuda": [...]},
+     "generation": 2, "wall_time": 1764530000.0,        # worlds formed so far; when it was written (unix s)
+     "global_batch": 128,                               # samples per step, to warn when a resume changes it
      "digest": "<sha256 over everything above>"}
 
 Only tensors, dicts, lists, strings and numbers: ``torch.load(..., weights_only=True)`` loads it without running
@@ -17,21 +19,29 @@ is reported with a warning naming it, renamed to ``step-XXXXXXXX.pt.corrupt`` (k
 as a checkpoint) and the next older one is tried. Pruning keeps the newest ``keep`` checkpoints up to and including
 the one just written and never deletes anything newer: a torn file with a higher step never pushes a good one out.
 
+``Checkpointer`` is what the training loop talks to: it resumes every rank from the newest valid file (rank 0
+decides), says when a save is due (``should_save``), gathers every rank's RNG state and writes on rank 0. Loading
+maps every tensor to the CPU and lets ``load_state_dict`` place it: the model's tensors are copied onto the model's
+device, while AdamW's ``step`` counters stay on the CPU where AdamW keeps them (on a GPU they would cost host syncs).
+
 Try it: ``make run`` with ``DDP_CHECKPOINT_DIR=/tmp/ckpt``, stop it with Ctrl-C, run it again: it resumes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +119,6 @@ def directory_problem(directory: str | Path) -> str | None:
 
 def checkpoint_dir_problem(directory: str | Path, is_main: bool) -> str | None:
     """``directory_problem`` as rank 0 sees it, on every rank (a broadcast: every rank must call this)."""
-    import torch.distributed as dist
-
     verdict = [directory_problem(directory) if is_main else None]
     dist.broadcast_object_list(verdict, src=0)
     return verdict[0]
@@ -152,9 +160,9 @@ def prune(directory: Path, keep: int, newest: int) -> None:
             stale.unlink(missing_ok=True)
 
 
-def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> dict[str, Any]:
-    """Load and validate one checkpoint; raises ValueError (or torch's error) when it is unusable."""
-    state = torch.load(path, map_location=device, weights_only=True)
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Load and validate one checkpoint onto the CPU; raises ValueError (or torch's error) when it is unusable."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, dict) or any(key not in state for key in REQUIRED):
         raise ValueError("not a checkpoint of this trainer (keys missing)")
     if state["format"] != FORMAT:
@@ -164,7 +172,7 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> dic
     return state
 
 
-def load_latest(directory: str | Path, device: torch.device | str = "cpu") -> tuple[Path, dict[str, Any]] | None:
+def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint in ``directory`` that loads and validates, or None.
 
     Each one rejected on the way is renamed ``<name>.corrupt``: kept for inspection, but no longer a checkpoint,
@@ -172,7 +180,7 @@ def load_latest(directory: str | Path, device: torch.device | str = "cpu") -> tu
     """
     for _, path in list_checkpoints(directory):
         try:
-            return path, load_checkpoint(path, device)
+            return path, load_checkpoint(path)
         except Exception as e:  # noqa: BLE001 - any failure to read means "unusable": fall back to the previous
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             log.warning("checkpoint %s is unusable (%s); %s; trying the previous one", path, reason, _set_aside(path))
@@ -186,3 +194,170 @@ def _set_aside(path: Path) -> str:
     except OSError as e:
         return f"could not rename it to {aside.name} ({e.strerror})"
     return f"renamed to {aside.name}"
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint directory holds another run's checkpoints (a configuration problem: exit code 2)."""
+
+
+PROGRESS_FILE = "progress.json"  # the last step rank 0 logged: how many steps a resume trains again
+
+
+@dataclass
+class Resumed:
+    """What a resume found: the step trained up to, and what the world that wrote it knew."""
+
+    step: int
+    path: Path
+    world_size: int  # the world that wrote it
+    epoch: int
+    generation: int  # worlds formed before this one
+    wall_time: float | None  # unix time it was written (None in older files)
+    global_batch: int | None
+    steps_redone: int | None  # steps the lost world had trained past it (None: not known)
+
+
+class Checkpointer:
+    """Resume, cadence, RNG state and the final save of one training run; every rank holds one.
+
+    Args:
+        directory: checkpoint_dir ("" = checkpoints off: ``resume`` finds nothing, ``should_save`` is False).
+        every: save every this many steps (and on the final step or a stop: ``should_save(step, final=True)``).
+        keep: checkpoints kept on disk.
+        ctx: this rank's ``DistContext``; rank 0 reads and writes, every rank joins the collectives.
+        model, optimizer, batches: what is saved and restored (the *unwrapped* model).
+        model_name, seed, lr, global_batch: recorded in the file / applied on resume.
+
+    Example::
+
+        ckpt = Checkpointer("/tmp/ckpt", every=50, keep=3, ctx=ctx, model=model, optimizer=opt, batches=batches,
+                            model_name="mini_mlp", seed=0, lr=3e-3, global_batch=128)
+        resumed = ckpt.resume()             # None on a fresh start
+        ...
+        if ckpt.should_save(step, final=step == steps):
+            ckpt.save(step)                 # every rank calls it; rank 0 writes
+    """
+
+    def __init__(self, directory: str, *, every: int, keep: int, ctx, model, optimizer, batches, **run: Any):
+        self.directory, self.every, self.keep, self.ctx = directory, every, keep, ctx
+        self.model, self.optimizer, self.batches = model, optimizer, batches
+        self.model_name, self.seed, self.lr, self.global_batch = (
+            run["model_name"],
+            run["seed"],
+            run["lr"],
+            run["global_batch"],
+        )
+        self.generation = 1  # this world is the job's first, unless a checkpoint says otherwise
+
+    # -- resume -----------------------------------------------------------------------------------------------------
+    def resume(self) -> Resumed | None:
+        """Every rank loads the checkpoint rank 0 found to be the newest valid one (a broadcast: all must call)."""
+        if not self.directory:
+            return None
+        ctx = self.ctx
+        found = load_latest(self.directory) if ctx.is_main else None
+        chosen = torch.tensor([found[1]["step"] if found else -1], dtype=torch.int64, device=ctx.device)
+        # Rank 0 decides, so all ranks resume from the same step even if a file changes while they look.
+        dist.broadcast(chosen, src=0)
+        step = int(chosen.item())
+        if step < 0:
+            return None
+        path = checkpoint_path(self.directory, step)
+        state = found[1] if found is not None else self._load_on_peer(path)
+        if state["model_name"] != self.model_name:
+            raise CheckpointMismatch(
+                f"checkpoint_dir={self.directory!r} holds {state['model_name']} checkpoints "
+                f"but model={self.model_name}; use another checkpoint_dir or model"
+            )
+        self.model.load_state_dict(state["model"])  # copies onto the model's device
+        self.optimizer.load_state_dict(state["optimizer"])  # moves state to the parameters' device, `step` stays
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr  # the configured lr wins over the saved one: changing it on resume is allowed
+        self.batches.load_state_dict(state["data"])
+        self._restore_rng(state["rng"], step)
+        self.generation = int(state.get("generation", 1)) + 1
+        last_seen = self._last_seen_step()
+        return Resumed(
+            step=step,
+            path=path,
+            world_size=int(state["world_size"]),
+            epoch=int(state["data"]["epoch"]),
+            generation=self.generation - 1,
+            wall_time=state.get("wall_time"),
+            global_batch=state.get("global_batch"),
+            steps_redone=last_seen - step if last_seen is not None and last_seen > step else None,
+        )
+
+    def _load_on_peer(self, path: Path) -> dict[str, Any]:
+        try:
+            return load_checkpoint(path)
+        except Exception as e:  # noqa: BLE001 - whatever the cause, the message must name the shared storage
+            raise RuntimeError(
+                f"rank {self.ctx.rank} cannot read {path}, which rank 0 resumes from ({e}); "
+                f"checkpoint_dir must be storage shared by all ranks"
+            ) from None
+
+    def _restore_rng(self, rng: dict[str, list], step: int) -> None:
+        ctx = self.ctx
+        if len(rng["cpu"]) == ctx.world_size:
+            torch.set_rng_state(rng["cpu"][ctx.rank].cpu())
+            if ctx.device.type == "cuda" and rng.get("cuda"):
+                torch.cuda.set_rng_state(rng["cuda"][ctx.rank].cpu(), ctx.device)
+        else:  # a different world size: rank r's old stream has no meaning; derive a fresh one per rank and step
+            torch.manual_seed(self.seed + ctx.rank + 1_000_003 * step)
+
+    def _last_seen_step(self) -> int | None:
+        try:
+            return int(json.loads((Path(self.directory) / PROGRESS_FILE).read_text())["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    # -- save -------------------------------------------------------------------------------------------------------
+    def should_save(self, step: int, *, final: bool = False) -> bool:
+        """A save is due at every ``every``-th step, and at the final step or a stop (``final``)."""
+        return bool(self.directory) and (final or step % self.every == 0)
+
+    def save(self, step: int) -> tuple[Path, float] | None:
+        """Gather every rank's RNG state and write on rank 0; returns (path, seconds) on rank 0, else None.
+
+        Every rank must call it (the RNG states are gathered with a collective).
+        """
+        ctx = self.ctx
+        cpu = [None] * ctx.world_size
+        dist.all_gather_object(cpu, torch.get_rng_state())  # every rank's stream, for an exact resume
+        cuda = [None] * ctx.world_size
+        if ctx.device.type == "cuda":
+            dist.all_gather_object(cuda, torch.cuda.get_rng_state(ctx.device))
+        if not ctx.is_main:
+            return None
+        t0 = time.perf_counter()
+        state = {
+            "step": step,
+            "model_name": self.model_name,
+            "world_size": ctx.world_size,
+            "model": self.model.state_dict(),  # the bare model, never the wrapper: loads without DDP
+            "optimizer": self.optimizer.state_dict(),
+            "data": self.batches.state_dict(),
+            "rng": {"cpu": cpu, "cuda": cuda if ctx.device.type == "cuda" else []},
+            "generation": self.generation,
+            "wall_time": time.time(),
+            "global_batch": self.global_batch,
+        }
+        path = save_checkpoint(self.directory, state, keep=self.keep)
+        return path, time.perf_counter() - t0
+
+    def note_progress(self, step: int) -> None:
+        """Rank 0 records the last step it reached (cheap, not fsynced: losing it only loses a statistic)."""
+        if not (self.directory and self.ctx.is_main):
+            return
+        d = Path(self.directory)
+        tmp = d / f".{PROGRESS_FILE}.tmp-{os.getpid()}"
+        try:
+            tmp.write_text(json.dumps({"step": step}))
+            os.replace(tmp, d / PROGRESS_FILE)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+
+    def last_good(self) -> str:
+        found = list_checkpoints(self.directory) if self.directory else []
+        return f"Last good checkpoint kept: {found[0][1]}." if found else "No checkpoint was written."

@@ -59,8 +59,8 @@ class TrainConfig:
         "micro-batches per optimizer step, per rank (default 1; or set effective_batch instead)", None
     )
     effective_batch: int | None = _doc(
-        "samples per optimizer step over all ranks; must be a multiple of "
-        "micro_batch × world_size (sets grad_accum_steps)",
+        "samples per optimizer step over all ranks, held fixed at any world size: the ranks split it (unevenly "
+        "when it does not divide) and each accumulates micro-batches of at most micro_batch",
         None,
     )
     lr: float = _doc("AdamW learning rate", 0.003)
@@ -76,9 +76,12 @@ class TrainConfig:
     bucket_cap_mb: float = _doc("DDP bucket size in MiB", 25.0)
     device: str = _doc("auto (CUDA + NCCL when a GPU is visible, else CPU + gloo) | cpu | cuda", "auto")
     rendezvous_timeout_seconds: float = _doc(
-        "seconds to reach MASTER_ADDR:MASTER_PORT and form the group; also "
-        "the collective timeout (a silent peer is detected after this long)",
-        60.0,
+        "seconds to reach MASTER_ADDR:MASTER_PORT and form the group (one deadline for both)", 60.0
+    )
+    collective_timeout_seconds: float = _doc(
+        "the formed group's timeout for every collective, in seconds: a hung peer is detected after this long; "
+        "must outlast the slowest checkpoint write (the other ranks wait in a collective meanwhile)",
+        300.0,
     )
     # -- checkpoints ----------------------------------------------------------------------------------------------
     checkpoint_dir: str = _doc('directory for checkpoints, shared by all ranks ("" = no checkpoints)', "")
@@ -117,7 +120,13 @@ class TrainConfig:
         for name in ("grad_accum_steps", "effective_batch"):
             if getattr(self, name) is not None:
                 _at_least(name, getattr(self, name), 1)
-        for name in ("lr", "bucket_cap_mb", "rendezvous_timeout_seconds", "stop_timeout_seconds"):
+        for name in (
+            "lr",
+            "bucket_cap_mb",
+            "rendezvous_timeout_seconds",
+            "collective_timeout_seconds",
+            "stop_timeout_seconds",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")
         if self.metrics_linger_seconds < 0:
@@ -156,7 +165,7 @@ class TrainConfig:
 
         import torch  # only once the flags are known good: a bad flag fails before this seconds-long import
 
-        from app.parallel.accum import resolve_grad_accum_steps
+        from app.parallel.accum import grad_accum_steps_for, resolve_grad_accum_steps
 
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError(
@@ -164,10 +173,32 @@ class TrainConfig:
                 "use device=auto or device=cpu, or run on a machine with a GPU"
             )
 
+        if self.effective_batch is not None and self.grad_accum_steps is None:
+            return self._check_global_batch(world_size, grad_accum_steps_for)
         try:
             return resolve_grad_accum_steps(self.micro_batch, world_size, self.grad_accum_steps, self.effective_batch)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+    def _check_global_batch(self, world_size: int, grad_accum_steps_for) -> int:
+        if self.effective_batch < world_size:
+            raise ConfigError(
+                f"effective_batch={self.effective_batch} is smaller than world_size={world_size}: every rank needs "
+                f"at least one sample per step; raise effective_batch to >= {world_size} or run fewer ranks"
+            )
+        if self.effective_batch > self.dataset_size:
+            raise ConfigError(
+                f"effective_batch={self.effective_batch} is larger than dataset_size={self.dataset_size}: one step "
+                f"would need more samples than an epoch holds; raise dataset_size or lower effective_batch"
+            )
+        return grad_accum_steps_for(self.effective_batch, world_size, self.micro_batch)
+
+    def global_batch(self, world_size: int, grad_accum_steps: int) -> int:
+        """Samples per optimizer step over all ranks: ``effective_batch`` when set (the same at every world size),
+        else ``micro_batch × grad_accum_steps × world_size``."""
+        if self.effective_batch is not None:
+            return self.effective_batch
+        return self.micro_batch * grad_accum_steps * world_size
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -181,6 +212,80 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 def _at_least(name: str, value: int, low: int) -> None:
     if value < low:
         raise ConfigError(f"{name}={value}: must be an integer >= {low}")
+
+
+@dataclass(frozen=True)
+class WorldEnv:
+    """Where this process sits, as torchrun (or nothing: a world of one) describes it.
+
+    ``min_world_size``/``max_world_size`` are the elastic range: torchrun's ``--nnodes MIN:MAX`` times the processes
+    per node (both the world size when the world is static). ``restart_count`` is TORCHELASTIC_RESTART_COUNT: how
+    often this rank's agent has restarted its workers.
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node: str = "0"
+    restart_count: int = 0
+    min_world_size: int = 1
+    max_world_size: int = 1
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorldEnv:
+        """Read torchrun's variables.
+
+        Example::
+
+            >>> WorldEnv.from_environ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+            WorldEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, node='0', restart_count=0, ...)
+        """
+        environ = os.environ if environ is None else environ
+        rank = int(environ.get("RANK", "0"))
+        local_rank = int(environ.get("LOCAL_RANK", "0"))
+        world_size = int(environ.get("WORLD_SIZE", "1"))
+        local_world_size = max(int(environ.get("LOCAL_WORLD_SIZE", "1")), local_rank + 1)
+        low, high = _elastic_range(environ, world_size, local_world_size)
+        return cls(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            node=environ.get("GROUP_RANK", "0"),
+            restart_count=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            min_world_size=low,
+            max_world_size=high,
+        )
+
+
+def _elastic_range(environ: Mapping[str, str], world_size: int, local_world_size: int) -> tuple[int, int]:
+    # torchrun does not pass --nnodes on to its workers. It reads it from PET_NNODES when given that way (which the
+    # workers inherit), else from its own command line: the worker's parent process.
+    nnodes = environ.get("PET_NNODES")
+    if not nnodes and "TORCHELASTIC_RUN_ID" in environ:
+        nnodes = _parent_flag("--nnodes") or "1"  # torchrun's default
+    if not nnodes:
+        return world_size, world_size
+    low, _, high = nnodes.partition(":")
+    try:
+        return int(low) * local_world_size, int(high or low) * local_world_size
+    except ValueError:
+        return world_size, world_size
+
+
+def _parent_flag(flag: str) -> str | None:
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    for i, arg in enumerate(argv):
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Training data: generated deterministically from the seed (nothing downloaded), sharded by ``DistributedSampler``.
+"""Training data: generated deterministically from the seed (nothing downloaded), dealt out a global batch at a time.
 
 Two tasks, one per model, each with structure the model can learn in well under a minute on 2 CPU cores:
 
@@ -9,11 +9,12 @@ Two tasks, one per model, each with structure the model can learn in well under 
   makes the first logits large: ~35 nats, not ln 64 = 4.16), is below 4 within ~40 steps and falls towards the
   chain's entropy, 1.11 nats: the floor no model can beat.
 
-Every rank generates the same data set from ``seed``; ``DistributedSampler`` gives each rank its shard, and
-``set_epoch`` reshuffles per epoch identically on all ranks. ``ShardedBatches`` remembers its position (epoch and
-samples consumed in the epoch, counted over all ranks) so a resumed run continues the same data order, also after
-the world size changed: the sampler deals indices round-robin (rank r gets positions r, r+n, r+2n, ...), so after
-``c`` samples consumed by everyone, each of ``n`` ranks resumes at position ``c / n`` of its own shard.
+Every rank generates the same data set from ``seed``. ``GlobalBatches`` deals it out a global batch at a time: each
+epoch is one permutation of the data set (seeded by ``seed + epoch``, as ``DistributedSampler`` shuffles), step
+after step takes the next ``global_batch`` positions of it, and the ranks split that batch into contiguous shares.
+So the samples of step ``t`` are the same at every world size (only who processes which of them changes), and the
+position to resume from is one number, samples consumed in the epoch, counted over all ranks. An epoch's tail
+shorter than one global batch is skipped, as ``drop_last=True`` would.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DistributedSampler
+
+from app.parallel.accum import micro_batch_sizes, split_global_batch
 
 MLP_IN, MLP_CLASSES = 32, 8  # MiniMLP's default in/out features
 VOCAB = 64  # TinyTransformer's default vocabulary
@@ -78,52 +80,76 @@ def loss_function(model: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
     return F.cross_entropy
 
 
-class ShardedBatches:
-    """This rank's endless stream of micro-batches: ``DistributedSampler`` order, epoch after epoch.
+class GlobalBatches:
+    """This rank's share of each step's global batch, as micro-batches of at most ``micro_batch`` samples.
 
-    A micro-batch never straddles two epochs: a shard's remainder shorter than ``micro_batch`` is skipped (as a
-    DataLoader with ``drop_last=True`` would), so every micro-batch has the same size on every rank.
+    Args:
+        dataset: the whole data set (every rank holds it all).
+        global_batch: samples per optimizer step over all ranks.
+        micro_batch: the most samples one forward/backward takes; a share is cut into as few micro-batches as that
+            allows, as equal as possible.
+        rank, world_size: this rank's place; shares differ by at most one sample.
+        seed: the shuffle's seed (``seed + epoch`` per epoch, the same on every rank).
+        device: where the batches are put.
+
+    Example::
+
+        batches = GlobalBatches(build_dataset("mini_mlp", 2048, 0), 128, 32, rank=1, world_size=3, seed=0,
+                                device=torch.device("cpu"))
+        micro_batches = batches.next_micro_batches()   # rank 1's 43 samples of step 1, as 22 + 21
     """
 
-    def __init__(self, dataset: Dataset, micro_batch: int, rank: int, world_size: int, seed: int, device: torch.device):
-        if len(dataset) // world_size < micro_batch:
+    def __init__(
+        self,
+        dataset: Dataset,
+        global_batch: int,
+        micro_batch: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        device: torch.device,
+    ):
+        if not world_size <= global_batch <= len(dataset):
             raise ValueError(
-                f"dataset_size={len(dataset)} gives each of {world_size} ranks fewer than "
-                f"micro_batch={micro_batch} samples; raise dataset_size or lower micro_batch"
+                f"global batch {global_batch} must lie between world_size={world_size} and "
+                f"dataset_size={len(dataset)}: raise dataset_size or change the batch"
             )
         self.inputs = dataset.inputs.to(device)
         self.targets = dataset.targets.to(device)
-        self.micro_batch = micro_batch
-        self.world_size = world_size
-        # drop_last: equal shards, so every rank runs the same number of steps per epoch (no collective mismatch).
-        self.sampler = DistributedSampler(
-            range(len(dataset)), num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
-        )
+        self.global_batch, self.micro_batch, self.seed = global_batch, micro_batch, seed
+        self.start, self.local_samples = split_global_batch(global_batch, world_size, rank)
+        self.sizes = micro_batch_sizes(self.local_samples, micro_batch)
+        # The wrapper averages gradients over ranks; a share larger or smaller than 1/world_size must weigh more or
+        # less, so the average is the full global batch's gradient.
+        self.grad_scale = self.local_samples * world_size / global_batch
         self.epoch = 0
-        self.index = 0  # position within this rank's shard of the current epoch
-        self._order = self._shard(self.epoch)
+        self.consumed = 0  # positions of this epoch's permutation used so far, by all ranks together
+        self._order = self._permutation(self.epoch)
 
-    def _shard(self, epoch: int) -> torch.Tensor:
-        self.sampler.set_epoch(epoch)  # same permutation on every rank for this epoch, a new one each epoch
-        return torch.tensor(list(iter(self.sampler)), dtype=torch.long, device=self.inputs.device)
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.inputs), generator=gen).to(self.inputs.device)
 
-    def next_micro_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.index + self.micro_batch > len(self._order):
+    def next_indices(self) -> torch.Tensor:
+        """This rank's share of the next step's global batch (indices into the data set)."""
+        if self.consumed + self.global_batch > len(self._order):
             self.epoch += 1
-            self.index = 0
-            self._order = self._shard(self.epoch)
-        idx = self._order[self.index : self.index + self.micro_batch]
-        self.index += self.micro_batch
-        return self.inputs[idx], self.targets[idx]
+            self.consumed = 0
+            self._order = self._permutation(self.epoch)
+        first = self.consumed + self.start
+        self.consumed += self.global_batch
+        return self._order[first : first + self.local_samples]
 
-    def next_micro_batches(self, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [self.next_micro_batch() for _ in range(k)]
+    def next_micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        idx = self.next_indices()
+        return [(self.inputs[i], self.targets[i]) for i in torch.split(idx, self.sizes)]
 
     def state_dict(self) -> dict[str, int]:
-        # Counted over all ranks, so a run resumed with a different world size starts at the same global position.
-        return {"epoch": self.epoch, "consumed": self.index * self.world_size}
+        # Counted over all ranks: the same number at every world size, so a resume onto another world size
+        # continues with the very next global batch.
+        return {"epoch": self.epoch, "consumed": self.consumed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch = int(state["epoch"])
-        self._order = self._shard(self.epoch)
-        self.index = min(int(state["consumed"]) // self.world_size, len(self._order))
+        self._order = self._permutation(self.epoch)
+        self.consumed = min(int(state["consumed"]), len(self._order))

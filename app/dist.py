@@ -1,11 +1,17 @@
 """Process-group setup and teardown, as a pair, from the variables torchrun sets.
 
-torchrun exports RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for every process it starts;
-``init_process_group("env://")`` reads them. The device and backend follow from the hardware: CUDA → NCCL with
-one GPU per local rank; CPU → gloo.
+torchrun exports RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT and
+TORCHELASTIC_RESTART_COUNT for every process it starts; ``WorldEnv.from_environ()`` (in app.config, torch-free, used
+here) reads them, once, for the whole worker. The device and backend follow from the hardware: CUDA → NCCL with one
+GPU per local rank; CPU → gloo.
 
-A rank that cannot reach the rendezvous endpoint (MASTER_ADDR:MASTER_PORT) within ``timeout_s`` raises
-``RendezvousError`` with one line naming the endpoint, instead of c10d's multi-line C++ trace.
+Two timeouts, two jobs: ``rendezvous_timeout_s`` is one deadline for reaching MASTER_ADDR:MASTER_PORT *and* forming
+the group (a rank that cannot join says so in one line naming the endpoint, instead of c10d's multi-line C++ trace);
+``collective_timeout_s`` is the formed group's timeout for every collective afterwards (a hung peer is detected after
+it; it must outlast the slowest checkpoint write, during which the other ranks wait in a collective).
+
+    with distributed(timeout_s=60) as ctx:     # joins the group, always leaves it
+        print(ctx.rank, ctx.world_size, ctx.device)
 """
 
 from __future__ import annotations
@@ -14,11 +20,19 @@ import contextlib
 import datetime
 import os
 import socket
+import sys
+import threading
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from app.config import WorldEnv  # torchrun's variables, read without torch (config errors stay fast)
+
+# How long past the rendezvous deadline c10d may take to report its own timeout before the worker gives up for it:
+# a TCP peer that accepts but never answers the store's handshake would otherwise hold a rank for minutes.
+RENDEZVOUS_GRACE_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -65,7 +79,7 @@ def wait_for_endpoint(host: str, port: int, timeout_s: float) -> None:
     last = ""
     while True:
         try:
-            with socket.create_connection((host, port), timeout=min(2.0, timeout_s)):
+            with socket.create_connection((host, port), timeout=max(min(2.0, deadline - time.monotonic()), 0.1)):
                 return
         except OSError as e:
             last = e.strerror or type(e).__name__
@@ -75,7 +89,7 @@ def wait_for_endpoint(host: str, port: int, timeout_s: float) -> None:
                 f"{timeout_s:g} s ({last}); check that rank 0 / the rendezvous is up and the "
                 f"address is right, or raise rendezvous_timeout_seconds"
             )
-        time.sleep(0.25)
+        time.sleep(min(0.25, max(deadline - time.monotonic(), 0.0)))
 
 
 def free_port() -> int:
@@ -95,15 +109,7 @@ def distributed(timeout_s: float = 60.0, force_cpu: bool = False):
         cleanup_distributed()
 
 
-def init_distributed(timeout_s: float = 60.0, force_cpu: bool = False, require_cuda: bool = False) -> DistContext:
-    """Join the process group described by torchrun's environment (a world of 1 without torchrun).
-
-    ``timeout_s`` bounds reaching the endpoint and forming the group, and is the group's collective timeout.
-    """
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    device, backend = pick_device_and_backend(local_rank, force_cpu, require_cuda)
+def _default_master(world: WorldEnv) -> tuple[str, int]:
     if "WORLD_SIZE" not in os.environ and "MASTER_PORT" not in os.environ:
         # Plain `python -m ...`, no torchrun: a world of one whose store nobody else dials, so any free port will
         # do, and a fixed default (29500) would make two such runs at once collide.
@@ -111,25 +117,70 @@ def init_distributed(timeout_s: float = 60.0, force_cpu: bool = False, require_c
     if "MASTER_ADDR" not in os.environ:  # plain `python -m ...`: a world of one on loopback
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ.setdefault("MASTER_PORT", "29500")
-    host, port = os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500"))
+    return os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500"))
+
+
+def init_distributed(
+    timeout_s: float = 60.0,
+    force_cpu: bool = False,
+    require_cuda: bool = False,
+    *,
+    world: WorldEnv | None = None,
+    collective_timeout_s: float | None = None,
+) -> DistContext:
+    """Join the process group described by torchrun's environment (a world of one without torchrun).
+
+    Args:
+        timeout_s: one deadline for reaching the endpoint and forming the group (rendezvous_timeout_seconds).
+        force_cpu: gloo on CPU even when a GPU is visible.
+        require_cuda: raise when no GPU is visible instead of falling back to CPU.
+        world: this process's place, read once by the caller (default: read from the environment now).
+        collective_timeout_s: the formed group's timeout for every collective (default: ``timeout_s``).
+
+    Example::
+
+        ctx = init_distributed(60, collective_timeout_s=300)
+        try:
+            ...
+        finally:
+            cleanup_distributed()
+    """
+    world = world or WorldEnv.from_environ()
+    rank, world_size = world.rank, world.world_size
+    device, backend = pick_device_and_backend(world.local_rank, force_cpu, require_cuda)
+    host, port = _default_master(world)
+    deadline = time.monotonic() + timeout_s
     if not _hosts_the_store(rank):
         wait_for_endpoint(host, port, timeout_s)
+    where = f"rank {rank} could not form the process group of {world_size} at {host}:{port} (MASTER_ADDR:MASTER_PORT)"
+    # The rest of the same deadline, not a fresh one: reaching the endpoint late must not double the wait.
+    remaining = max(deadline - time.monotonic(), 0.5)
+    guard = threading.Timer(remaining + RENDEZVOUS_GRACE_SECONDS, _give_up, [f"{where} within {timeout_s:g} s"])
+    guard.daemon = True
+    guard.start()
     try:
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=datetime.timedelta(seconds=remaining)))
         dist.init_process_group(
             backend,
-            init_method="env://",
+            store=store,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=collective_timeout_s or timeout_s),
             device_id=device if backend == "nccl" else None,
         )
-    except (dist.DistError, RuntimeError) as e:
+        # From here the store serves the formed group (NCCL exchanges communicator ids through it lazily).
+        store.set_timeout(datetime.timedelta(seconds=collective_timeout_s or timeout_s))
+    except (dist.DistError, RuntimeError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RendezvousError(
-            f"rank {rank} could not form the process group of {world_size} at {host}:{port} "
-            f"(MASTER_ADDR:MASTER_PORT) within {timeout_s:g} s: {first}"
-        ) from None
-    return DistContext(rank, local_rank, world_size, device, backend)
+        raise RendezvousError(f"{where} within {timeout_s:g} s: {first}") from None
+    finally:
+        guard.cancel()
+    return DistContext(rank, world.local_rank, world_size, device, backend)
+
+
+def _give_up(message: str) -> None:
+    print(f"error: {message}: no answer from the rendezvous endpoint", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def cleanup_distributed() -> None:

@@ -5,6 +5,12 @@ torchrun, so each gets its own port). Every ``ddp_*`` series carries exactly one
 except ``ddp_rank_info``, which maps a rank to its local rank, node (torchrun's GROUP_RANK) and host, so a
 dashboard can answer "which rank is slow, and where does it run?".
 
+Elastic series (every rank of every world): ``ddp_world_size``, the range ``ddp_min_world_size`` /
+``ddp_max_world_size``, ``ddp_elastic_restarts``, ``ddp_world_generation`` (worlds formed so far, carried in the
+checkpoints), ``ddp_reformation_seconds`` (newest checkpoint's wall time → this world's first finished step) and
+``ddp_steps_redone_total``. Pipeline series (``ddp_pipeline_*``) appear only once a pipeline stage reports
+(``observe_pipeline``), so a data-parallel run exposes none of them.
+
 The communication numbers come from ``app.parallel.probes`` (one ``CommSample`` per step).
 
 Bus bandwidth follows nccl-tests: ``algbw = bytes / seconds``, ``busbw = algbw × 2(n−1)/n``, the per-link traffic
@@ -118,8 +124,23 @@ class TrainMetrics:
         Gauge(
             "ddp_rank_info", "Where this rank runs (value always 1)", ["rank", "local_rank", "node", "host"], registry=r
         ).labels(rank=str(rank), local_rank=str(local_rank), node=str(node), host=host or socket.gethostname()).set(1)
+        # The elastic picture: gauges a dashboard can annotate when they change.
+        self.min_world = gauge("ddp_min_world_size", "Smallest world the job may shrink to (torchrun --nnodes MIN)")
+        self.max_world = gauge("ddp_max_world_size", "Largest world the job may grow to (torchrun --nnodes MAX)")
+        self.restarts = gauge("ddp_elastic_restarts", "Restarts of this rank's agent (TORCHELASTIC_RESTART_COUNT)")
+        self.generation = gauge("ddp_world_generation", "Worlds this job has formed, this one included")
+        self.reformation = gauge(
+            "ddp_reformation_seconds",
+            "Time lost in the last re-formation: newest checkpoint written -> this world's first step (0 if fresh)",
+        )
+        self.redone = counter("ddp_steps_redone_total", "Steps trained again after a resume")
         self.world.set(world_size)
+        self.min_world.set(world_size)
+        self.max_world.set(world_size)
+        self.generation.set(1)
         self.world_size = world_size
+        self._rank = str(rank)
+        self._pipeline: dict | None = None
         self._server = None
 
     def serve(self, port: int) -> None:
@@ -172,6 +193,89 @@ class TrainMetrics:
             self.checkpoint.observe(seconds)
         self.last_checkpoint.set(step)
 
+    def observe_world(
+        self, *, world_size: int, min_world_size: int, max_world_size: int, restart_count: int, generation: int
+    ) -> None:
+        """The world this rank joined: its size, the elastic range, the agent's restarts, the job's generation.
+
+        Example::
+
+            metrics.observe_world(world_size=3, min_world_size=2, max_world_size=4, restart_count=1, generation=2)
+        """
+        self.world_size = world_size
+        self.world.set(world_size)
+        self.min_world.set(min_world_size)
+        self.max_world.set(max_world_size)
+        self.restarts.set(restart_count)
+        self.generation.set(generation)
+
+    def observe_resume(self, *, steps_redone: int) -> None:
+        """Steps this world will train again: the lost world's last step minus the checkpoint's."""
+        if steps_redone > 0:
+            self.redone.inc(steps_redone)
+
+    def observe_reformation(self, seconds: float) -> None:
+        """Seconds from the newest checkpoint's write to this world's first finished step."""
+        self.reformation.set(max(seconds, 0.0))
+
+    def observe_pipeline(
+        self,
+        *,
+        stage: int,
+        compute_seconds: float,
+        send_recv_seconds: float,
+        bubble_ratio: float,
+        activation_bytes: int,
+    ) -> None:
+        """One pipeline step of this rank's stage: compute time, time blocked in send/recv, idle share, bytes sent.
+
+        Example::
+
+            metrics.observe_pipeline(stage=1, compute_seconds=0.012, send_recv_seconds=0.003, bubble_ratio=0.25,
+                                     activation_bytes=65536)
+        """
+        p = self._pipeline or self.enable_pipeline()
+        p["stage"].set(stage)
+        p["compute"].observe(compute_seconds)
+        p["send_recv"].observe(send_recv_seconds)
+        p["bubble"].set(bubble_ratio)
+        if activation_bytes:
+            p["bytes"].inc(activation_bytes)
+
+    def enable_pipeline(self) -> dict:
+        """Register the ``ddp_pipeline_*`` series (``observe_pipeline`` does it on its first call); idempotent."""
+        if self._pipeline:
+            return self._pipeline
+        r, label, rank = self.registry, ["rank"], self._rank
+        self._pipeline = {
+            "stage": Gauge("ddp_pipeline_stage", "Pipeline stage index of this rank", label, registry=r),
+            "compute": Histogram(
+                "ddp_pipeline_compute_seconds",
+                "Per step: this stage's forward+backward compute time",
+                label,
+                registry=r,
+                buckets=STEP_BUCKETS,
+            ),
+            "send_recv": Histogram(
+                "ddp_pipeline_send_recv_seconds",
+                "Per step: time blocked in send/recv of activations and gradients",
+                label,
+                registry=r,
+                buckets=COMM_BUCKETS,
+            ),
+            "bubble": Gauge(
+                "ddp_pipeline_bubble_ratio", "Last step's idle share of this stage (0..1)", label, registry=r
+            ),
+            "bytes": Counter(
+                "ddp_pipeline_activation_bytes",
+                "Bytes of activations and gradients sent to other stages",
+                label,
+                registry=r,
+            ),
+        }
+        self._pipeline = {name: metric.labels(rank=rank) for name, metric in self._pipeline.items()}
+        return self._pipeline
+
 
 class NoMetrics:
     """Stands in for TrainMetrics when metrics_port is 0: the training loop does not branch on it."""
@@ -181,6 +285,11 @@ class NoMetrics:
     def observe_step(self, **_) -> None: ...
     def observe_progress(self, step: int, target: int) -> None: ...
     def observe_checkpoint(self, step: int, seconds: float | None) -> None: ...
+    def observe_world(self, **_) -> None: ...
+    def observe_resume(self, **_) -> None: ...
+    def observe_reformation(self, seconds: float) -> None: ...
+    def observe_pipeline(self, **_) -> None: ...
+    def enable_pipeline(self) -> None: ...
 
 
 def synchronize_for(device: torch.device):

@@ -11,6 +11,13 @@ The recipe (what ``accumulation_step`` does, and the traps it avoids):
 
     effective_batch = micro_batch × grad_accum_steps × world_size      (grad_accum_steps is per rank)
 
+Holding the global batch fixed instead (the same samples per step at any world size, as the trainer does when
+``effective_batch`` is set): ``split_global_batch`` gives each rank its share, unevenly when the world size does not
+divide it; ``micro_batch_sizes`` cuts a share into micro-batches no larger than the limit; and ``grad_scale`` =
+local samples × world_size / global samples makes the wrapper's average over ranks the full batch's gradient::
+
+    mean over ranks of (n_r × W / B) × mean_r  =  Σ_r n_r × mean_r / B  =  the mean over all B samples
+
 Used by the trainer (``app.train``); shown across real ranks, with every claim measured, by ``make accum``
 (``bench/accum.py``); tested by ``python -m pytest tests/test_accum.py``.
 """
@@ -73,6 +80,42 @@ def resolve_grad_accum_steps(
     return 1 if grad_accum_steps is None else grad_accum_steps
 
 
+def split_global_batch(global_batch: int, world_size: int, rank: int) -> tuple[int, int]:
+    """``(start, count)`` of ``rank``'s contiguous share of a global batch; shares differ by at most one sample.
+
+    Example::
+
+        >>> [split_global_batch(10, 3, r) for r in range(3)]
+        [(0, 4), (4, 3), (7, 3)]
+    """
+    base, extra = divmod(global_batch, world_size)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+
+def micro_batch_sizes(samples: int, micro_batch: int) -> list[int]:
+    """Cut ``samples`` into the fewest micro-batches of at most ``micro_batch``, as equal as possible.
+
+    Example::
+
+        >>> micro_batch_sizes(43, 32), micro_batch_sizes(64, 32)
+        ([22, 21], [32, 32])
+    """
+    k = max(math.ceil(samples / micro_batch), 1)
+    base, extra = divmod(samples, k)
+    return [base + (1 if i < extra else 0) for i in range(k)]
+
+
+def grad_accum_steps_for(global_batch: int, world_size: int, micro_batch: int) -> int:
+    """Micro-batches per step on the rank with the largest share (rank 0) of a fixed global batch.
+
+    Example::
+
+        >>> grad_accum_steps_for(128, 3, 32)   # shares 43/43/42, each in 2 micro-batches
+        2
+    """
+    return len(micro_batch_sizes(split_global_batch(global_batch, world_size, 0)[1], micro_batch))
+
+
 @dataclass
 class StepResult:
     loss: float  # mean loss over the samples of this rank's micro-batches (the unscaled value a user expects)
@@ -116,6 +159,8 @@ def accumulation_step(
     scale_loss: bool = True,
     check_finite: bool = True,
     synchronize: Callable[[], None] = lambda: None,
+    grad_scale: float = 1.0,
+    agree_nonfinite: Callable[[bool], bool] | None = None,
 ) -> StepResult:
     """One optimizer step over ``K = len(micro_batches)`` micro-batches.
 
@@ -124,7 +169,9 @@ def accumulation_step(
     ``sync_every_micro_batch`` and ``scale_loss=False`` exist only to demonstrate the two classic mistakes.
     ``check_finite`` stops every rank together (NonFiniteLossError) before the step if any rank's loss is not
     finite. ``synchronize`` is called before each clock read (``torch.cuda.synchronize`` on GPU, so times are
-    real).
+    real). ``grad_scale`` multiplies every micro-batch's loss weight: local samples × world_size / global samples
+    when the ranks' shares of a global batch differ. ``agree_nonfinite(local) -> any rank`` replaces the built-in
+    one-flag all-reduce, so a caller can carry its own per-step agreement in the same collective.
     """
     k = len(micro_batches)
     if k == 0:
@@ -152,7 +199,7 @@ def accumulation_step(
             # Each micro-batch loss is a mean over its samples; weighting it by its share of the samples (1/K when
             # the micro-batches are equal) makes the accumulated gradient the mean over all of them: exactly the
             # gradient of one big batch. Unequal micro-batches (a short last one) keep their true weight.
-            weight = sizes[i] / total if scale_loss else 1.0
+            weight = sizes[i] / total * grad_scale if scale_loss else 1.0
             (loss * weight).backward()
             synchronize()
             t2 = time.perf_counter()
@@ -162,7 +209,8 @@ def accumulation_step(
         syncs += 1 if has_no_sync and not skip_sync else 0
     mean_loss = float(loss_sum) / total
     local = not math.isfinite(mean_loss)
-    if check_finite and _any_rank_true(model, local):
+    agree = agree_nonfinite or (lambda flag: _any_rank_true(model, flag))
+    if check_finite and agree(local):
         optimizer.zero_grad(set_to_none=True)
         where = "this rank" if local else f"another rank (here {mean_loss:.6g})"
         raise NonFiniteLossError(

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
+import app.checkpoint
 from app.checkpoint import (
     checkpoint_path,
     directory_problem,
@@ -123,3 +128,90 @@ def test_checkpoint_dir_is_created_and_probed(tmp_path):
 def test_read_only_checkpoint_dir_is_refused(tmp_path):
     (tmp_path / "ro").mkdir(mode=0o555)
     assert directory_problem(tmp_path / "ro") == "cannot write in it (Permission denied)"
+
+
+NOBODY = 65534
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to an unprivileged user (the test above runs)")
+def test_read_only_checkpoint_dir_is_refused_for_an_unprivileged_user():
+    """What a container running as a non-root user meets on a volume it may not write: the probe says so.
+
+    Root writes anywhere, so the probe runs in a child process that drops to uid/gid 65534 after its imports.
+    """
+    with tempfile.TemporaryDirectory() as top:
+        os.chmod(top, 0o755)  # traversable by the unprivileged user (pytest's own tmp dirs are 0o700)
+        ro, rw = Path(top) / "ro", Path(top) / "rw"
+        ro.mkdir(mode=0o555)
+        rw.mkdir(mode=0o777)
+        os.chmod(rw, 0o777)  # the umask may have removed bits
+        code = (
+            "import os, sys; from app.checkpoint import directory_problem; "
+            f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY}); "
+            "print(directory_problem(sys.argv[1])); print(directory_problem(sys.argv[2]))"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", code, str(ro), str(rw)],
+            cwd=Path(app.checkpoint.__file__).parents[1],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["cannot write in it (Permission denied)", "None"]
+
+
+# -- the write protocol: temp file → fsync → os.replace → fsync of the directory --------------------------------------
+def test_a_crash_mid_write_leaves_the_previous_checkpoint_newest_and_loadable(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, state(10), keep=3)
+    real_save = torch.save
+
+    def crash_mid_write(obj, f):
+        real_save(obj, f)
+        f.truncate(f.tell() // 2)  # half the bytes reached the file, then the process died
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(app.checkpoint.torch, "save", crash_mid_write)
+    with pytest.raises(OSError):
+        save_checkpoint(tmp_path, state(20), keep=3)
+    monkeypatch.undo()
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [10]  # no half-written file counts as a checkpoint
+    path, loaded = load_latest(tmp_path)
+    assert path == checkpoint_path(tmp_path, 10) and loaded["step"] == 10
+
+
+def test_a_crash_before_the_rename_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, state(10), keep=3)
+
+    def crash(src, dst):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError):
+        save_checkpoint(tmp_path, state(20), keep=3)
+    monkeypatch.undo()
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [10]
+    assert load_latest(tmp_path)[1]["step"] == 10
+
+
+def test_the_bytes_are_durable_before_the_name_and_the_name_before_returning(tmp_path, monkeypatch):
+    """The order that makes a save crash-safe, observed on the real system calls (which still run)."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(src), str(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    final = save_checkpoint(tmp_path, state(10), keep=3)
+    monkeypatch.undo()
+    (_, synced_file), (_, tmp, renamed_to), (_, synced_dir) = events
+    assert Path(synced_file) == Path(tmp) and Path(tmp).parent == tmp_path and Path(tmp) != final
+    assert Path(renamed_to) == final and Path(synced_dir) == tmp_path
+    assert load_checkpoint(final)["step"] == 10

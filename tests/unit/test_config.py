@@ -56,8 +56,13 @@ def test_config_file_from_env_and_example_file_loads():
 def test_effective_batch_sets_accumulation_per_world_size():
     cfg = load_config(["--effective-batch", "256", "--micro-batch", "32"], {}).config
     assert cfg.check_world(4) == 2 and cfg.check_world(2) == 4
-    with pytest.raises(ConfigError, match="effective_batch=256"):
-        cfg.check_world(3)
+    # The global batch is held fixed at any world size: 256 over 3 ranks is 86/85/85, each in 3 micro-batches.
+    assert cfg.check_world(3) == 3 and cfg.global_batch(3, 3) == 256
+    with pytest.raises(ConfigError, match=r"^effective_batch=256 is smaller than world_size=300"):
+        cfg.check_world(300)
+    with pytest.raises(ConfigError, match=r"^effective_batch=256 is larger than dataset_size=200"):
+        TrainConfig(effective_batch=256, dataset_size=200).check_world(1)
+    assert TrainConfig(micro_batch=32, grad_accum_steps=2).global_batch(3, 2) == 192  # no effective_batch: grows
 
 
 def test_world_checks_name_the_fields():
@@ -85,6 +90,7 @@ def test_unknown_env_setting_is_a_warning_not_silence():
         ({"lr": 0.0}, "lr"),
         ({"metrics_port": 70000}, "metrics_port"),
         ({"grad_accum_steps": 0}, "grad_accum_steps"),
+        ({"collective_timeout_seconds": 0}, "collective_timeout_seconds"),
         ({"model": "tiny_transformer", "seq_len": 65}, "seq_len"),
     ],
 )
@@ -98,7 +104,12 @@ BAD = {
     "negative steps": (["--steps", "-5"], {}, "steps=-5"),
     "unknown model": (["--model", "resnet50"], {}, "model='resnet50'"),
     "unknown wrapper": (["--wrapper", "horovod"], {}, "wrapper='horovod'"),
-    "non-dividing effective_batch": (["--effective-batch", "100"], {"WORLD_SIZE": "2"}, "effective_batch=100"),
+    "effective_batch below the world size": (["--effective-batch", "1"], {"WORLD_SIZE": "2"}, "effective_batch=1"),
+    "effective_batch disagreeing with grad_accum_steps": (
+        ["--effective-batch", "100", "--grad-accum-steps", "2"],
+        {"WORLD_SIZE": "2"},
+        "effective_batch=100 disagrees with micro_batch=32 × grad_accum_steps=2 × world_size=2",
+    ),
     "non-numeric env": ([], {"DDP_MICRO_BATCH": "lots"}, "micro_batch='lots' (from env DDP_MICRO_BATCH)"),
     "bad yaml key": (["--config", "@bad.yaml"], {}, "unknown setting 'stpes'"),
     "wrapper none with 2 ranks": (["--wrapper", "none"], {"WORLD_SIZE": "2"}, "wrapper=none with world_size=2"),

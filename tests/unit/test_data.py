@@ -1,0 +1,63 @@
+"""The global batch: the same samples in step t at every world size, split unevenly when it must, resumable anywhere.
+
+What a user notices: changing the number of workers (or resuming on another number) does not change which samples
+a step trains on, so the training itself does not change.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.data import GlobalBatches, build_dataset
+from app.parallel.accum import grad_accum_steps_for, micro_batch_sizes, split_global_batch
+
+DATA = build_dataset("mini_mlp", 1000, seed=0)
+CPU = torch.device("cpu")
+
+
+def world(global_batch: int, world_size: int, micro_batch: int = 8) -> list[GlobalBatches]:
+    return [GlobalBatches(DATA, global_batch, micro_batch, r, world_size, 0, CPU) for r in range(world_size)]
+
+
+def global_steps(ranks: list[GlobalBatches], steps: int) -> list[list[int]]:
+    """Per step, the sample indices of all ranks together, in rank order."""
+    return [torch.cat([b.next_indices() for b in ranks]).tolist() for _ in range(steps)]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 7])
+def test_step_t_has_the_same_samples_at_every_world_size(world_size):
+    # 30 steps of 50 samples cross an epoch boundary (1000 samples = 20 steps).
+    assert global_steps(world(50, world_size), 30) == global_steps(world(50, 1), 30)
+
+
+def test_ranks_split_the_batch_without_overlap_and_unevenly_when_it_must():
+    ranks = world(50, 4)
+    shares = [b.next_indices().tolist() for b in ranks]
+    assert [len(s) for s in shares] == [13, 13, 12, 12]
+    assert len(set().union(*shares)) == 50
+    # The wrapper averages scale × (local mean) over the 4 ranks: every sample must end up weighing 1/50, as in
+    # the mean over the whole batch, whichever share it fell into.
+    assert [b.grad_scale / 4 / b.local_samples for b in ranks] == pytest.approx([1 / 50] * 4)
+
+
+def test_micro_batches_respect_the_limit_and_cover_the_share():
+    rank0 = world(50, 3, micro_batch=8)[0]  # 17 samples: 3 micro-batches of 6, 6, 5
+    micro = rank0.next_micro_batches()
+    assert [x.shape[0] for x, _ in micro] == [6, 6, 5]
+    assert micro_batch_sizes(64, 32) == [32, 32] and micro_batch_sizes(1, 32) == [1]
+    assert grad_accum_steps_for(128, 3, 32) == 2 and grad_accum_steps_for(128, 2, 32) == 2
+    assert [split_global_batch(10, 3, r) for r in range(3)] == [(0, 4), (4, 3), (7, 3)]
+
+
+@pytest.mark.parametrize("old, new", [(2, 3), (4, 2), (3, 1)])
+def test_a_resume_on_another_world_size_continues_with_the_next_global_batch(old, new):
+    straight = global_steps(world(50, 1), 26)
+    before = world(50, old)
+    first = global_steps(before, 13)  # mid-way through the second epoch's first half
+    state = before[0].state_dict()
+    assert all(b.state_dict() == state for b in before)  # every rank would save the same position
+    after = world(50, new)
+    for b in after:
+        b.load_state_dict(state)
+    assert first + global_steps(after, 13) == straight
