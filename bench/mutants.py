@@ -14,11 +14,12 @@ The repository is never mutated in place: the tracked and untracked-but-not-igno
 folder once, each mutant is applied there, its tests run with that folder as the working directory and first on
 ``PYTHONPATH`` (the virtualenv of this checkout is reused; the script checks that the mutated module is imported from
 the copy), and the file is restored before the next mutant. First the selected tests run once unmutated: a test that
-already fails would "catch" every mutant.
+already fails would "catch" its mutants, which are then reported as such instead of run.
 
 Outcomes: ``caught`` (a selected test failed), ``caught (timeout)`` (the tests hung past ``--timeout``: a user
 would notice that too), ``survived`` (every selected test passed: a gap in the tests), ``stale`` (snippet not found
-exactly once), ``error`` (pytest could not run the selection: a bad test id). The score is caught / total. Writes
+exactly once), ``error`` (pytest could not run the selection: a bad test id), ``baseline fails`` (a selected test
+fails with no mutant planted, so it proves nothing; the baseline run lists them). The score is caught / total. Writes
 ``bench/results/mutants.json`` (with ``bench/provenance.py``'s record) for the full list, ``runs/mutants.json`` for a
 subset, or ``--out``. Exit status: 0 when every mutant was caught, 1 otherwise, 2 on a bad flag.
 """
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -58,13 +60,182 @@ def T(*tests: str) -> tuple[str, ...]:
 
 # The curated list. Keep each `find` as short as stays unique, and the tests as few as catch it (speed).
 MUTANTS: list[Mutant] = [
+    # -- the DDP wrapper (app/parallel/ddp.py) ---------------------------------------------------------------------
+    Mutant(
+        "ddp-no-divide-by-world-size",
+        "gradients summed over ranks, not averaged: every step is world_size times too big",
+        "app/parallel/ddp.py",
+        "divisor = self.world_size if self._comm_hook is None else 1",
+        "divisor = 1",
+        T("tests/integration/test_ddp.py::test_matches_single_process_training_step_by_step"),
+    ),
+    Mutant(
+        "ddp-bucket-order-differs-by-rank",
+        "odd ranks bucket parameters in another order: all-reduces pair up different gradients",
+        "app/parallel/ddp.py",
+        "self._build_buckets(list(reversed(range(len(self._params)))))",
+        "self._build_buckets(list(range(len(self._params))) if dist.get_rank() % 2 "
+        "else list(reversed(range(len(self._params)))))",
+        T("tests/integration/test_ddp.py::test_matches_single_process_training_step_by_step"),
+    ),
+    Mutant(
+        "ddp-no-initial-broadcast",
+        "ranks keep their own initial weights instead of rank 0's: they drift apart forever",
+        "app/parallel/ddp.py",
+        "[p.data for p in module.parameters()] + buffers, src=self._src_rank",
+        "[], src=self._src_rank",
+        T("tests/integration/test_ddp.py::test_matches_single_process_training_step_by_step"),
+    ),
+    Mutant(
+        "ddp-no-sync-ignored",
+        "no_sync() still all-reduces every backward: accumulation costs K syncs per step",
+        "app/parallel/ddp.py",
+        "self.require_backward_grad_sync = False",
+        "self.require_backward_grad_sync = True",
+        T("tests/integration/test_accum.py::test_gradients_sync_once_per_effective_step"),
+    ),
+    Mutant(
+        "ddp-first-bucket-not-capped",
+        "the first bucket is as big as the others (25 MiB), so its all-reduce starts late in backward",
+        "app/parallel/ddp.py",
+        "FIRST_BUCKET_BYTES = 1024 * 1024",
+        "FIRST_BUCKET_BYTES = 1024 * 1024 * 1024",
+        T("tests/integration/test_ddp_api.py::test_first_bucket_is_capped_at_1_mib_and_later_ones_at_bucket_cap_mb"),
+    ),
+    # -- gradient accumulation (app/parallel/accum.py) ------------------------------------------------------------
+    Mutant(
+        "accum-loss-not-divided-by-k",
+        "each micro-batch's loss counts in full: the accumulated step is K times too big",
+        "app/parallel/accum.py",
+        "weight = sizes[i] / total * grad_scale if scale_loss else 1.0",
+        "weight = grad_scale if scale_loss else 1.0",
+        T("tests/integration/test_accum.py::test_one_batch_of_16_equals_4_micro_batches_of_4"),
+    ),
+    # -- checkpoints (app/checkpoint.py) --------------------------------------------------------------------------
+    Mutant(
+        "ckpt-written-in-place",
+        "the checkpoint is written straight to its final name: a crash mid-write leaves a torn newest file",
+        "app/checkpoint.py",
+        'tmp = d / f".{final.name}.tmp-{os.getpid()}"',
+        "tmp = final",
+        T("tests/unit/test_checkpoint.py"),
+    ),
+    Mutant(
+        "ckpt-no-fsync",
+        "the bytes are not forced to disk before the rename: a power loss can leave an empty newest file",
+        "app/checkpoint.py",
+        "os.fsync(f.fileno())",
+        "f.flush()",
+        T("tests/unit/test_checkpoint.py::test_the_bytes_are_durable_before_the_name_and_the_name_before_returning"),
+    ),
+    Mutant(
+        "ckpt-no-directory-fsync",
+        "the rename is not made durable: after a power loss the newest checkpoint may be missing",
+        "app/checkpoint.py",
+        "        _fsync_dir(d)\n",
+        "        pass\n",
+        T("tests/unit/test_checkpoint.py::test_the_bytes_are_durable_before_the_name_and_the_name_before_returning"),
+    ),
+    Mutant(
+        "ckpt-digest-not-checked",
+        "a checkpoint with flipped bits is loaded as if it were good",
+        "app/checkpoint.py",
+        'if digest(state) != state["digest"]:',
+        "if False:",
+        T("tests/unit/test_checkpoint.py::test_flipped_bits_are_detected"),
+    ),
+    Mutant(
+        "ckpt-rng-not-restored",
+        "a resumed run draws other random numbers than the straight run would have",
+        "app/checkpoint.py",
+        'torch.set_rng_state(rng["cpu"][ctx.rank].cpu())',
+        "pass",
+        T("tests/integration/test_resume.py::test_resume_restores_every_ranks_own_rng_stream"),
+    ),
+    # -- data position on resume (app/data.py) ---------------------------------------------------------------------
+    Mutant(
+        "data-resume-position-assumes-2-ranks",
+        "the saved sampler position assumes 2 ranks: a resume onto another world size skips or repeats samples",
+        "app/data.py",
+        'return {"epoch": self.epoch, "consumed": self.consumed}',
+        'return {"epoch": self.epoch, "consumed": self.consumed // self.global_batch * self.local_samples * 2}',
+        T("tests/unit/test_data.py::test_a_resume_on_another_world_size_continues_with_the_next_global_batch"),
+    ),
+    # -- metrics (app/metrics.py) -----------------------------------------------------------------------------------
+    Mutant(
+        "metrics-samples-count-steps",
+        "ddp_samples_total counts 1 per step instead of the samples",
+        "app/metrics.py",
+        "self.samples.inc(samples)",
+        "self.samples.inc(1)",
+        T("tests/integration/test_metrics.py::test_metric_values_after_known_steps"),
+    ),
+    Mutant(
+        "metrics-loss-is-the-lr",
+        "ddp_loss shows the learning rate",
+        "app/metrics.py",
+        "self.loss.set(loss)",
+        "self.loss.set(lr)",
+        T("tests/integration/test_metrics.py::test_metric_values_after_known_steps"),
+    ),
+    # -- process group (app/dist.py) --------------------------------------------------------------------------------
+    Mutant(
+        "dist-rendezvous-deadline-tripled",
+        "forming the group may take 3× rendezvous_timeout_seconds",
+        "app/dist.py",
+        "remaining = max(deadline - time.monotonic(), 0.5)",
+        "remaining = 3 * max(deadline - time.monotonic(), 0.5)",
+        T("tests/integration/test_train.py::test_rank_0_waits_for_its_peers_no_longer_than_the_rendezvous_timeout"),
+    ),
+    Mutant(
+        "dist-endpoint-wait-tripled",
+        "an unreachable rendezvous endpoint is given up on after 3× rendezvous_timeout_seconds",
+        "app/dist.py",
+        "wait_for_endpoint(host, port, timeout_s)",
+        "wait_for_endpoint(host, port, 3 * timeout_s)",
+        T("tests/integration/test_train.py::test_unreachable_rendezvous_fails_within_the_timeout_naming_the_endpoint"),
+    ),
+    # -- the worker's main (app/train.py) ---------------------------------------------------------------------------
+    Mutant(
+        "train-stop-never-forced",
+        "a graceful stop that hangs is never forced after stop_timeout_seconds",
+        "app/train.py",
+        'threading.Thread(target=self._force_exit, name="stop-timeout", daemon=True).start()',
+        "pass",
+        T("tests/integration/test_train.py::test_a_stop_that_cannot_finish_is_forced_after_stop_timeout_seconds"),
+    ),
+    Mutant(
+        "train-sigint-not-handled",
+        "Ctrl-C kills the worker without a checkpoint instead of stopping it like SIGTERM",
+        "app/train.py",
+        "SIGNALS = {signal.SIGTERM, signal.SIGINT}",
+        "SIGNALS = {signal.SIGTERM}",
+        T("tests/integration/test_train.py::test_sigint_is_handled_as_sigterm"),
+    ),
+    Mutant(
+        "train-metrics-port-taken-exits-1",
+        "a metrics port already taken exits 1 (a crash to restart) instead of 2 (a configuration error)",
+        "app/train.py",
+        "if metrics is None:\n        return 2",
+        "if metrics is None:\n        return 1",
+        T("tests/integration/test_train.py::test_a_metrics_port_already_taken_is_a_config_error_exit_2"),
+    ),
+    Mutant(
+        "train-config-error-exits-1",
+        "a bad flag exits 1 instead of the documented 2",
+        "app/train.py",
+        'print(f"config error: {e}", file=sys.stderr, flush=True)\n        return 2\n    stop.timeout_s',
+        'print(f"config error: {e}", file=sys.stderr, flush=True)\n        return 1\n    stop.timeout_s',
+        T("tests/unit/test_config.py::test_bad_input_exits_2_with_one_line"),
+    ),
+    # -- configuration (app/config.py) -------------------------------------------------------------------------------
     Mutant(
         "config-no-positive-check",
         "a zero or negative setting (steps, batch, lr, ...) is accepted instead of a one-line error",
         "app/config.py",
         'raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")',
         "pass",
-        T("tests/unit/test_config.py"),
+        T("tests/unit/test_config.py::test_validation_names_the_field"),
     ),
 ]
 
@@ -117,9 +288,11 @@ def check_imports_from_copy(copy: Path, path: str) -> None:
         raise SystemExit(f"mutants: {module} is imported from {where or out.stderr.strip()[-300:]}, not from {copy}")
 
 
-def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[str, float, str]:
+def run_tests(
+    copy: Path, tests: tuple[str, ...], timeout: float, extra: tuple[str, ...] = ("-x",)
+) -> tuple[str, float, str]:
     """('passed' | 'failed' | 'timeout' | 'error', seconds, the output's tail)."""
-    cmd = [PYTHON, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *tests]
+    cmd = [PYTHON, "-m", "pytest", *extra, "-q", "-p", "no:cacheprovider", *tests]
     started = time.monotonic()
     try:
         r = subprocess.run(cmd, cwd=copy, env=env_for(copy), capture_output=True, text=True, timeout=timeout)
@@ -129,6 +302,25 @@ def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[str, 
     took = time.monotonic() - started
     outcome = {0: "passed", 1: "failed"}.get(r.returncode, "error")
     return outcome, took, (r.stdout + r.stderr)[-1500:]
+
+
+def baseline_failures(copy: Path, selection: tuple[str, ...], timeout: float) -> tuple[set[str], float]:
+    """The tests of ``selection`` that fail with no mutant planted ("file::name"), and the seconds it took."""
+    report = copy / ".mutants-baseline.xml"
+    _, took, tail = run_tests(copy, selection, timeout, extra=(f"--junitxml={report}",))
+    if not report.exists():
+        raise SystemExit(f"mutants: the unmutated tests did not run:\n{tail}")
+    failed = set()
+    for case in ET.parse(report).iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            file = case.get("classname", "").replace(".", "/") + ".py"
+            failed.add(f"{file}::{case.get('name', '').split('[')[0]}")
+    return failed, took
+
+
+def selects(test: str, failed: str) -> bool:
+    """Whether pytest argument ``test`` (a file or a node id) selects the failed test ``failed``."""
+    return failed == test.split("[")[0] or failed.startswith(test.rstrip("/") + "::")
 
 
 def run_mutant(copy: Path, m: Mutant, timeout: float) -> dict:
@@ -177,16 +369,22 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
         copy = Path(tmp)
         copy_tree(copy)
+        broken: set[str] = set()
         if not args.skip_baseline:
             selection = tuple(dict.fromkeys(t for m in chosen if count(m, copy) == 1 for t in m.tests))
-            result, took, tail = run_tests(copy, selection, args.timeout * 3)
-            print(f"baseline (unmutated, {len(selection)} selections): {result} in {took:.0f}s", flush=True)
-            if result != "passed":
-                print(f"mutants: the selected tests do not pass unmutated, so no score:\n{tail}", file=sys.stderr)
-                return 1
+            broken, took = baseline_failures(copy, selection, args.timeout * 3)
+            print(
+                f"baseline (unmutated, {len(selection)} selections): {len(broken)} failing in {took:.0f}s", flush=True
+            )
+            for name in sorted(broken):
+                print(f"  fails unmutated: {name}", flush=True)
         rows = []
         for i, m in enumerate(chosen, 1):
-            row = run_mutant(copy, m, args.timeout)
+            spoilt = sorted(f for f in broken for t in m.tests if selects(t, f))
+            if spoilt:  # a test that fails anyway would "catch" the mutant: no verdict
+                row = {**asdict(m), "tests": list(m.tests), "outcome": "baseline fails", "detail": ", ".join(spoilt)}
+            else:
+                row = run_mutant(copy, m, args.timeout)
             rows.append(row)
             print(
                 f"[{i:>2}/{len(chosen)}] {row['outcome']:<17} {m.name:<32} {row.get('seconds', 0):>5.0f}s", flush=True
