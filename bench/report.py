@@ -1,9 +1,10 @@
-"""The benchmark tables of docs/benchmarks.md, rendered from the committed results in bench/results/.
+"""The benchmark tables of docs/benchmarks.md (and the mutant score of docs/development.md), rendered from the
+committed results in bench/results/.
 
-    make bench-report                       # rewrite the generated blocks of docs/benchmarks.md
+    make bench-report                       # rewrite the generated blocks of the docs
     .venv/bin/python -m bench.report --check  # exit 1 if the docs differ from the JSON (what the unit test checks)
 
-Each results file ``bench/results/<name>.json`` that has a renderer below owns one block of the page, between
+Each results file ``bench/results/<name>.json`` that has a renderer below owns one block of a page, between
 ``<!-- bench-report:<name> -->`` and ``<!-- /bench-report:<name> -->``: a line saying where the numbers come from
 (commit, date, machine, load; ``bench/provenance.py``), the table, and the documented claims with the measured
 value and whether each held. Prose outside the blocks is written by hand and must not repeat a number.
@@ -20,10 +21,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 DOC = REPO / "docs" / "benchmarks.md"
+DOCS = [DOC, REPO / "docs" / "development.md"]  # pages that may hold generated blocks
 
 
 def provenance_line(doc: dict) -> str:
-    """One line: commit, date, settings that differ from nothing (all of them), machine and load."""
+    """One line: the commit, the date, the machine and its load while measuring."""
     commit = doc.get("commit", "unknown")
     dirty = " (with uncommitted changes)" if doc.get("dirty") else ""
     m = doc.get("machine", {})
@@ -160,10 +162,24 @@ def render_metrics_overhead(doc: dict) -> list[str]:
     return lines + out
 
 
+def render_mutants(doc: dict) -> list[str]:
+    lines = [
+        f"Score: **{doc['caught']}/{doc['total']} caught**.",
+        "",
+        "| mutant | file | the bug | caught by | outcome |",
+        "|---|---|---|---|---|",
+    ]
+    for m in doc["mutants"]:
+        tests = ", ".join(f"`{t.split('::')[-1]}`" for t in m["tests"])
+        lines.append(f"| `{m['name']}` | `{m['path']}` | {m['what']} | {tests} | {m['outcome']} |")
+    return lines
+
+
 RENDERERS = {
     "ddp-bench": render_ddp_bench,
     "accum-curve": render_accum_curve,
     "metrics-overhead": render_metrics_overhead,
+    "mutants": render_mutants,
 }
 
 
@@ -202,24 +218,27 @@ def rendered_page(text: str, results: Path = RESULTS) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the page differs from the rendering")
-    parser.add_argument("--doc", type=Path, default=DOC)
+    parser.add_argument("--check", action="store_true", help="exit 1 if a page differs from the rendering")
     args = parser.parse_args(argv)
-    page = args.doc.read_text()
-    new = rendered_page(page)
-    missing = [n for n in RENDERERS if not block_pattern(n).search(page)]
-    if missing:
-        print(f"note: {args.doc} has no block for {', '.join(missing)}", file=sys.stderr)
-    if args.check:
-        if new != page:
-            print(f"{args.doc} differs from bench/results/: run `make bench-report`", file=sys.stderr)
-            return 1
-        return 0
-    if new != page:
-        args.doc.write_text(new)
-        print(f"updated {args.doc.relative_to(REPO)}")
-    else:
-        print(f"{args.doc.relative_to(REPO)} already matches bench/results/")
+    pages = {doc: doc.read_text() for doc in DOCS if doc.exists()}
+    placed = {n for n in RENDERERS for text in pages.values() if block_pattern(n).search(text)}
+    unplaced = [n for n in RENDERERS if n not in placed and (RESULTS / f"{n}.json").exists()]
+    if unplaced:
+        print(f"note: no page has a block for {', '.join(unplaced)}", file=sys.stderr)
+    stale = []
+    for doc, text in pages.items():
+        new = rendered_page(text)
+        if new == text:
+            continue
+        stale.append(doc.relative_to(REPO))
+        if not args.check:
+            doc.write_text(new)
+            print(f"updated {doc.relative_to(REPO)}")
+    if args.check and stale:
+        print(f"{', '.join(map(str, stale))} differ from bench/results/: run `make bench-report`", file=sys.stderr)
+        return 1
+    if not stale:
+        print("the docs already match bench/results/")
     return 0
 
 
