@@ -45,6 +45,13 @@ bench: venv ## DDP step time side by side (ours vs torch's vs the lesson's loop)
 accum: venv ## gradient accumulation on 2 CPU ranks: equivalence, sync counts, sweep; JSON + PNG in bench/results/
 	$(PY) -m bench.accum
 
+.PHONY: pipeline pipeline-bubble
+pipeline: venv ## model parallel, GPipe, 1F1B, data x pipeline vs single-process training, step by step; bubble table
+	$(PY) -m app.pipeline_demo
+
+pipeline-bubble: venv ## pipeline idle share per stage vs (S-1)/(M+S-1), S=2,4 M=1..8; JSON + PNG in bench/results/
+	$(PY) -m bench.pipeline_bubble
+
 .PHONY: docs-config
 docs-config: venv ## rewrite docs/training.md's configuration table from TrainConfig (app/config.py)
 	$(PY) -c "import pathlib; from app.config import config_table_markdown as table; \

@@ -172,9 +172,10 @@ class PipelineRunner:
             self.schedule.step(target=y, losses=losses, return_outputs=False)
         else:
             self.schedule.step(return_outputs=False)
+        # The loss broadcast is part of the step: the last stage blocks in it while the others drain their backward.
+        loss = self._share_loss(losses)
         wall = time.perf_counter() - start
         compute = self.stage.compute_seconds - compute0
-        loss = self._share_loss(losses)
         blocked = max(0.0, wall - compute)
         return StepStats(loss, compute, blocked, blocked / wall if wall > 0 else 0.0, self.stage.sent_bytes - bytes0)
 
@@ -193,9 +194,23 @@ class PipelineRunner:
         return {self.prefix + k: v for k, v in self.module.state_dict().items()}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load this stage's slice from a whole-model (or this stage's) ``state_dict``."""
+        """Load this stage's slice from a whole-model ``state_dict`` (merged, or this stage's own ``state_dict()``).
+
+        A state dict that lacks one of this stage's tensors, or holds it in another shape, was saved by another
+        model or split: ``ValueError`` with one line, before anything is loaded.
+        """
+        expected = self.module.state_dict()
         own = {k.removeprefix(self.prefix): v for k, v in state_dict.items() if k.startswith(self.prefix)}
-        self.module.load_state_dict({k: v for k, v in own.items() if k in self.module.state_dict()})
+        missing = [k for k in expected if k not in own]
+        wrong = [k for k in expected if k in own and own[k].shape != expected[k].shape]
+        if missing or wrong:
+            key = (missing or wrong)[0]
+            raise ValueError(
+                f"state_dict does not fit stage {self.stage_index} of {self.num_stages}: {self.prefix}{key} is "
+                f"{'missing' if missing else 'another shape'}; it was saved by another model or layout: load the "
+                f"merged whole-model state_dict (merge_state_dicts) into the same model"
+            )
+        self.module.load_state_dict({k: own[k] for k in expected})
 
 
 def merge_state_dicts(stage_state_dicts: list[dict]) -> dict:

@@ -121,11 +121,27 @@ def merged_state_dict(rank: int, world: int) -> dict:
     with torch.no_grad():
         for p in reference.parameters():
             p -= LR * p.grad
-    return max((a - b).abs().max().item() for a, b in zip(bare.parameters(), reference.parameters()))
+    gap = max((a - b).abs().max().item() for a, b in zip(bare.parameters(), reference.parameters()))
+    # And back: a fresh stage loads its slice of the merged dict; a dict of another model is refused in one line.
+    fresh = build_pipeline_stage(
+        DeepMLP(width=WIDTH, depth=DEPTH), stage_index=rank, num_stages=world, n_microbatches=2
+    )
+    fresh.load_state_dict(merge_state_dicts(gathered))
+    reloaded = all(torch.equal(v, runner.state_dict()[k]) for k, v in fresh.state_dict().items())
+    try:
+        fresh.load_state_dict(DeepMLP(width=WIDTH // 2, depth=DEPTH).state_dict())
+        refusal = "no error"
+    except ValueError as e:
+        refusal = str(e)
+    return gap, reloaded, refusal
 
 
-def test_merged_stage_state_dicts_load_into_the_bare_model():
-    assert all(dp <= PARAM_TOLERANCE for dp in run_world(merged_state_dict, 2))
+def test_merged_stage_state_dicts_load_into_the_bare_model_and_back():
+    for rank, (gap, reloaded, refusal) in enumerate(run_world(merged_state_dict, 2)):
+        assert gap <= PARAM_TOLERANCE
+        assert reloaded
+        assert refusal.startswith(f"state_dict does not fit stage {rank} of 2: net.")
+        assert "another shape; it was saved by another model or layout" in refusal and "\n" not in refusal
 
 
 def bad_inputs(rank: int, world: int) -> list[str]:

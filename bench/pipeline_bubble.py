@@ -1,0 +1,341 @@
+"""The pipeline bubble, measured: each stage's idle share against GPipe's (S−1)/(M+S−1), for S = 2, 4 stages and
+M = 1, 2, 4, 8 micro-batches, on PyTorch's schedules (``app.parallel.pipeline``), gloo on CPU, world size S.
+
+    make pipeline-bubble                                     # both compute kinds, about a minute
+    .venv/bin/python -m bench.pipeline_bubble --compute emulated --steps 3
+    .venv/bin/python -m bench.pipeline_bubble --stages 2 --micro-batches 1,2,4,8,16 --schedules gpipe,1f1b
+
+How idle is measured: on every rank, ``PipelineRunner.step`` times the stage's own work (forward, backward, loss)
+with ``time.perf_counter``; the rest of the step's wall time is spent blocked in a receive (waiting for a neighbour's
+activations or gradients) or handing a tensor to a send. Idle share = that rest / step wall time, median over the
+measured steps (one unmeasured warm-up step first: it infers the shapes). Steps run back to back, as in training:
+the last stage's wait for the first micro-batch of a step includes the other stages' drain of the step before, so
+the bubble shows up on every stage, not only on the first.
+
+Two kinds of stage work, because this machine has fewer cores than S = 4 stages:
+
+- ``emulated``: each stage is a Linear layer plus a fixed wait proportional to the rows it processes (forward
+  ``--stage-ms`` per whole batch, backward twice that), like a host waiting for its GPU. It takes no CPU, so S ranks
+  do not contend for 2 cores and the schedule's own bubble shows. This is the row to compare with the formula.
+- ``real``: two ``Linear(width, width)`` + ReLU per stage, real matrix products. With S > cores, the ranks also wait
+  for a core, not only for each other: time spent runnable but descheduled lands in "compute" (it is inside
+  forward), and a stage that finishes early waits for a slowed neighbour, so the table flags those rows.
+
+Writes ``bench/results/pipeline-bubble.json`` (schema ``pipeline-bubble.v1``, with provenance) and a PNG beside it.
+Exit status: 2 on a bad flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SCHEMA = "pipeline-bubble.v1"
+
+
+class _Wait(torch.autograd.Function):
+    """Identity whose forward and backward each wait a time proportional to the batch rows (emulated device)."""
+
+    @staticmethod
+    def forward(ctx, x, seconds_per_row):
+        ctx.seconds_per_row = seconds_per_row
+        time.sleep(seconds_per_row * x.shape[0])
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(2 * ctx.seconds_per_row * grad.shape[0])  # backward costs about twice forward, as for matmuls
+        return grad, None
+
+
+class EmulatedWork(nn.Module):
+    def __init__(self, seconds_per_row: float):
+        super().__init__()
+        self.seconds_per_row = seconds_per_row
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Wait.apply(x, self.seconds_per_row)
+
+
+def bubble_model(stages: int, compute: str, width: int, batch: int, stage_ms: float) -> nn.Sequential:
+    """S equal stages: ``emulated`` = Linear + a wait of ``stage_ms`` per batch; ``real`` = 2 × (Linear + ReLU)."""
+    layers: list[nn.Module] = []
+    for _ in range(stages):
+        if compute == "emulated":
+            layers += [nn.Linear(width, width), EmulatedWork(stage_ms / 1000 / batch)]
+        else:
+            layers += [nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def measure_on_rank(rank: int, world: int, cfg: dict) -> list[dict]:
+    """Run every (compute, schedule, M) of ``cfg`` on this rank's stage; per point, medians over the steps."""
+    import torch.distributed as dist
+
+    from app.parallel.pipeline import build_pipeline_stage
+
+    points = []
+    for compute in cfg["compute"]:
+        width = cfg["width"] if compute == "real" else 64
+        for schedule in cfg["schedules"]:
+            for micro in cfg["micro_batches"]:
+                if schedule == "1f1b" and micro < world:
+                    continue  # PyTorch's 1F1B needs M >= S
+                torch.manual_seed(0)
+                model = bubble_model(world, compute, width, cfg["batch"], cfg["stage_ms"])
+                runner = build_pipeline_stage(
+                    model, stage_index=rank, num_stages=world, n_microbatches=micro, schedule=schedule
+                )
+                x, y = torch.randn(cfg["batch"], width), torch.randn(cfg["batch"], width)
+                stats = []
+                for step in range(1 + cfg["steps"]):
+                    if step == 1:
+                        dist.barrier()  # measured steps start together, then run back to back as in training
+                    start = time.perf_counter()
+                    s = runner.step(x, y)
+                    wall = time.perf_counter() - start
+                    if step > 0:
+                        stats.append((s, wall))
+                points.append(
+                    {
+                        "compute": compute,
+                        "schedule": schedule,
+                        "stages": world,
+                        "micro_batches": micro,
+                        "stage": rank,
+                        "bubble": statistics.median(s.bubble_ratio for s, _ in stats),
+                        "compute_ms": 1000 * statistics.median(s.compute_seconds for s, _ in stats),
+                        "send_recv_ms": 1000 * statistics.median(s.send_recv_seconds for s, _ in stats),
+                        "step_ms": 1000 * statistics.median(wall for _, wall in stats),
+                        "activation_bytes": stats[-1][0].activation_bytes,
+                    }
+                )
+    return points
+
+
+def merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
+    """One row per (compute, schedule, S, M): the theory and every stage's measured idle share."""
+    from app.parallel.pipeline import theoretical_bubble
+
+    cores = os.cpu_count() or 1
+    rows = []
+    for points in zip(*per_rank):
+        first = points[0]
+        measured = [p["bubble"] for p in points]
+        rows.append(
+            {
+                **{k: first[k] for k in ("compute", "schedule", "stages", "micro_batches")},
+                "theory": theoretical_bubble(first["stages"], first["micro_batches"]),
+                "measured_per_stage": measured,
+                "measured_mean": statistics.fmean(measured),
+                "step_ms": max(p["step_ms"] for p in points),
+                "compute_ms_per_stage": [p["compute_ms"] for p in points],
+                "activation_bytes_per_stage": [p["activation_bytes"] for p in points],
+                "cpu_contended": first["compute"] == "real" and first["stages"] > cores,
+            }
+        )
+    return rows
+
+
+def measure(cfg: dict, timeout: float = 600) -> list[dict]:
+    """Spawn a world of each size in ``cfg["stages"]`` and return the merged rows."""
+    from app.pipeline_demo import spawn_world
+
+    rows = []
+    for stages in cfg["stages"]:
+        rows += merge_ranks(spawn_world(measure_on_rank, stages, cfg, timeout=timeout))
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    lines = [
+        f"{'compute':<9}{'schedule':<9}{'S':>2}{'M':>3}{'theory':>8}{'measured (mean)':>16}   per stage"
+        f"{'':<17}{'step ms':>8}"
+    ]
+    for r in rows:
+        per_stage = " ".join(f"{b:.2f}" for b in r["measured_per_stage"])
+        flag = "  (S > cores: contended)" if r["cpu_contended"] else ""
+        lines.append(
+            f"{r['compute']:<9}{r['schedule']:<9}{r['stages']:>2}{r['micro_batches']:>3}{r['theory']:>8.2f}"
+            f"{r['measured_mean']:>16.2f}   {per_stage:<26}{r['step_ms']:>8.0f}{flag}"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers and CI
+    import matplotlib.pyplot as plt
+
+    from app.parallel.pipeline import theoretical_bubble
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    colors = {2: "tab:blue", 4: "tab:orange"}
+    for stages in sorted({r["stages"] for r in rows}):
+        ms = sorted({r["micro_batches"] for r in rows})
+        grid = [m / 4 for m in range(4, 4 * max(ms) + 1)]
+        color = colors.get(stages)
+        ax.plot(
+            grid, [theoretical_bubble(stages, m) for m in grid], "-", color=color, label=f"(S−1)/(M+S−1), S={stages}"
+        )
+        for compute, schedule, marker, fill in (
+            ("emulated", "gpipe", "o", True),
+            ("emulated", "1f1b", "o", False),
+            ("real", "gpipe", "x", True),
+            ("real", "1f1b", "+", True),
+        ):
+            pts = [r for r in rows if (r["stages"], r["compute"], r["schedule"]) == (stages, compute, schedule)]
+            if pts:
+                ax.plot(
+                    [r["micro_batches"] for r in pts],
+                    [r["measured_mean"] for r in pts],
+                    marker,
+                    color=color,
+                    markerfacecolor=color if fill else "none",
+                    linestyle="none",
+                    label=f"S={stages} {compute} {schedule}",
+                )
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+    ax.minorticks_off()
+    ax.set_xlabel("micro-batches M")
+    ax.set_ylabel("idle share of a stage (mean over stages)")
+    ax.set_ylim(0, 1)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title("Pipeline bubble: measured (gloo, CPU) vs GPipe's formula")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "parallelism.md"
+BEGIN, END = "<!-- bubble-table -->", "<!-- /bubble-table -->"
+
+
+def markdown(doc: dict) -> str:
+    """The docs' table from a results file: the mean idle share over stages, per compute kind and schedule."""
+    m = doc["machine"]
+    load = f"load average {m['load_average_before'][0]:.1f} → {m['load_average_after'][0]:.1f} (1 min, before → after)"
+    lines = [
+        f"*Measured at commit `{doc['commit'][:10]}`{' (with uncommitted changes)' if doc['dirty'] else ''}, "
+        f"{doc['date']}, {m['cores']} cores ({m['cpu_model']}), {load}, torch {m['torch']}. Each cell: the mean "
+        f"over stages of each stage's idle share; — = 1F1B needs M ≥ S; * = more stages than cores (contended).*",
+        "",
+        "| S | M | (S−1)/(M+S−1) | emulated GPipe | emulated 1F1B | real GPipe | real 1F1B |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    index = {(r["compute"], r["schedule"], r["stages"], r["micro_batches"]): r for r in doc["rows"]}
+    for stages, micro in sorted({(r["stages"], r["micro_batches"]) for r in doc["rows"]}):
+        cells = []
+        for kind in (("emulated", "gpipe"), ("emulated", "1f1b"), ("real", "gpipe"), ("real", "1f1b")):
+            r = index.get((*kind, stages, micro))
+            cells.append("—" if r is None else f"{r['measured_mean']:.2f}{' *' if r['cpu_contended'] else ''}")
+        theory = (stages - 1) / (micro + stages - 1)
+        lines.append(f"| {stages} | {micro} | {theory:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_docs(results: Path, doc_path: Path = DOC) -> None:
+    """Replace the table between the markers in docs/parallelism.md by the one ``results`` gives."""
+    text = doc_path.read_text(encoding="utf-8")
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    table = markdown(json.loads(results.read_text()))
+    doc_path.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}", encoding="utf-8")
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated positive integers, e.g. 1,2,4,8")
+    return values
+
+
+def choice_list(allowed: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        values = text.split(",")
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad[0]!r}: choose from {', '.join(allowed)} (comma-separated)")
+        return values
+
+    return parse
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not usage + line: the house rule for bad input
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="bench.pipeline_bubble", description=__doc__.splitlines()[0])
+    p.add_argument("--stages", type=int_list, default=[2, 4], help="S values, one world each (default 2,4)")
+    p.add_argument("--micro-batches", type=int_list, default=[1, 2, 4, 8], help="M values (default 1,2,4,8)")
+    p.add_argument("--schedules", type=choice_list(("gpipe", "1f1b")), default=["gpipe", "1f1b"])
+    p.add_argument("--compute", type=choice_list(("emulated", "real")), default=["emulated", "real"])
+    p.add_argument("--steps", type=int, default=5, help="measured steps per point, after one warm-up (default 5)")
+    p.add_argument("--batch", type=int, default=256, help="rows per step; a multiple of every M (default 256)")
+    p.add_argument("--width", type=int, default=1024, help="real compute: Linear width (default 1024)")
+    p.add_argument("--stage-ms", type=float, default=40.0, help="emulated: forward ms per stage per batch (default 40)")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/pipeline-bubble.json)")
+    p.add_argument("--write-docs", action="store_true", help="only rewrite docs/parallelism.md's table from the JSON")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if min(args.stages) < 2:
+        p.error(f"--stages: a pipeline needs >= 2 stages, got {min(args.stages)}")
+    for name in ("steps", "batch", "width"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    bad = [m for m in args.micro_batches if args.batch % m]
+    if bad:
+        p.error(f"--batch {args.batch} does not split into {bad[0]} equal micro-batches: use a multiple of it")
+    return args
+
+
+def main(argv=None) -> int:
+    from bench.provenance import RESULTS, describe_output, load_average, output_path, provenance
+
+    parser = build_parser()
+    args = parse_args(argv)
+    if args.write_docs:
+        write_docs(args.out or RESULTS / "pipeline-bubble.json")
+        print(f"rewrote the bubble table of {DOC.relative_to(DOC.parents[1])}")
+        return 0
+    cfg = {k: getattr(args, k) for k in ("stages", "micro_batches", "schedules", "compute", "steps", "batch", "width")}
+    cfg["stage_ms"] = args.stage_ms
+    before = load_average()
+    rows = measure(cfg)
+    print(render(rows))
+    path = output_path(parser, args, "pipeline-bubble")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"schema": SCHEMA, **provenance(args, load_before=before), "idle_measure": IDLE_MEASURE, "rows": rows}
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    plot(rows, path.with_suffix(".png"))
+    print(describe_output(path))
+    return 0
+
+
+IDLE_MEASURE = (
+    "per rank: 1 - (time inside forward_one_chunk + backward_one_chunk + loss) / step wall time, "
+    "median over the measured steps; the rest is blocked in recv/send"
+)
+
+if __name__ == "__main__":
+    sys.exit(main())
