@@ -48,6 +48,20 @@ CONTRACT = {  # name in the exposition -> type
     "ddp_rank_info": "gauge",
     "ddp_step": "gauge",
     "ddp_target_steps": "gauge",
+    # elastic: every rank of every world
+    "ddp_min_world_size": "gauge",
+    "ddp_max_world_size": "gauge",
+    "ddp_elastic_restarts": "gauge",
+    "ddp_world_generation": "gauge",
+    "ddp_reformation_seconds": "gauge",
+    "ddp_steps_redone_total": "counter",
+}
+PIPELINE = {  # only once a pipeline stage reports
+    "ddp_pipeline_stage": "gauge",
+    "ddp_pipeline_compute_seconds": "histogram",
+    "ddp_pipeline_send_recv_seconds": "histogram",
+    "ddp_pipeline_bubble_ratio": "gauge",
+    "ddp_pipeline_activation_bytes_total": "counter",
 }
 PROMTOOL = shutil.which("promtool")
 PROMETHEUS = shutil.which("prometheus")
@@ -106,7 +120,7 @@ def test_our_ddp_bus_bandwidth_uses_the_wrappers_comm_span(probes):
         _check_span(rank["ours"])
 
 
-def exposition() -> str:
+def exposition(pipeline: bool = False) -> str:
     m = TrainMetrics(rank=3, local_rank=1, world_size=4, node="1", host="node-b")
     m.observe_step(
         step_seconds=0.02,
@@ -121,6 +135,14 @@ def exposition() -> str:
     )
     m.observe_checkpoint(50, 0.04)
     m.observe_progress(51, 200)
+    m.observe_world(world_size=3, min_world_size=2, max_world_size=4, restart_count=1, generation=2)
+    m.observe_resume(steps_redone=7)
+    m.observe_reformation(4.5)
+    if pipeline:
+        for _ in range(2):
+            m.observe_pipeline(
+                stage=1, compute_seconds=0.01, send_recv_seconds=0.002, bubble_ratio=0.25, activation_bytes=4096
+            )
     return generate_latest(m.registry).decode()
 
 
@@ -138,12 +160,38 @@ def test_exposition_has_the_contracts_names_types_and_labels():
     assert 'ddp_allreduce_bytes_total{rank="3"} 12288.0' in text
     assert 'ddp_step{rank="3"} 51.0' in text and 'ddp_target_steps{rank="3"} 200.0' in text
     assert "_created" not in text
+    for line in (
+        'ddp_world_size{rank="3"} 3.0',
+        'ddp_min_world_size{rank="3"} 2.0',
+        'ddp_max_world_size{rank="3"} 4.0',
+        'ddp_elastic_restarts{rank="3"} 1.0',
+        'ddp_world_generation{rank="3"} 2.0',
+        'ddp_reformation_seconds{rank="3"} 4.5',
+        'ddp_steps_redone_total{rank="3"} 7.0',
+    ):
+        assert line in text, line
+    assert "ddp_pipeline" not in text  # a data-parallel run exposes no pipeline series
+
+
+def test_pipeline_series_appear_once_a_stage_reports():
+    text = exposition(pipeline=True)
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.MULTILINE))
+    for name, kind in PIPELINE.items():
+        assert types.get(name) == kind, (name, types.get(name))
+    for line in (
+        'ddp_pipeline_stage{rank="3"} 1.0',
+        'ddp_pipeline_compute_seconds_count{rank="3"} 2.0',
+        'ddp_pipeline_send_recv_seconds_sum{rank="3"} 0.004',
+        'ddp_pipeline_bubble_ratio{rank="3"} 0.25',
+        'ddp_pipeline_activation_bytes_total{rank="3"} 8192.0',
+    ):
+        assert line in text, line
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus; .ci/run does)")
 def test_exposition_is_promtool_clean():
     check = subprocess.run(
-        [PROMTOOL, "check", "metrics"], input=exposition(), capture_output=True, text=True, timeout=30
+        [PROMTOOL, "check", "metrics"], input=exposition(pipeline=True), capture_output=True, text=True, timeout=30
     )
     assert check.returncode == 0 and check.stdout.strip() == "" and check.stderr.strip() == "", check
 
@@ -186,6 +234,80 @@ def test_torch_ddp_reports_allreduce_per_bucket():
         assert re.search(rf'ddp_allreduce_bytes_total{{rank="{rank}"}} [1-9]', body)
         # Exposed communication happens inside PyTorch's C++ reducer: not reported for --wrapper torch.
         assert f'ddp_exposed_comm_duration_seconds_count{{rank="{rank}"}} 0.0' in body
+
+
+def scrape(port: int) -> dict[str, float]:
+    """One rank's /metrics as {series with labels: value}."""
+    body = get(f"http://127.0.0.1:{port}/metrics")
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(ddp_\S+) (\S+)$", body, re.MULTILINE)}
+
+
+def test_metric_values_after_known_steps():
+    """What a dashboard shows after 12 steps of micro_batch 16 × grad_accum_steps 3 on 2 ranks: exact counts, the
+    loss the log printed, the configured lr."""
+    port, steps, micro, k, lr = free_port(2), 12, 16, 3, 0.0042
+    proc = start_torchrun(
+        "--steps",
+        str(steps),
+        "--micro-batch",
+        str(micro),
+        "--grad-accum-steps",
+        str(k),
+        "--lr",
+        str(lr),
+        "--metrics-port",
+        str(port),
+        "--metrics-linger-seconds",
+        "60",
+        "--log-every",
+        "1",
+    )
+    try:
+        wait_for_finished(proc, 2)
+        values = [scrape(port + r) for r in range(2)]
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    logged = {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step (\d+)/\d+ \| loss (\S+)", err)}
+    for rank, v in enumerate(values):
+        r = f'{{rank="{rank}"}}'
+        assert v[f"ddp_samples_total{r}"] == steps * micro * k  # every sample of every micro-batch, once
+        assert v[f"ddp_optimizer_steps_total{r}"] == steps
+        assert v[f"ddp_gradient_syncs_total{r}"] == steps  # one sync per step: the last micro-batch's backward
+        assert v[f"ddp_step_duration_seconds_count{r}"] == steps
+        assert v[f"ddp_learning_rate{r}"] == pytest.approx(lr)
+        assert (v[f"ddp_step{r}"], v[f"ddp_target_steps{r}"]) == (steps, steps)
+        assert v[f"ddp_world_size{r}"] == 2
+        assert (v[f"ddp_min_world_size{r}"], v[f"ddp_max_world_size{r}"]) == (2, 2)  # --standalone: 1 node of 2
+        assert (v[f"ddp_world_generation{r}"], v[f"ddp_elastic_restarts{r}"]) == (1, 0)
+        assert (v[f"ddp_reformation_seconds{r}"], v[f"ddp_steps_redone_total{r}"]) == (0, 0)
+    # Rank 0's last progress line covers step 12 alone (log_every 1) and prints rank 0's loss to 4 decimals.
+    assert values[0]['ddp_loss{rank="0"}'] == pytest.approx(logged[steps], abs=6e-5), (logged, values[0])
+    assert values[0]['ddp_loss{rank="0"}'] != pytest.approx(values[0]['ddp_learning_rate{rank="0"}'])
+
+
+def test_a_resumed_world_counts_its_generation_and_the_steps_it_redoes(tmp_path):
+    """A world that died after logging step 8 (its newest checkpoint: step 5) is replaced by a new one: generation 2,
+    3 steps redone, and the time from that checkpoint to the new world's first step."""
+    common = ("--checkpoint-dir", str(tmp_path), "--checkpoint-every", "5", "--log-every", "1")
+    crashed = start_torchrun("--steps", "20", "--inject-nan-at-step", "9", "--metrics-port", "0", *common)
+    _, err = crashed.communicate(timeout=150)
+    assert crashed.returncode != 0 and "loss became NaN/inf at step 9" in err, err[-3000:]
+    port = free_port(2)
+    proc = start_torchrun("--steps", "12", "--metrics-port", str(port), "--metrics-linger-seconds", "60", *common)
+    try:
+        wait_for_finished(proc, 2)
+        values = [scrape(port + r) for r in range(2)]
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    assert "resumed from" in err and "step-00000005.pt" in err, err[-3000:]
+    for rank, v in enumerate(values):
+        r = f'{{rank="{rank}"}}'
+        assert v[f"ddp_world_generation{r}"] == 2
+        assert v[f"ddp_steps_redone_total{r}"] == 8 - 5
+        assert 0 < v[f"ddp_reformation_seconds{r}"] < 120
+        assert v[f"ddp_optimizer_steps_total{r}"] == 12 - 5
 
 
 @pytest.mark.e2e

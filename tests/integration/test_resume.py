@@ -8,12 +8,14 @@ a truncated newest checkpoint (from the one before) ends identical too.
 from __future__ import annotations
 
 import shutil
+import subprocess
 
 import torch
 
-from app.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
+from app.checkpoint import Checkpointer, checkpoint_path, list_checkpoints, load_checkpoint
 from app.models import MiniMLP, parameter_checksum
-from tests.trainer_run import describe, finished, start_ranks, torchrun
+from tests.trainer_run import PYTHON, REPO, clean_env, describe, finished, start_ranks, torchrun
+from tests.world import run_world
 
 
 def test_unusable_checkpoint_dir_stops_every_rank_before_training(tmp_path):
@@ -96,3 +98,68 @@ def test_resume_gives_the_same_parameters_as_a_straight_run(tmp_path):
     assert "step-00000010.pt is unusable" in again["log"]
     assert "step-00000005.pt" in again["log"]
     assert again["checksum"] == straight["checksum"]
+
+
+def _rng_round_trip(rank: int, world: int, directory: str) -> dict:
+    """Each rank draws from its own CPU stream, a checkpoint is written, the stream moves on, and a resume must put
+    every rank back exactly where it was when the checkpoint was written."""
+    import torch.distributed as dist
+
+    from app.data import GlobalBatches, build_dataset
+    from app.dist import DistContext
+
+    ctx = DistContext(rank, rank, world, torch.device("cpu"), dist.get_backend())
+
+    def checkpointer() -> Checkpointer:
+        torch.manual_seed(0)
+        model = MiniMLP()
+        batches = GlobalBatches(build_dataset("mini_mlp", 256, 0), 64, 32, rank, world, 0, ctx.device)
+        run = {"model_name": "mini_mlp", "seed": 0, "lr": 1e-3, "global_batch": 64}
+        return Checkpointer(
+            directory,
+            every=5,
+            keep=2,
+            ctx=ctx,
+            model=model,
+            optimizer=torch.optim.AdamW(model.parameters()),
+            batches=batches,
+            **run,
+        )
+
+    writer = checkpointer()
+    torch.manual_seed(100 + rank)
+    torch.rand(3 + rank)  # each rank somewhere else in its own stream
+    saved = torch.get_rng_state()
+    writer.save(5)
+    dist.barrier()  # rank 0's file is on disk before anyone resumes
+    reader = checkpointer()  # a new process would start from the seed: the stream moved on
+    torch.rand(1000)
+    resumed = reader.resume()
+    return {"step": resumed.step, "restored": torch.equal(torch.get_rng_state(), saved), "next": torch.rand(1)}
+
+
+def test_resume_restores_every_ranks_own_rng_stream(tmp_path):
+    out = run_world(_rng_round_trip, 2, str(tmp_path))
+    assert [o["step"] for o in out] == [5, 5]
+    assert [o["restored"] for o in out] == [True, True]
+    assert not torch.equal(out[0]["next"], out[1]["next"])  # rank 1 got its own stream back, not rank 0's
+
+
+def test_a_checkpoint_dir_of_another_model_is_a_config_error_exit_2(tmp_path):
+    cmd = [PYTHON, "-m", "app.train", "--wrapper", "none", "--metrics-port", "0", "--checkpoint-dir", str(tmp_path)]
+    first = subprocess.run(
+        [*cmd, "--steps", "2"], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120
+    )
+    assert first.returncode == 0, describe(first)
+    other = subprocess.run(
+        [*cmd, "--steps", "4", "--model", "tiny_transformer"],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert other.returncode == 2, describe(other)
+    assert f"config error: checkpoint_dir='{tmp_path}' holds mini_mlp checkpoints but model=tiny_transformer" in (
+        other.stderr
+    )

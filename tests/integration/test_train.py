@@ -7,7 +7,9 @@ keeps the last good checkpoint; a rank that cannot reach the rendezvous says whe
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
+import threading
 import time
 
 import torch
@@ -219,7 +221,7 @@ def test_nan_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(tmp_path):
         "--metrics-port",
         "0",
     )
-    assert result.returncode != 0, describe(result)
+    assert result.returncode == 1, describe(result)  # the docs promise 1 for a failure
     assert "loss became NaN/inf at step 12 on rank 1" in result.stderr
     assert "Last good checkpoint kept" in result.stderr and "step-00000010.pt" in result.stderr
     assert not finished(result.stdout)
@@ -249,6 +251,190 @@ def test_unreachable_rendezvous_fails_within_the_timeout_naming_the_endpoint():
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "within 5 s" in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_sigint_is_handled_as_sigterm(tmp_path):
+    """Ctrl-C on a terminal: the same graceful stop, a checkpoint and exit 0 on every rank, not a traceback."""
+    procs = start_ranks(
+        "--steps",
+        "100000",
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--checkpoint-every",
+        "100000",
+        "--metrics-port",
+        "0",
+        "--log-every",
+        "50",
+    )
+    try:
+        _wait_for_line(procs[0], "step 50/")
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+        outs = [p.communicate(timeout=30) for p in procs]
+    finally:
+        _kill(procs)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    ((step, _),) = list_checkpoints(tmp_path)
+    for _, err in outs:
+        assert f"SIGINT: stopped at step {step} (checkpoint at step {step}); exit 0" in err, err
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err
+
+
+def test_a_stop_that_cannot_finish_is_forced_after_stop_timeout_seconds(tmp_path):
+    """A peer frozen mid-run (SIGSTOP: a paused container) holds rank 0 in a collective, so the graceful stop cannot
+    finish: rank 0 must give up after stop_timeout_seconds with exit 1, not hang until the collective timeout."""
+    timeout = 3.0
+    procs = start_ranks(
+        "--steps",
+        "100000",
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--checkpoint-every",
+        "100000",
+        "--stop-timeout-seconds",
+        str(timeout),
+        "--collective-timeout-seconds",
+        "300",
+        "--metrics-port",
+        "0",
+        "--log-every",
+        "50",
+    )
+    try:
+        _wait_for_line(procs[0], "step 50/")
+        procs[1].send_signal(signal.SIGSTOP)
+        sent = time.monotonic()
+        procs[0].send_signal(signal.SIGTERM)
+        _, err = procs[0].communicate(timeout=60)
+        elapsed = time.monotonic() - sent
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+        _kill(procs)
+    assert procs[0].returncode == 1, err
+    assert f"graceful stop did not finish within stop_timeout_seconds={timeout:g}; exiting without a checkpoint" in err
+    # Not before the timeout (the stop was given its chance), and soon after it: margin for a loaded machine.
+    assert timeout - 0.2 <= elapsed < timeout + 4, f"exited {elapsed:.1f}s after SIGTERM"
+    assert list_checkpoints(tmp_path) == []
+
+
+def test_a_hung_peer_is_detected_after_collective_timeout_seconds():
+    """A peer frozen mid-run (no signal, no crash): the others give up once collective_timeout_seconds have passed,
+    not after the rendezvous timeout and not never."""
+    timeout = 5.0
+    procs = start_ranks(
+        "--steps",
+        "100000",
+        "--collective-timeout-seconds",
+        str(timeout),
+        "--rendezvous-timeout-seconds",
+        "120",
+        "--metrics-port",
+        "0",
+        "--log-every",
+        "50",
+    )
+    try:
+        _wait_for_line(procs[0], "step 50/")
+        procs[1].send_signal(signal.SIGSTOP)
+        frozen = time.monotonic()
+        _, err = procs[0].communicate(timeout=90)
+        elapsed = time.monotonic() - frozen
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+        _kill(procs)
+    assert procs[0].returncode == 1, err[-3000:]
+    assert timeout - 0.5 <= elapsed < timeout + 5, f"gave up {elapsed:.1f}s after the peer froze"
+
+
+def test_a_metrics_port_already_taken_is_a_config_error_exit_2():
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", port))
+        taken.listen()
+        result = subprocess.run(
+            [PYTHON, "-m", "app.train", "--wrapper", "none", "--steps", "5", "--metrics-port", str(port)],
+            cwd=REPO,
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert result.returncode == 2, describe(result)
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith(f"config error: metrics_port={port}: port {port}"), errors
+    assert "Traceback" not in result.stderr
+
+
+def test_rank_0_waits_for_its_peers_no_longer_than_the_rendezvous_timeout():
+    """Rank 0 hosts the store and its peer never comes: it gives up once rendezvous_timeout_seconds have passed,
+    measured from its "joining" line (after the imports, which take seconds on a loaded machine)."""
+    timeout = 5
+    env = clean_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "app.train", "--rendezvous-timeout-seconds", str(timeout), "--metrics-port", "0"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for_line(proc, "joining a world of 2")
+        joined = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - joined
+    finally:
+        _kill([proc])
+    assert proc.returncode == 1, err
+    assert "rank 0 could not form the process group of 2" in err and f"within {timeout} s" in err, err
+    assert timeout - 0.5 <= elapsed < timeout + 2.5, f"gave up {elapsed:.1f}s after joining"
+
+
+def test_a_silent_rendezvous_endpoint_is_given_up_on_within_the_timeout():
+    """The endpoint accepts connections but never answers (a hung store, a wrong service): c10d alone would wait
+    far past the timeout. Measured from the rank's first connection, so start-up time does not count."""
+    timeout = 5
+    accepted: list[float] = []
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        held = []
+
+        def accept() -> None:
+            while True:
+                try:
+                    conn, _ = silent.accept()
+                except OSError:
+                    return
+                accepted.append(time.monotonic())
+                held.append(conn)  # kept open, never answered
+
+        threading.Thread(target=accept, daemon=True).start()
+        env = clean_env(RANK="1", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        result = subprocess.run(
+            [PYTHON, "-m", "app.train", "--rendezvous-timeout-seconds", str(timeout), "--metrics-port", "0"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        ended = time.monotonic()
+        for conn in held:
+            conn.close()
+    assert result.returncode == 1, describe(result)
+    assert accepted, "the worker never connected"
+    elapsed = ended - accepted[0]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0] and f"within {timeout} s" in errors[0], errors
+    # The deadline, plus the grace c10d gets to report its own timeout, plus process exit on a loaded machine.
+    assert timeout - 0.5 <= elapsed < timeout + 2 + 2.5, f"gave up {elapsed:.1f}s after connecting"
 
 
 def _wait_for_line(proc, text: str, timeout: float = 90) -> None:
