@@ -1,4 +1,4 @@
-"""DDP step time, side by side in one run: ours vs PyTorch's vs the lesson's loop, at world size 2 on CPU.
+"""DDP step time, memory and compression, side by side in one run: ours vs PyTorch's, at world size 2 on CPU.
 
     make bench                                   # both models, writes bench/results/ddp-bench.json
     torchrun --standalone --nproc-per-node=2 -m bench.ddp_bench --repeats 7 --steps 10
@@ -8,24 +8,31 @@ runs every variant for ``--steps`` timed steps, then repeat 2 does the same, and
 the median of its per-repeat medians. On a shared, noisy machine absolute times drift, so read the ratios (each
 row against PyTorch's DDP, measured minutes apart at most), not the milliseconds.
 
-Variants:
+Variants (step time):
     no sync           no communication at all: the lower bound
     ours 25MB / 1MB   app.parallel.ddp with that bucket cap
     ours per-param    app.parallel.ddp with one bucket per parameter (every tensor pays the latency floor)
-    torch 25MB        torch.nn.parallel.DistributedDataParallel
+    torch 25MB        torch.nn.parallel.DistributedDataParallel (fp32 on the wire)
     lesson loop       after backward, all_reduce each p.grad in turn, then divide: no buckets, no overlap
     barrier only      after backward, dist.barrier(): what a step costs when ranks only wait for each other
+    ours bf16 / fp16  ours 25MB with the bf16 / fp16 compression hook (half the bytes on the wire)
+    ours bf16 view    ... and gradient_as_bucket_view=True (no copy back from the bucket)
+    ours / torch view gradient_as_bucket_view=True
+    ours / torch find_unused, ours / torch static_graph: the graph walk per step, and static_graph's reuse of it
 
-Then the lesson's exercise: the share of the step spent on gradient sync (1 - no-sync / ours) at per-rank batch
-1, 16 and 256 on the deep MLP.
+Then: memory (bytes held by gradients + buckets, and the peak RSS growth of training, ours vs PyTorch's with and
+without gradient_as_bucket_view); the loss after ``--loss-steps`` steps with bf16 / fp16 compression against fp32;
+the lesson's exercise: the share of the step spent on gradient sync (1 - no-sync / ours) at per-rank batch 1, 16
+and 256 on the deep MLP.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
+import gc
 import json
-import platform
 import statistics
 import sys
 import time
@@ -39,29 +46,59 @@ from torch import nn
 from app.dist import distributed
 from app.models import DeepMLP, TinyTransformer, count_parameter_tensors
 from app.parallel import wrap_model
+from app.parallel.comm_hooks import HOOKS
+from bench.provenance import describe_output, load_average, output_path, provenance
 
-RESULTS = Path(__file__).parent / "results" / "ddp-bench.json"
-VARIANTS = ["no sync", "ours 25MB", "ours 1MB", "ours per-param", "torch 25MB", "lesson loop", "barrier only"]
+# variant -> (wrapper, constructor arguments, comm hook); None: not wrapped (the loop decides what syncs)
+CONFIGS = {
+    "no sync": None,
+    "ours 25MB": ("ours", {"bucket_cap_mb": 25}, None),
+    "ours 1MB": ("ours", {"bucket_cap_mb": 1}, None),
+    "ours per-param": ("ours", {"bucket_cap_mb": 1e-9}, None),
+    "torch 25MB": ("torch", {"bucket_cap_mb": 25}, None),
+    "lesson loop": None,
+    "barrier only": None,
+    "ours bf16": ("ours", {"bucket_cap_mb": 25}, "bf16"),
+    "ours fp16": ("ours", {"bucket_cap_mb": 25}, "fp16"),
+    "ours bf16 view": ("ours", {"bucket_cap_mb": 25, "gradient_as_bucket_view": True}, "bf16"),
+    "ours view": ("ours", {"bucket_cap_mb": 25, "gradient_as_bucket_view": True}, None),
+    "torch view": ("torch", {"bucket_cap_mb": 25, "gradient_as_bucket_view": True}, None),
+    "ours find_unused": ("ours", {"bucket_cap_mb": 25, "find_unused_parameters": True}, None),
+    "torch find_unused": ("torch", {"bucket_cap_mb": 25, "find_unused_parameters": True}, None),
+    "ours static_graph": ("ours", {"bucket_cap_mb": 25, "static_graph": True}, None),
+    "torch static_graph": ("torch", {"bucket_cap_mb": 25, "static_graph": True}, None),
+}
+VARIANTS = list(CONFIGS)
+MEMORY_VARIANTS = {  # (wrapper, gradient_as_bucket_view)
+    "ours": ("ours", False),
+    "ours view": ("ours", True),
+    "torch": ("torch", False),
+    "torch view": ("torch", True),
+}
+LOSS_VARIANTS = {"torch fp32": ("torch", None), "ours fp32": ("ours", None), "ours bf16": ("ours", "bf16"),
+                 "ours fp16": ("ours", "fp16")}  # fmt: skip
 
 
 class Variant:
     """One way of training: a model copy, its optimizer and what happens after backward."""
 
-    def __init__(self, name: str, base: nn.Module):
+    def __init__(self, name: str, base: nn.Module, lr: float = 1e-4):
         self.name = name
         model = copy.deepcopy(base)
-        if name.startswith("ours"):
-            cap = {"ours 25MB": 25, "ours 1MB": 1, "ours per-param": 1e-9}[name]
-            model = wrap_model(model, "ours", bucket_cap_mb=cap)
-        elif name == "torch 25MB":
-            model = wrap_model(model, "torch", bucket_cap_mb=25)
+        config = CONFIGS.get(name)
+        if config is not None:
+            wrapper, kwargs, hook = config
+            model = wrap_model(model, wrapper, **kwargs)
+            if hook is not None:
+                model.register_comm_hook(None, HOOKS[hook])
         self.model = model
-        self.opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        self.opt = torch.optim.SGD(model.parameters(), lr=lr)
         self.world = dist.get_world_size()
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> None:
+    def step(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> float:
         self.opt.zero_grad(set_to_none=True)
-        loss_fn(self.model(x), y).backward()
+        loss = loss_fn(self.model(x), y)
+        loss.backward()
         if self.name == "lesson loop":
             for p in self.model.parameters():  # the lesson's code: one blocking all-reduce per tensor
                 dist.all_reduce(p.grad)
@@ -69,6 +106,7 @@ class Variant:
         elif self.name == "barrier only":
             dist.barrier()
         self.opt.step()
+        return loss.detach()
 
 
 def mlp_workload(batch: int):
@@ -123,30 +161,139 @@ def describe(model: nn.Module) -> dict:
     }
 
 
+def gradient_bytes(model: nn.Module) -> int:
+    """Bytes held by gradients and DDP buckets together, each storage counted once (a view costs nothing)."""
+    if hasattr(model, "gradient_bytes"):  # ours knows its buckets
+        return model.gradient_bytes()
+    storages = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            storages[p.grad.untyped_storage().data_ptr()] = p.grad.untyped_storage().nbytes()
+    held = sum(storages.values())
+    if isinstance(model, nn.parallel.DistributedDataParallel) and not model.gradient_as_bucket_view:
+        # PyTorch's buckets are out of Python's reach; its logging data gives their sizes (the gradients are
+        # separate tensors then, so the buckets add to them).
+        data = model._get_ddp_logging_data()
+        sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes")
+        held += sum(int(b) for b in str(sizes).split(","))
+    return held
+
+
+def _proc_status(key: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    try:  # Linux: writing 5 to clear_refs resets VmHWM (the peak RSS) to the current RSS
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _return_freed_memory_to_the_os() -> None:
+    """Make RSS follow tensor allocations: glibc otherwise raises its mmap threshold after the first large free and
+    keeps later freed blocks in its heap, so a second variant would reuse the first's pages and show no growth."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD, fixed: large tensors get their own pages, freed at once
+    libc.malloc_trim(0)
+
+
+def measure_memory(workload, batch: int, steps: int = 3) -> dict[str, dict]:
+    """Per variant: gradient + bucket bytes after ``steps`` steps, and how far the peak RSS rose while training."""
+    _return_freed_memory_to_the_os()
+    out = {}
+    # The first pass pays one-time costs (thread pools, allocator arenas, gloo buffers) whichever variant runs
+    # first: it is run again and only the second pass counts.
+    for name, (wrapper, view) in [("warm-up", MEMORY_VARIANTS["torch"]), *MEMORY_VARIANTS.items()]:
+        torch.manual_seed(0)
+        base, x, y, loss_fn = workload(batch)
+        gc.collect()
+        _return_freed_memory_to_the_os()
+        dist.barrier()
+        resettable = _reset_peak_rss()
+        before = _proc_status("VmRSS")
+        model = wrap_model(base, wrapper, bucket_cap_mb=25, gradient_as_bucket_view=view)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)  # no momentum: no optimizer state to count
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+            opt.step()
+        peak = _proc_status("VmHWM")
+        mine = torch.tensor([gradient_bytes(model), peak - before if resettable and peak and before else -1])
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the heavier rank's figure
+        out[name] = {"grad_bucket_bytes": int(mine[0]), "peak_rss_growth_bytes": int(mine[1]) if mine[1] >= 0 else None}
+        del model, opt, base
+        out.pop("warm-up", None)
+        gc.collect()
+    return out
+
+
+def compare_losses(steps: int) -> dict[str, dict]:
+    """Train the tiny transformer on a learnable rule with each wire format; the loss after ``steps`` steps."""
+    torch.manual_seed(0)
+    base = TinyTransformer(dim=64, layers=6, max_len=32)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for name, (wrapper, hook) in LOSS_VARIANTS.items():
+        model = wrap_model(copy.deepcopy(base), wrapper, bucket_cap_mb=25)
+        if hook is not None:
+            model.register_comm_hook(None, HOOKS[hook])
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = []
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step * world + rank)
+            tokens = torch.randint(0, 64, (16, 32), generator=g)
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(tokens).reshape(-1, 64), ((3 * tokens + 1) % 64).reshape(-1))
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        last = torch.stack(losses[-3:]).mean().reshape(1)  # the last 3 steps: less noise than one batch
+        dist.all_reduce(last)
+        out[name] = {"final_loss": last.item() / world, "first_loss": losses[0].item()}
+    fp32 = out["torch fp32"]["final_loss"]
+    for row in out.values():
+        row["vs_torch_fp32"] = row["final_loss"] / fp32 - 1
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats per variant (default 5)")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per repeat (default 8)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (default 3)")
-    ap.add_argument("--out", type=Path, default=RESULTS, help=f"JSON output (default {RESULTS})")
+    ap.add_argument("--loss-steps", type=int, default=40, help="training steps of the compression loss check")
+    ap.add_argument("--out", type=Path, default=None, help="JSON output (default: bench/results/ddp-bench.json)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     with distributed(force_cpu=True) as ctx:
-        return run(args, ctx.rank, ctx.world_size)
+        return run(args, ap, ctx.rank, ctx.world_size)
 
 
-def run(args, rank: int, world: int) -> int:
+def run(args, parser, rank: int, world: int) -> int:
+    load_before = load_average()
     models = {"deep_mlp": (mlp_workload, 32), "tiny_transformer": (transformer_workload, 16)}
     report = {
-        "schema": "ddp-bench.v1",
+        "schema": "ddp-bench.v2",
         "world_size": world,
         "backend": dist.get_backend(),
         "torch": torch.__version__,
-        "host": platform.node(),
         "repeats": args.repeats,
         "steps": args.steps,
         "time_unit": "median seconds per step (slowest rank), median over interleaved repeats",
         "models": {},
+        "memory": {},
+        "compression_loss": {},
         "sync_share": [],
     }
     for model_name, (workload, batch) in models.items():
@@ -161,6 +308,12 @@ def run(args, rank: int, world: int) -> int:
                 for n in VARIANTS
             },
         }
+        report["memory"][model_name] = measure_memory(workload, batch)
+    report["compression_loss"] = {
+        "model": "tiny_transformer",
+        "steps": args.loss_steps,
+        **compare_losses(args.loss_steps),
+    }
 
     for batch in (1, 16, 256):
         per_repeat = measure(["no sync", "ours 25MB"], mlp_workload, batch, args.repeats, args.steps, args.warmup)
@@ -176,17 +329,20 @@ def run(args, rank: int, world: int) -> int:
         )
 
     if rank == 0:
+        report = {"schema": report.pop("schema"), **provenance(args, load_before=load_before), **report}
         print_table(report)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"\nwrote {args.out}")
+        out = output_path(parser, args, "ddp-bench")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print("\n" + describe_output(out))
     return 0
 
 
 def print_table(report: dict) -> None:
     print(
         f"world size {report['world_size']} ({report['backend']}, CPU), {report['repeats']} interleaved repeats "
-        f"x {report['steps']} steps; ms = median step time of the slowest rank\n"
+        f"x {report['steps']} steps; ms = median step time of the slowest rank; load average before/after "
+        f"{report['machine']['load_average_before']} / {report['machine']['load_average_after']}\n"
     )
     names = list(report["models"])
     header = "| variant | " + " | ".join(f"{m} ms | ×torch" for m in names) + " |"
@@ -207,12 +363,39 @@ def print_table(report: dict) -> None:
     mlp = report["models"]["deep_mlp"]["variants"]
     print(
         f"ours 25MB vs lesson loop on deep_mlp: {mlp['lesson loop']['median_s'] / mlp['ours 25MB']['median_s']:.2f}x "
-        f"faster"
+        f"faster; ours bf16 / torch 25MB (fp32) on deep_mlp: {mlp['ours bf16']['ratio_to_torch']:.2f}x "
+        f"(target <= 0.85x)"
     )
+    print_memory(report["memory"])
+    print_losses(report["compression_loss"])
     print(
         "\ngradient-sync share of the step (deep_mlp, ours 25MB): "
         + ", ".join(f"batch {s['per_rank_batch']}: {s['sync_share']:.0%}" for s in report["sync_share"])
     )
+
+
+def print_memory(memory: dict) -> None:
+    print("\nmemory, after 3 steps (heavier rank): gradients + buckets | peak RSS growth while training, MiB")
+    names = list(memory)
+    print("| variant | " + " | ".join(f"{m} grads+buckets | {m} peak RSS +" for m in names) + " |")
+    print("|---|" + "---:|---:|" * len(names))
+    for v in MEMORY_VARIANTS:
+        cells = []
+        for m in names:
+            row = memory[m][v]
+            rss = row["peak_rss_growth_bytes"]
+            cells.append(f"{row['grad_bucket_bytes'] / 2**20:.1f} | {'n/a' if rss is None else f'{rss / 2**20:.1f}'}")
+        print(f"| {v} | " + " | ".join(cells) + " |")
+
+
+def print_losses(losses: dict) -> None:
+    print(f"\nloss after {losses['steps']} steps ({losses['model']}, AdamW, learnable rule), mean of the last 3:")
+    for name in LOSS_VARIANTS:
+        row = losses[name]
+        print(
+            f"  {name:11s} {row['final_loss']:.4f}  ({row['vs_torch_fp32']:+.2%} vs torch fp32; "
+            f"first {row['first_loss']:.3f})"
+        )
 
 
 if __name__ == "__main__":
