@@ -49,6 +49,9 @@ def clean_env(**extra: str) -> dict[str, str]:
 PORT_RESERVATIONS = Path(tempfile.gettempdir()) / "ddp-cluster-test-ports"
 _RESERVATION_S = 900  # a reserved port is not handed out again for this long (longer than any test)
 _LOWEST_PORT = 10000  # below: well-known services (Prometheus 9090, the metrics default 9400, ...)
+# Ports the project's own tools bind by default (bench-metrics 19700+, the rendezvous 29400, MASTER_PORT 29500):
+# a `make run` or a bench started beside the tests must not find its port taken by a test, nor the reverse.
+_PROJECT_PORTS = (range(19700, 19800), range(29400, 29600))
 OUTPUT_DIR: Callable[[], Path] | None = None  # set per test by tests/conftest.py: where keep_output writes
 
 
@@ -106,6 +109,8 @@ def free_port(count: int = 1) -> int:
     for _ in range(500):
         base = rng.randrange(_LOWEST_PORT, high)
         ports = range(base, base + count)
+        if any(p in r for p in ports for r in _PROJECT_PORTS):
+            continue
         if all(_bindable(p) for p in ports) and all(_reserve(p) for p in ports):
             return base
     raise RuntimeError(f"no {count} consecutive free ports in {_LOWEST_PORT}..{high}")
