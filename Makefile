@@ -29,7 +29,7 @@ demo: venv ## the proof: WORKERS CPU ranks under torchrun vs single-process trai
 	$(TORCHRUN) --standalone --nproc-per-node=$(strip $(WORKERS)) -m app.demo \
 	  --steps $(strip $(STEPS)) --bucket-cap-mb $(strip $(BUCKET_MB)) --wrapper $(strip $(WRAPPER))
 
-test: venv ## run the test suite: unit, integration (real gloo ranks, Prometheus) and e2e (Docker)
+test: venv ## the test suite: unit, integration (real gloo ranks, Prometheus), e2e (Docker: one-line skip until make docker-setup)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: venv ## the unit tests only (one process, no network; under a minute)
@@ -41,6 +41,10 @@ lint: venv ## ruff: lint and format check (what .ci/run runs first)
 
 bench: venv ## DDP step time side by side (ours vs torch's vs the lesson's loop), table + JSON in bench/results/
 	$(TORCHRUN) --standalone --nproc-per-node=2 -m bench.ddp_bench
+
+.PHONY: gpu-check
+gpu-check: venv ## ONE GPU, a few minutes: ours vs torch's DDP on NCCL, CUDA timings, hooks, train+resume on cuda
+	$(PY) -m bench.gpu_check
 
 accum: venv ## gradient accumulation on 2 CPU ranks: equivalence, sync counts, sweep; JSON + PNG in bench/results/
 	$(PY) -m bench.accum

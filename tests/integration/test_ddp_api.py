@@ -434,3 +434,20 @@ def test_a_known_delay_before_the_all_reduce_shows_in_the_reported_latency():
     assert ours.span_seconds >= 0.8 * DELAY_S and ours.wait_seconds >= 0.5 * DELAY_S, ours
     assert max(theirs.bucket_seconds) >= 0.8 * DELAY_S, theirs
     assert theirs.span_seconds >= 0.8 * DELAY_S and theirs.wait_seconds is None, theirs
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: make gpu-check runs for real there")
+def test_gpu_check_without_cuda_exits_2_with_one_line():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check"],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "no CUDA device" in result.stderr
