@@ -151,14 +151,27 @@ def torchrun(
 ) -> subprocess.CompletedProcess:
     cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "-m", "app.train", *args]
     return subprocess.run(
-        cmd, cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=timeout, **popen
+        cmd,
+        cwd=REPO,
+        env=env or clean_env(),
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=timeout,
+        **popen,
     )
 
 
 def start_torchrun(*args: str, nproc: int = 2, env: dict[str, str] | None = None) -> subprocess.Popen:
     cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "-m", "app.train", *args]
     return subprocess.Popen(
-        cmd, cwd=REPO, env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd,
+        cwd=REPO,
+        env=env or clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",  # a stray undecodable byte must not end the reading as if the output had closed
     )
 
 
@@ -184,6 +197,7 @@ def start_ranks(*args: str, world_size: int = 2, port: int | None = None, **extr
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
+                errors="replace",
             )
         )
     return procs
@@ -196,7 +210,7 @@ def wait_for_lines(proc: subprocess.Popen, stream, wanted: str, count: int = 1, 
     The reading happens in a thread, the waiting on a queue with a timeout: a worker that hangs without printing
     anything blocks ``readline()`` forever, and a deadline checked between reads would never be reached.
     """
-    lines: queue.Queue[str | None] = queue.Queue()
+    lines: queue.Queue[str | BaseException | None] = queue.Queue()
 
     def pump() -> None:
         found = 0
@@ -206,6 +220,8 @@ def wait_for_lines(proc: subprocess.Popen, stream, wanted: str, count: int = 1, 
                 lines.put(line)
                 if found >= count:
                     return  # no further readline: what follows belongs to communicate()
+        except BaseException as e:  # reported as what it is, not mistaken for the end of the output
+            lines.put(e)
         finally:
             lines.put(None)  # end of output (or done): wakes the waiter
 
@@ -229,6 +245,8 @@ def wait_for_lines(proc: subprocess.Popen, stream, wanted: str, count: int = 1, 
             ) from None
         if line is None:
             break
+        if isinstance(line, BaseException):
+            raise AssertionError(f"reading the worker's output failed: {line!r}") from line
         seen.append(line)
     if sum(wanted in line for line in seen) < count:
         # The stream reached its end: the process closed it, so it is exiting; everything it wrote is in `seen`
