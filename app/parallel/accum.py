@@ -19,7 +19,7 @@ local samples × world_size / global samples makes the wrapper's average over ra
     mean over ranks of (n_r × W / B) × mean_r  =  Σ_r n_r × mean_r / B  =  the mean over all B samples
 
 Used by the trainer (``app.train``); shown across real ranks, with every claim measured, by ``make accum``
-(``bench/accum.py``); tested by ``python -m pytest tests/test_accum.py``.
+(``bench/accum.py``); tested by ``python -m pytest tests/integration/test_accum.py``.
 """
 
 from __future__ import annotations

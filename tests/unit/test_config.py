@@ -153,3 +153,24 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path):
     assert len(lines) == 1, result.stderr
     assert expected in lines[0]
     assert "Traceback" not in result.stderr
+
+
+def test_torchrun_variables_are_read_once_with_the_elastic_range():
+    from app.config import WorldEnv
+
+    assert WorldEnv.from_environ({}) == WorldEnv()  # no torchrun: a world of one
+    static = WorldEnv.from_environ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"})
+    assert (static.rank, static.local_rank, static.world_size, static.local_world_size) == (3, 1, 4, 2)
+    assert (static.min_world_size, static.max_world_size) == (4, 4)
+    elastic = WorldEnv.from_environ(
+        {
+            "RANK": "0",
+            "WORLD_SIZE": "6",
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "2",
+            "PET_NNODES": "2:4",  # torchrun --nnodes given through its environment, which the workers inherit
+            "TORCHELASTIC_RESTART_COUNT": "3",
+        }
+    )
+    assert (elastic.min_world_size, elastic.max_world_size) == (4, 8)
+    assert (elastic.node, elastic.restart_count) == ("2", 3)

@@ -1,0 +1,104 @@
+"""World-size invariance: with ``effective_batch`` set, the training does not depend on how many ranks run it.
+
+The same 12 steps of a global batch of 50 samples (micro-batches of at most 8) on one process, on 4 ranks, on 3
+ranks (shares of 17/17/16: uneven), and on 2 → 3 → 4 ranks resumed from checkpoints every 4 steps: the final
+parameters agree to float rounding. Each step trains on the same 50 samples whatever the world size (app.data), and
+each rank's loss is weighted by its share so the averaged gradient is the full batch's (app.parallel.accum).
+
+The tolerance is measured, not guessed: the runs differ only in the order of float additions (per-rank partial
+sums, then the all-reduce). Measured max |Δparam| against one process after 12 AdamW steps: 3.0e-08 (world 4),
+1.4e-06 (world 3), 1.0e-07 (world 2 → 3 → 4); ``TOLERANCE`` allows 1e-5, 7× the largest. Leaving the uneven shares
+unweighted (a plain mean of the ranks' means) makes world 3 and world 4 fail it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+
+from app.checkpoint import checkpoint_path, load_checkpoint
+from tests.trainer_run import PYTHON, REPO, clean_env, describe, finished, torchrun
+
+# Six runs of the real worker (one to four processes each, each importing torch): minutes on a loaded machine.
+pytestmark = pytest.mark.timeout(1200)
+STEPS, GLOBAL_BATCH, MICRO_BATCH, DATASET = 12, 50, 8, 1000
+TOLERANCE = 1e-5
+COMMON = (
+    "--effective-batch",
+    str(GLOBAL_BATCH),
+    "--micro-batch",
+    str(MICRO_BATCH),
+    "--dataset-size",
+    str(DATASET),
+    "--checkpoint-every",
+    "4",
+    "--keep-checkpoints",
+    "5",
+    "--metrics-port",
+    "0",
+    "--log-every",
+    "4",
+)
+
+
+def _ranks(directory, steps: int, world: int) -> str:
+    args = ("--steps", str(steps), "--checkpoint-dir", str(directory), *COMMON)
+    if world == 1:
+        result = subprocess.run(
+            [PYTHON, "-m", "app.train", "--wrapper", "none", *args],
+            cwd=REPO,
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    else:
+        result = torchrun(*args, nproc=world, timeout=400)
+    assert result.returncode == 0, describe(result)
+    assert len(finished(result.stdout)) == world, describe(result)
+    return result.stderr
+
+
+def _params(directory) -> dict[str, torch.Tensor]:
+    return load_checkpoint(checkpoint_path(directory, STEPS))["model"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    top = tmp_path_factory.mktemp("invariance")
+    out = {}
+    for name, world in (("single", 1), ("world 4", 4), ("world 3", 3)):
+        _ranks(top / name, STEPS, world)
+        out[name] = _params(top / name)
+    logs = [_ranks(top / "2-3-4", steps, world) for steps, world in ((4, 2), (8, 3), (12, 4))]
+    out["world 2 -> 3 -> 4"] = _params(top / "2-3-4")
+    out["logs"] = logs
+    return out
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("name", ["world 4", "world 3", "world 2 -> 3 -> 4"])
+def test_the_final_parameters_do_not_depend_on_the_world_size(runs, name):
+    diff = _max_diff(runs[name], runs["single"])
+    print(f"max |Δparam| {name} vs single process after {STEPS} steps: {diff:.3g}")
+    assert diff < TOLERANCE, f"{name}: max |Δparam| {diff:.3g} vs one process"
+
+
+def test_the_runs_really_trained(runs):
+    torch.manual_seed(0)
+    from app.models import MiniMLP
+
+    initial = MiniMLP().state_dict()
+    assert _max_diff(runs["single"], initial) > 100 * TOLERANCE  # equal because they moved alike, not because idle
+
+
+def test_the_resumes_changed_the_world_but_not_the_global_batch(runs):
+    _, to_three, to_four = runs["logs"]
+    assert "saved by a world of 2" in to_three and "saved by a world of 3" in to_four
+    assert "global batch split over world_size 3 (16-17 per rank)" in to_three
+    assert "the global batch changes" not in to_three + to_four
