@@ -161,15 +161,15 @@ def test_code_named_in_the_docs_exists(path: Path) -> None:
 
 
 def documented_metrics() -> dict[str, str]:
-    """``{name: type}`` from the contract table of docs/metrics.md (its header starts ``| metric | type``)."""
+    """``{name: type}`` from the tables of docs/metrics.md whose header starts ``| metric | type``."""
     lines = FENCE.sub("", (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8")).splitlines()
-    start = next(i for i, line in enumerate(lines) if re.match(r"\|\s*metric\s*\|\s*type\s*\|", line))
     documented = {}
-    for row in lines[start + 2 :]:
-        if not row.startswith("|"):
-            break
-        names, kind = row.strip("|").split("|")[:2]
-        documented.update((name, kind.split()[0]) for name in re.findall(r"`(ddp_\w+)`", names))
+    for start in (i for i, line in enumerate(lines) if re.match(r"\|\s*metric\s*\|\s*type\s*\|", line)):
+        for row in lines[start + 2 :]:
+            if not row.startswith("|"):
+                break
+            names, kind = row.strip("|").split("|")[:2]
+            documented.update((name, kind.split()[0]) for name in re.findall(r"`(ddp_\w+)`", names))
     return documented
 
 
