@@ -238,15 +238,24 @@ class Checkpointer:
             ckpt.save(step)                 # every rank calls it; rank 0 writes
     """
 
-    def __init__(self, directory: str, *, every: int, keep: int, ctx, model, optimizer, batches, **run: Any):
+    def __init__(
+        self,
+        directory: str,
+        *,
+        every: int,
+        keep: int,
+        ctx,
+        model,
+        optimizer,
+        batches,
+        model_name: str,
+        seed: int,
+        lr: float,
+        global_batch: int,
+    ):
         self.directory, self.every, self.keep, self.ctx = directory, every, keep, ctx
         self.model, self.optimizer, self.batches = model, optimizer, batches
-        self.model_name, self.seed, self.lr, self.global_batch = (
-            run["model_name"],
-            run["seed"],
-            run["lr"],
-            run["global_batch"],
-        )
+        self.model_name, self.seed, self.lr, self.global_batch = model_name, seed, lr, global_batch
         self.generation = 1  # this world is the job's first, unless a checkpoint says otherwise
 
     # -- resume -----------------------------------------------------------------------------------------------------
