@@ -58,9 +58,27 @@ MUTATIONS = {
     "stall without the median": ("DDPTrainingStalled", _STALL_THRESHOLD, " > 30\n"),
     "stall at 100x the median": ("DDPTrainingStalled", "10 * (quantile(0.5,", "100 * (quantile(0.5,"),
     # Without "no worker answers", every running job below its target would page.
-    "job ended without the workers check": ("DDPJobEndedEarly", 'unless on() count(up{job="ddp-worker"} == 1) > 0', ""),
+    "job ended without the workers check": ("DDPJobEndedEarly", "unless on() count(ddp_rank_info) > 0", ""),
     # At or below the target: a job that finished would page once its workers are gone.
     "job ended at the target": ("DDPJobEndedEarly", "ddp_step[1h])) <", "ddp_step[1h])) <="),
+    # Any target that is down, an exporter that is not a worker included, would page.
+    "rank down for any target": (
+        "DDPRankDown",
+        "up == 0 and on(instance) max by (instance) (last_over_time(ddp_rank_info[10m]))",
+        "up == 0",
+    ),
+    # A minute instead of 20 s: a dead rank would page too late.
+    "rank down after a minute": ("DDPRankDown", "for: 20s", "for: 1m"),
+    # At or below: a steady world would page.
+    "world shrank on a steady world": ("DDPWorldShrank", "max(ddp_world_size) <", "max(ddp_world_size) <="),
+    # Without "finished", every job would page once its workers exit at the end.
+    "below minimum after the end": (
+        "DDPWorldBelowMinimum",
+        "unless on() max(last_over_time(ddp_step[10m])) >= on() max(last_over_time(ddp_target_steps[10m]))",
+        "",
+    ),
+    # Four re-formations instead of three: a storm would be noticed one failure later.
+    "storm at four": ("DDPRestartStorm", ">= 3", ">= 4"),
 }
 
 
@@ -80,4 +98,13 @@ def test_alert_unit_tests_can_fail(promtool, tmp_path, mutation):
 def test_scrape_config_and_rules_are_valid(promtool):
     result = _run(promtool, "check", "config", "prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "6 rules found" in result.stdout + result.stderr
+    assert "8 rules found" in result.stdout + result.stderr
+
+
+def test_communication_share_is_a_dashboard_fact_not_a_page():
+    # Over half of every healthy CPU-demo step is exposed communication: true, shown on the dashboard, no incident.
+    import yaml
+
+    rules = yaml.safe_load((PROM_DIR / "alerts.yml").read_text())["groups"][0]["rules"]
+    exprs = " ".join(r["expr"] for r in rules if r["alert"] != "DDPStraggler")
+    assert "ddp_exposed_comm_duration_seconds" not in exprs, "an alert on the communication share pages healthy runs"
