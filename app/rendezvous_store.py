@@ -26,6 +26,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 DEFAULT_PORT = 29400
 
@@ -58,22 +59,41 @@ def serve(host: str, port: int, stop: threading.Event, restart_after_job: str | 
     log.info("rendezvous store stopping")
 
 
-def watch_job(store, run_id: str, stop: threading.Event, poll_s: float = 1.0, grace_s: float = 5.0) -> None:
-    """Set ``stop`` once the rendezvous ``run_id`` is closed, i.e. its job has ended."""
+def watch_job(
+    store, run_id: str, stop: threading.Event, poll_s: float = 1.0, grace_s: float = 5.0, alone_s: float = 45.0
+) -> None:
+    """Set ``stop`` once the rendezvous ``run_id`` is closed, i.e. its job has ended.
+
+    Says so once if no worker has come to the rendezvous within ``alone_s`` (``--scale worker=0``, or workers that
+    cannot reach the store): otherwise an empty cluster would wait without a word.
+    """
     import pickle
 
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
     backend = C10dRendezvousBackend(store, run_id)  # torchrun's own reader of the state it keeps here
+    started, warned = time.monotonic(), False
     while not stop.wait(poll_s):
         try:
             found = backend.get_state()
             # The state is torch's private pickled _RendezvousState; its `closed` flag has been there since
             # torchrun's c10d backend exists. If it ever moves, stop watching rather than guess.
-            closed = found is not None and bool(pickle.loads(found[0]).closed)
+            state = pickle.loads(found[0]) if found is not None else None
+            closed = state is not None and bool(state.closed)
+            seen = state is not None and bool(state.participants or state.wait_list or state.redundancy_list)
         except Exception as exc:  # noqa: BLE001 - any failure here must leave the store serving
             log.warning("cannot read rendezvous %r (%s): no restart after the job", run_id, exc)
             return
+        if not seen and not warned and time.monotonic() - started > alone_s:
+            warned = True
+            log.warning(
+                "no worker has joined rendezvous %r in %g s: start some (docker compose up -d --scale worker=N, "
+                "1 <= N <= MAX_WORKERS), or check that they reach this store",
+                run_id,
+                alone_s,
+            )
+        if seen:
+            warned = True  # the job has started: an empty round later is a re-formation, not an empty cluster
         if closed:
             # The agents close the rendezvous while shutting down: give the last of them time to finish.
             log.info(
