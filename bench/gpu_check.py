@@ -153,7 +153,7 @@ def check_timing(cycles: int) -> dict:
         return slow
 
     model = build()
-    ours = Ours(copy.deepcopy(model), device_ids=[0], bucket_cap_mb=1000)  # one bucket: one delay per step
+    ours = Ours(copy.deepcopy(model), device_ids=[0], bucket_cap_mb=1000)  # few buckets, each delayed
     ours.register_comm_hook(None, delayed(allreduce_hook))
     probe = OursCommProbe(ours)
     real = default_hooks.allreduce_hook
