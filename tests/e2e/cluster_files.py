@@ -22,30 +22,54 @@ SETUP_ENGINE = ROOT.parent / "shared/docker/setup-engine.sh"
 LOCAL_BASE = "local/python:3.11-slim"
 
 
+# The row whose panels read the ddp_pipeline_* series, which only a --parallel pipeline run exports.
+PIPELINE_ROW = "Pipeline"
+
+
 @dataclass(frozen=True)
 class PanelQuery:
     panel: str  # the panel's title, as a user sees it
     ref: str  # the target's refId
     expr: str  # as written in the JSON, with Grafana variables
+    row: str = ""  # the title of the row the panel sits in
 
 
 def dashboard() -> dict:
     return json.loads(DASHBOARD.read_text())
 
 
-def panel_queries(dash: dict | None = None) -> list[PanelQuery]:
-    """Every target of every panel (rows' nested panels included)."""
+def panel_queries(dash: dict | None = None, pipeline: bool = False) -> list[PanelQuery]:
+    """Every target of every panel (rows' nested panels included).
+
+    Args:
+        dash: the dashboard (default: the compose dashboard's JSON).
+        pipeline: also the panels of the row titled ``Pipeline…``, which show data only for a
+            ``--parallel pipeline`` run; a data-parallel run leaves them empty.
+
+    Example::
+
+        [q.expr for q in panel_queries() if q.row.startswith("Elastic")]
+    """
     dash = dash or dashboard()
     out: list[PanelQuery] = []
+    row = ""
 
-    def walk(panels):
+    def walk(panels, row):
         for p in panels:
+            if p.get("type") == "row":
+                row = p.get("title", "")
             for t in p.get("targets", []):
-                out.append(PanelQuery(p.get("title", "?"), t.get("refId", "?"), t["expr"]))
-            walk(p.get("panels", []))
+                out.append(PanelQuery(p.get("title", "?"), t.get("refId", "?"), t["expr"], row))
+            walk(p.get("panels", []), row)
 
-    walk(dash["panels"])
-    return out
+    walk(dash["panels"], row)
+    return [q for q in out if pipeline or not q.row.startswith(PIPELINE_ROW)]
+
+
+def annotation_queries(dash: dict | None = None) -> list[str]:
+    """The PromQL of the dashboard's annotations (world re-formations)."""
+    dash = dash or dashboard()
+    return [a["expr"] for a in dash.get("annotations", {}).get("list", []) if a.get("expr")]
 
 
 def scrape_interval_seconds() -> float:
@@ -103,6 +127,7 @@ _PROMQL_WORDS = {
     "avg_over_time",
     "last_over_time",
     "humanize",
+    "changes",
 }
 
 
@@ -119,8 +144,9 @@ def exported_metric_names() -> set[str]:
     """The sample names a worker really exposes (app.metrics.TrainMetrics' registry), e.g. *_bucket, *_total."""
     from app.metrics import TrainMetrics
 
-    registry = TrainMetrics(rank=0, local_rank=0, world_size=2, node="0", host="h").registry
-    return {s.name for family in registry.collect() for s in family.samples}
+    metrics = TrainMetrics(rank=0, local_rank=0, world_size=2, node="0", host="h")
+    metrics.enable_pipeline()  # the ddp_pipeline_* series, registered by a --parallel pipeline run
+    return {s.name for family in metrics.registry.collect() for s in family.samples}
 
 
 def compose_services(*files: Path) -> dict[str, dict]:

@@ -17,7 +17,9 @@ from tests.e2e.cluster_files import (
     COMPOSE,
     COMPOSE_LOCAL,
     DATASOURCES,
+    PIPELINE_ROW,
     ROOT,
+    annotation_queries,
     compose_services,
     dashboard,
     exported_metric_names,
@@ -28,7 +30,7 @@ from tests.e2e.cluster_files import (
 
 def test_every_panel_query_reads_only_metrics_the_worker_exports():
     exported = exported_metric_names() | {"up"}  # `up`: Prometheus' own, one per scrape target
-    queries = panel_queries()
+    queries = panel_queries(pipeline=True)
     assert len(queries) >= 15
     unknown = {
         f"{q.panel} [{q.ref}]": sorted(metric_names(q.expr) - exported)
@@ -37,6 +39,25 @@ def test_every_panel_query_reads_only_metrics_the_worker_exports():
     }
     assert not unknown, f"panels query metrics app/metrics.py does not export: {unknown}"
     assert all(metric_names(q.expr) for q in queries), "a panel query names no metric at all"
+    for expr in annotation_queries():
+        assert metric_names(expr) and metric_names(expr) <= exported, expr
+
+
+def test_pipeline_panels_sit_in_their_own_row_and_the_rest_in_others():
+    everything, data_parallel = panel_queries(pipeline=True), panel_queries()
+    pipeline = [q for q in everything if q not in data_parallel]
+    assert pipeline and all(q.row.startswith(PIPELINE_ROW) for q in pipeline)
+    assert all("ddp_pipeline_" in q.expr for q in pipeline), "a pipeline-row panel on data-parallel metrics"
+    assert not [q for q in data_parallel if "ddp_pipeline_" in q.expr], "pipeline metrics outside the Pipeline row"
+
+
+def test_dashboard_shows_the_elastic_world_and_annotates_its_changes():
+    elastic = " ".join(q.expr for q in panel_queries() if q.row.startswith("Elastic"))
+    for metric in ("ddp_world_size", "ddp_min_world_size", "ddp_world_generation", "ddp_reformation_seconds"):
+        assert metric in elastic, f"the Elastic row does not show {metric}"
+    assert any("ddp_world_generation" in e for e in annotation_queries()), "no annotation for a re-formed world"
+    counts = [q.expr for q in panel_queries() if q.panel == "Ranks up"]
+    assert counts == ["count(ddp_rank_info)"], "ranks, not scrape targets (one pod may hold 8 ranks)"
 
 
 def test_every_alert_reads_only_metrics_the_worker_exports():
@@ -63,6 +84,7 @@ def test_dashboard_names_the_provisioned_datasource_by_uid():
     uids = {t["datasource"]["uid"] for p in dash["panels"] for t in p.get("targets", [])}
     uids |= {p["datasource"]["uid"] for p in dash["panels"] if "datasource" in p}
     uids |= {v["datasource"]["uid"] for v in dash["templating"]["list"]}
+    uids |= {a["datasource"]["uid"] for a in dash["annotations"]["list"]}
     assert uids == {source["uid"]} == {"prometheus"}
     assert source["url"] == "http://prometheus:9090"  # the compose service's name and port
 
