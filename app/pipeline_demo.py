@@ -1,6 +1,6 @@
 """Model and pipeline parallelism, proven: each compared with single-process training, step by step.
 
-    make pipeline                                      # all of it on CPU, about a minute
+    make pipeline                                      # all of it on CPU, a minute or two
     .venv/bin/python -m app.pipeline_demo --steps 3 --micro-batches 2 --no-bubble
     .venv/bin/python -m app.pipeline_demo --devices cuda:0,cuda:1   # model parallel on two real GPUs
 
@@ -12,6 +12,7 @@ This process spawns its own ranks (real processes, gloo on loopback) and prints 
                      the whole batch: loss and parameters every step, bytes sent, each stage's idle share
     data x pipeline  4 ranks = 2 replicas of the 2-stage pipeline, each stage's gradients averaged between its
                      replicas by our DDP wrapper over a sub-group, vs one process on the whole (double) batch
+    tensor parallel  2 ranks, one Linear pair split by columns then rows (torch.distributed.tensor.parallel)
     bubble           idle share per stage vs (S−1)/(M+S−1), S = 2, 4, M = 1, 2, 4, 8 (a short bench.pipeline_bubble)
 
 Verdict: PASS when every loss and parameter is within the tolerances below (exit 0), else FAIL (exit 1); a bad
@@ -170,11 +171,42 @@ def pipeline_on_rank(rank: int, world: int, cfg: dict) -> dict:
             rows.append({**stats._asdict(), "ref_loss": ref_loss.item(), "replica_ref": replica_ref, "dp": dparam})
         syncs = runner.stage.submod.stats.sync_calls if dp is not None else None
         out[schedule if world == 2 else "data_x_pipeline"] = {"rows": rows, "syncs": syncs, "stage": stage}
+    if world == 2:
+        out["tensor_parallel"] = tensor_parallel_gaps(world, cfg)
     if cfg["bubble"]:
         from bench.pipeline_bubble import measure_on_rank
 
         out["bubble"] = measure_on_rank(rank, world, cfg["bubble"])
     return out
+
+
+def tensor_parallel_gaps(world: int, cfg: dict) -> tuple[float, float]:
+    """Linear(64→128) split by columns, Linear(128→64) by rows, over the world, vs one process: worst |dloss|, |dp|."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from app.parallel.tensor_parallel import parallelize_linear_pair
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.ReLU(), nn.Linear(2 * WIDTH, WIDTH))
+    reference = copy.deepcopy(model)
+    tp = parallelize_linear_pair(model, init_device_mesh("cpu", (world,)))
+    opt, ref_opt = torch.optim.SGD(tp.parameters(), lr=cfg["lr"]), torch.optim.SGD(reference.parameters(), lr=cfg["lr"])
+    worst_loss = worst_param = 0.0
+    for step in range(cfg["steps"]):
+        x, y = batch(step, cfg["batch"])  # the whole batch on every rank: the weights are split, not the data
+        opt.zero_grad()
+        loss = F.mse_loss(tp(x), y)
+        loss.backward()
+        opt.step()
+        ref_opt.zero_grad()
+        ref_loss = F.mse_loss(reference(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        worst_loss = max(worst_loss, abs(loss.item() - ref_loss.item()))
+        dp = max((p.full_tensor() - q).abs().max().item() for p, q in zip(tp.parameters(), reference.parameters()))
+        worst_param = max(worst_param, dp)
+    return worst_loss, worst_param
 
 
 def print_pipeline(results: list[dict], schedule: str, cfg: dict) -> tuple[float, float]:
@@ -272,6 +304,17 @@ def main(argv=None) -> int:
         wl, wp = print_pipeline(two, schedule, cfg)
         worst_loss, worst_param = max(worst_loss, wl), max(worst_param, wp)
 
+    from app.parallel.tensor_parallel import all_reduce_bytes_per_step
+
+    tp_loss, tp_param = (max(r["tensor_parallel"][i] for r in two) for i in (0, 1))
+    print("\n== tensor parallel: 2 ranks, Linear(64->128) split by columns, ReLU, Linear(128->64) by rows ==")
+    print(
+        f"  {args.steps} steps vs one process: worst |dloss| {tp_loss:.2e}, worst max |dp| {tp_param:.2e}; each rank "
+        f"holds half of each weight; {all_reduce_bytes_per_step(args.batch, WIDTH, WIDTH) / 1024:.0f} KiB "
+        f"all-reduced per step (the output forward, the input's gradient backward)"
+    )
+    worst_loss, worst_param = max(worst_loss, tp_loss), max(worst_param, tp_param)
+
     print(
         f"\n== data x pipeline: 4 ranks = 2 replicas x 2 stages, our DDP per stage, vs one process on {2 * args.batch}"
     )
@@ -291,10 +334,10 @@ def main(argv=None) -> int:
 
     ok = mp_ok and worst_loss <= LOSS_TOLERANCE and worst_param <= PARAM_TOLERANCE and one_sync
     print(
-        f"\n{'PASS' if ok else 'FAIL'}: model parallel {'equal' if mp_ok else 'NOT equal'} to one device; GPipe, 1F1B "
-        f"and data x pipeline equal single-process training for {args.steps} steps (worst |dloss| {worst_loss:.2e} "
-        f"<= {LOSS_TOLERANCE:.0e}, worst max |dp| {worst_param:.2e} <= {PARAM_TOLERANCE:.0e}, one DDP sync per "
-        f"step: {'yes' if one_sync else 'NO'})"
+        f"\n{'PASS' if ok else 'FAIL'}: model parallel {'equal' if mp_ok else 'NOT equal'} to one device; GPipe, "
+        f"1F1B, data x pipeline and tensor parallel equal single-process training for {args.steps} steps (worst "
+        f"|dloss| {worst_loss:.2e} <= {LOSS_TOLERANCE:.0e}, worst max |dp| {worst_param:.2e} <= "
+        f"{PARAM_TOLERANCE:.0e}, one DDP sync per step: {'yes' if one_sync else 'NO'})"
     )
     return 0 if ok else 1
 

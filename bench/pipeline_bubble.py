@@ -1,7 +1,7 @@
 """The pipeline bubble, measured: each stage's idle share against GPipe's (S−1)/(M+S−1), for S = 2, 4 stages and
 M = 1, 2, 4, 8 micro-batches, on PyTorch's schedules (``app.parallel.pipeline``), gloo on CPU, world size S.
 
-    make pipeline-bubble                                     # both compute kinds, about a minute
+    make pipeline-bubble                                     # both compute kinds: 2-6 minutes on 2 cores
     .venv/bin/python -m bench.pipeline_bubble --compute emulated --steps 3
     .venv/bin/python -m bench.pipeline_bubble --stages 2 --micro-batches 1,2,4,8,16 --schedules gpipe,1f1b
 

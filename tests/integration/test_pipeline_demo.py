@@ -32,7 +32,11 @@ def test_demo_passes_step_by_step():
     assert re.search(r"on cpu,cpu,cpu \(CPU stand-ins.*max \|dp\| vs one device 0\.00e\+00.*: ok", out)
     assert len(re.findall(r"^gpipe\s+\d", out, re.M)) == 2 and len(re.findall(r"^1f1b\s+\d", out, re.M)) == 2
     assert "DDP all-reduces per rank: [2, 2, 2, 2] for 2 steps" in out
-    assert out.strip().splitlines()[-1].startswith("PASS: model parallel equal to one device; GPipe, 1F1B")
+    assert (
+        out.strip()
+        .splitlines()[-1]
+        .startswith("PASS: model parallel equal to one device; GPipe, 1F1B, data x pipeline and tensor")
+    )
 
 
 @pytest.mark.parametrize(
