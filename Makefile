@@ -117,7 +117,7 @@ export BASE_IMAGE COMPOSE_FILE
 # one build cache. No buildx here, so no Bake.
 export COMPOSE_BAKE ?= false
 
-.PHONY: docker-setup image up down logs e2e
+.PHONY: docker-setup image up down logs e2e chaos
 docker-setup: ## Docker engine + Compose v2 (+ local base image and docker/wheels/ where no registry is reachable)
 	@if [ -f $(SETUP_ENGINE) ]; then WHEELS=$(CURDIR)/docker/wheels bash $(SETUP_ENGINE); \
 	elif docker compose version >/dev/null 2>&1; then echo "docker-setup: docker and compose are there"; \
@@ -126,7 +126,11 @@ docker-setup: ## Docker engine + Compose v2 (+ local base image and docker/wheel
 image: ## build the worker image ddp-cluster:IMAGE_TAG (latest; BASE_IMAGE=..., TORCH_VARIANT=cpu|cuda|cu128)
 	TORCH_VARIANT=$(TORCH_VARIANT) IMAGE_TAG=$(or $(strip $(IMAGE_TAG)),latest) docker compose build worker
 
-up: ## start the cluster: WORKERS containers, one rank each, + Prometheus (127.0.0.1:9090) and Grafana (:3000)
+MAX_WORKERS ?= 8    # the elastic world's maximum (torchrun --nnodes=1:MAX_WORKERS in compose.yaml)
+export MAX_WORKERS
+up: ## start the cluster: WORKERS containers (1..MAX_WORKERS), one rank each, + Prometheus (:9090) and Grafana (:3000)
+	@if ! [ "$(strip $(WORKERS))" -ge 1 -a "$(strip $(WORKERS))" -le "$(strip $(MAX_WORKERS))" ] 2>/dev/null; then \
+	  echo "WORKERS=$(strip $(WORKERS)): give 1..$(strip $(MAX_WORKERS)) worker containers (or raise MAX_WORKERS)" >&2; exit 2; fi
 	WORKERS=$(strip $(WORKERS)) docker compose up -d --scale worker=$(strip $(WORKERS))
 	@echo "Grafana http://127.0.0.1:3000, Prometheus http://127.0.0.1:9090; make logs to follow, make down to stop"
 
@@ -135,6 +139,9 @@ down: ## stop the cluster and remove its containers, network and volumes (checkp
 
 logs: ## follow the cluster's logs
 	docker compose logs -f
+
+chaos: venv image ## the chaos proof: a worker killed and brought back vs an untouched run; PASS/FAIL, JSON + PNG in bench/results/
+	$(PY) -m bench.chaos --no-build
 
 e2e: venv docker-setup ## the end-to-end tests: image, compose up --scale worker=4, Prometheus, every dashboard query
 	$(PY) -m pytest -m e2e tests/e2e $(PYTEST_ARGS)

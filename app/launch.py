@@ -204,6 +204,7 @@ class Reporter:
             return  # a world exists or is forming: join it now
         if self.store is None:
             return
+        log.info("waiting until every replica of %r is ready to form the first world", peers)
         prefix = f"app.launch/{self.run_id}/ready/"
         self.client().set(prefix + socket.gethostbyname(socket.gethostname()), "1")
         deadline, ips = time.monotonic() + timeout_s, set()
@@ -301,6 +302,8 @@ def install_agent(reporter: Reporter) -> None:
                 # container, so they all join within a moment of each other.
                 if PEERS and reporter.world == 0:
                     reporter.wait_for_peers(PEERS, PEERS_WAIT_SECONDS)
+                where = "{}:{}".format(*reporter.store) if reporter.store else "this machine"
+                log.info("joining a world of job %r at %s", reporter.run_id, where)
                 return join()
 
             spec.rdzv_handler.next_rendezvous = join_with_peers
