@@ -46,7 +46,7 @@ from app.config import load_config
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 # Every kustomization (folder under k8s/) that a documented `kubectl apply -k` names.
-KUSTOMIZATIONS = ("base", "cpu", "monitoring")
+KUSTOMIZATIONS = ("base", "cpu", "monitoring", "elastic")
 COMMANDS = ("kubectl apply -f k8s/", *(f"kubectl apply -k k8s/{name}/" for name in KUSTOMIZATIONS))
 # Everything written by hand that kubectl or kustomize reads: each a YAML file with one object.
 YAML_FILES = sorted(
@@ -87,7 +87,7 @@ CONTRACT_METRICS = {
     # elastic worlds
     "ddp_min_world_size",
     "ddp_max_world_size",
-    "ddp_elastic_restart_count",
+    "ddp_elastic_restarts",  # not *_count: promtool reserves that suffix for histograms and summaries
     "ddp_world_generation",
     "ddp_reformation_seconds",
     "ddp_steps_redone_total",
@@ -615,3 +615,28 @@ def test_prometheus_rule_carries_the_compose_alerts():
     assert rule["spec"] == {"groups": alerts["groups"]}, (
         "k8s/monitoring/prometheusrule.yaml differs from docker/prometheus/alerts.yml: run `make k8s-rules`"
     )
+
+
+def test_elastic_variant_meets_at_its_own_store_and_keeps_the_rest():
+    from torch.distributed.run import parse_args
+
+    objs, base = kustomize("elastic"), folder(K8S)
+    job = objs[("Job", "ddp-train")]
+    store, service = objs[("Deployment", "ddp-rendezvous")], objs[("Service", "ddp-rendezvous")]
+    args = parse_args(render_pod(job, objs, 1).argv[len(LAUNCHER) :])
+    low, high = (int(n) for n in args.nnodes.split(":"))
+    assert args.rdzv_backend == "c10d" and args.max_restarts > 0, "an elastic world re-forms in place"
+    assert 1 <= low <= high == job["spec"]["completions"] == job["spec"]["parallelism"]
+    host, port = args.rdzv_endpoint.split(":")
+    assert host == service["metadata"]["name"] and int(port) == service["spec"]["ports"][0]["port"]
+    template = store["spec"]["template"]
+    assert service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+    assert store["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    assert restricted_violations(template["spec"]) == []
+    store_container = template["spec"]["containers"][0]
+    assert {"cpu", "memory"} <= set(store_container["resources"]["limits"])
+    assert str(port) in store_container["command"], "the store listens where the workers dial"
+    # Everything else is the base's: the same Job apart from its rendezvous flags.
+    container(job)["args"] = container(base[("Job", "ddp-train")])["args"]
+    assert job == base[("Job", "ddp-train")]
+    assert {k: v for k, v in objs.items() if k in base} == base
