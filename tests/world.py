@@ -4,9 +4,13 @@
 values, by rank. ``fn`` must be a module-level function (it is pickled by reference).
 
 Starting a rank costs seconds (a fresh interpreter importing torch, then the rendezvous), so a world of each size
-is started once and reused by later calls: its ranks wait for the next function. A rank that raises fails the
-call with its traceback; a rank that dies without a word (segfault, OOM killer) fails it at once, naming the rank and
-its exit code; ranks still busy at the deadline are killed and the call fails as a hang, so no test can block CI.
+is started once and reused by later calls: its ranks wait for the next function. That start-up has its own deadline
+(``START_TIMEOUT_S``), generous because a loaded machine can take a minute or more to import torch in every rank;
+a call's ``timeout`` covers only the function, so a slow start never eats into a test's own bound.
+
+A rank that raises fails the call with its traceback; a rank that dies without a word (segfault, OOM killer) fails
+it at once, naming the rank and its exit code; ranks still busy at the deadline are killed and the call fails as a
+hang, so no test can block CI.
 After any failure the world is torn down and the next call starts a fresh one.
 """
 
@@ -22,6 +26,7 @@ import tempfile
 import time
 import traceback
 
+START_TIMEOUT_S = 300.0  # to start every rank and form the group; also the group's collective timeout
 _ERROR_GRACE_S = 5.0  # after one rank fails, how long to wait for the others' reports before killing the world
 _POLL_S = 1.0  # how often a waiting call checks that every rank is still alive
 
@@ -38,11 +43,12 @@ def _serve(rank: int, world_size: int, init_file: str, backend: str, tasks, resu
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=60),
+            timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
         )
     except BaseException:
         results.put((rank, "err", traceback.format_exc()))
         return
+    results.put((rank, "ready", None))
     while True:
         task = tasks.get()
         if task is None:
@@ -69,10 +75,35 @@ class _World:
             )
             for r in range(world_size)
         ]
+        self.ready = False
         for p in self._procs:
             p.start()
 
+    def wait_ready(self, timeout: float) -> None:
+        """Until every rank has joined the group; a rank that fails or dies on the way fails it at once."""
+        ready: set[int] = set()
+        deadline = time.monotonic() + timeout
+        while len(ready) < self.world_size:
+            now = time.monotonic()
+            if now >= deadline:
+                missing = sorted(set(range(self.world_size)) - ready)
+                raise AssertionError(
+                    f"ranks {missing} did not start and join the group within {timeout:.0f}s "
+                    f"(a fresh interpreter importing torch, then the rendezvous)"
+                )
+            try:
+                rank, kind, value = self._results.get(timeout=min(_POLL_S, deadline - now))
+            except queue.Empty:
+                self._fail_if_a_rank_died({r: ("ready", None) for r in ready})
+                continue
+            if kind == "err":
+                raise AssertionError(f"rank {rank} could not start:\n{value}")
+            ready.add(rank)
+        self.ready = True
+
     def run(self, fn, args: tuple, timeout: float) -> list:
+        if not self.ready:
+            self.wait_ready(START_TIMEOUT_S)
         payload = pickle.dumps((fn, args))
         for q in self._tasks:
             q.put(payload)
