@@ -273,6 +273,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="timed steps per repeat (default 8)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (default 3)")
     ap.add_argument("--loss-steps", type=int, default=40, help="training steps of the compression loss check")
+    ap.add_argument("--models", default="deep_mlp,tiny_transformer", help="comma-separated subset of the models")
+    ap.add_argument("--variants", default="all", help="comma-separated subset of the variants (torch 25MB always)")
+    ap.add_argument("--no-extras", action="store_true", help="step times only: no memory, loss or sync-share")
     ap.add_argument("--out", type=Path, default=None, help="JSON output (default: bench/results/ddp-bench.json)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -283,6 +286,9 @@ def main(argv=None) -> int:
 def run(args, parser, rank: int, world: int) -> int:
     load_before = load_average()
     models = {"deep_mlp": (mlp_workload, 32), "tiny_transformer": (transformer_workload, 16)}
+    models = {m: models[m] for m in args.models.split(",")}
+    variants = VARIANTS if args.variants == "all" else ["torch 25MB", *(v for v in args.variants.split(",") if v)]
+    variants = list(dict.fromkeys(variants))  # each once, in the order given
     report = {
         "schema": "ddp-bench.v2",
         "world_size": world,
@@ -297,7 +303,7 @@ def run(args, parser, rank: int, world: int) -> int:
         "sync_share": [],
     }
     for model_name, (workload, batch) in models.items():
-        per_repeat = measure(VARIANTS, workload, batch, args.repeats, args.steps, args.warmup)
+        per_repeat = measure(variants, workload, batch, args.repeats, args.steps, args.warmup)
         medians = {n: statistics.median(v) for n, v in per_repeat.items()}
         torch_ms = medians["torch 25MB"]
         report["models"][model_name] = {
@@ -305,10 +311,26 @@ def run(args, parser, rank: int, world: int) -> int:
             "per_rank_batch": batch,
             "variants": {
                 n: {"median_s": medians[n], "ratio_to_torch": medians[n] / torch_ms, "per_repeat_s": per_repeat[n]}
-                for n in VARIANTS
+                for n in variants
             },
         }
-        report["memory"][model_name] = measure_memory(workload, batch)
+        if not args.no_extras:
+            report["memory"][model_name] = measure_memory(workload, batch)
+    if not args.no_extras:
+        extras(args, report)
+
+    if rank == 0:
+        report = {"schema": report.pop("schema"), **provenance(args, load_before=load_before), **report}
+        print_table(report)
+        out = output_path(parser, args, "ddp-bench")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print("\n" + describe_output(out))
+    return 0
+
+
+def extras(args, report: dict) -> None:
+    """The compression loss check and the lesson's sync-share exercise."""
     report["compression_loss"] = {
         "model": "tiny_transformer",
         "steps": args.loss_steps,
@@ -328,15 +350,6 @@ def run(args, parser, rank: int, world: int) -> int:
             }
         )
 
-    if rank == 0:
-        report = {"schema": report.pop("schema"), **provenance(args, load_before=load_before), **report}
-        print_table(report)
-        out = output_path(parser, args, "ddp-bench")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
-        print("\n" + describe_output(out))
-    return 0
-
 
 def print_table(report: dict) -> None:
     print(
@@ -348,7 +361,7 @@ def print_table(report: dict) -> None:
     header = "| variant | " + " | ".join(f"{m} ms | ×torch" for m in names) + " |"
     print(header)
     print("|---|" + "---:|---:|" * len(names))
-    for v in VARIANTS:
+    for v in report["models"][names[0]]["variants"]:
         cells = []
         for m in names:
             row = report["models"][m]["variants"][v]
@@ -360,18 +373,23 @@ def print_table(report: dict) -> None:
             f"{m}: {info['parameter_tensors']} parameter tensors, {info['gradient_mib']} MiB of gradients, "
             f"per-rank batch {info['per_rank_batch']}"
         )
-    mlp = report["models"]["deep_mlp"]["variants"]
-    print(
-        f"ours 25MB vs lesson loop on deep_mlp: {mlp['lesson loop']['median_s'] / mlp['ours 25MB']['median_s']:.2f}x "
-        f"faster; ours bf16 / torch 25MB (fp32) on deep_mlp: {mlp['ours bf16']['ratio_to_torch']:.2f}x "
-        f"(target <= 0.85x)"
-    )
-    print_memory(report["memory"])
-    print_losses(report["compression_loss"])
-    print(
-        "\ngradient-sync share of the step (deep_mlp, ours 25MB): "
-        + ", ".join(f"batch {s['per_rank_batch']}: {s['sync_share']:.0%}" for s in report["sync_share"])
-    )
+    mlp = report["models"].get("deep_mlp", {}).get("variants", {})
+    if "lesson loop" in mlp and "ours 25MB" in mlp:
+        print(
+            f"ours 25MB vs lesson loop on deep_mlp: "
+            f"{mlp['lesson loop']['median_s'] / mlp['ours 25MB']['median_s']:.2f}x faster"
+        )
+    if "ours bf16" in mlp:
+        print(f"ours bf16 / torch 25MB (fp32) on deep_mlp: {mlp['ours bf16']['ratio_to_torch']:.2f}x (target <= 0.85x)")
+    if report["memory"]:
+        print_memory(report["memory"])
+    if report["compression_loss"]:
+        print_losses(report["compression_loss"])
+    if report["sync_share"]:
+        print(
+            "\ngradient-sync share of the step (deep_mlp, ours 25MB): "
+            + ", ".join(f"batch {s['per_rank_batch']}: {s['sync_share']:.0%}" for s in report["sync_share"])
+        )
 
 
 def print_memory(memory: dict) -> None:
