@@ -307,7 +307,7 @@ class Trainer:
         if self.stop.requested or self.stop.event.wait(PEER_STOP_GRACE_SECONDS):
             log.warning("%s: stopped at step %d (%s); exit 0", self.stop.name, self.step, where)
             return 0
-        log.warning(
-            "a peer was signalled: stopped at step %d (%s); exit 1 so torchrun re-forms the group", self.step, where
-        )
-        return 1
+        # 75 (EX_TEMPFAIL), not 1: a Kubernetes Job ignores it (k8s/base/job.yaml's podFailurePolicy), so only the
+        # stopped pod's own end is judged; an elastic torchrun re-forms the group on any non-zero exit.
+        log.warning("a peer was signalled: stopped at step %d (%s); exit 75 so the group re-forms", self.step, where)
+        return 75

@@ -17,10 +17,10 @@ variables (app.dist), the same seeded parameters everywhere, its share of each g
 Stopping: SIGTERM (``docker stop``, Kubernetes) or SIGINT finishes the current step; the ranks agree on the step to
 stop at (one tiny all-reduce per step, which also carries the NaN check), rank 0 checkpoints, and the signalled ranks
 exit 0. Ranks that were not
-signalled themselves (a peer was scaled away) exit 1, so an elastic torchrun re-forms the group without it.
+signalled themselves (a peer was scaled away) exit 75, so an elastic torchrun re-forms the group without it.
 A NaN/inf loss stops every rank with exit code 1 and no new checkpoint: the last good one stays the newest.
 
-Exit codes: 0 success (or a handled SIGTERM), 2 bad configuration, 1 anything else.
+Exit codes: 0 success (or a handled SIGTERM), 2 bad configuration, 75 stopped because a peer was, 1 anything else.
 At the end every rank prints ``FINISHED rank=<r> world_size=<n> step=<s> checksum=<16 hex>``.
 """
 
