@@ -20,8 +20,8 @@ Around torchrun, three things the Job needs and torchrun does not do:
   ====  ============================================================================================
   0     every rank finished
   2     a bad configuration (a worker exited 2) or bad torchrun arguments: no retry can help
-  75    the failure was a peer's: every failed local rank exited 75 (its peer went away or was
-        stopped; app.train), so this pod only went down with it. The Job ignores it.
+  75    the failure was a peer's: every failed local rank exited 75 (app.train: a peer was asked to
+        stop, so this pod's ranks stopped with it, checkpointed). The Job ignores it.
   143   this pod was asked to stop (SIGTERM: deleted, evicted, preempted); its ranks checkpointed.
         The Job ignores it. Never 0: an index that ends 0 counts as done and is not run again.
   1     anything else: this pod's own failure, which the Job counts

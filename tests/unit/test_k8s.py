@@ -531,7 +531,7 @@ def test_every_container_has_requests_and_limits(variant):
             assert quantity(c["resources"]["requests"][kind]) <= quantity(c["resources"]["limits"][kind])
 
 
-def test_only_the_pod_that_failed_first_spends_the_retry_budget(variant):
+def test_stops_spend_no_retry_budget_and_crashes_a_bounded_one(variant):
     from app.k8s_launch import EXIT_PEER, EXIT_STOPPED
 
     _, job, _ = variant
@@ -546,7 +546,7 @@ def test_only_the_pod_that_failed_first_spends_the_retry_budget(variant):
     assert 2 in by_action["FailJob"]["values"]
     assert set(by_action["Ignore"]["values"]) == {EXIT_PEER, EXIT_STOPPED}, "a peer's failure, a requested stop"
     assert 1 not in by_action["Ignore"]["values"] and 137 not in by_action["Ignore"]["values"], "own failures count"
-    assert 1 <= spec["backoffLimit"] < spec["completions"] * 3, "one incident costs one failure, not `completions`"
+    assert spec["backoffLimit"] >= 2 * spec["completions"], "a crash costs every pod: allow more than one"
     assert spec["activeDeadlineSeconds"] > 0, "bounds a group whose failures all look like a peer's"
 
 
