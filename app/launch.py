@@ -162,6 +162,7 @@ class Reporter:
         self.exit_codes: dict[int, int | None] = {}  # local rank -> trainer exit code, after a shutdown
         self.leave_reason = "new containers are waiting to join"
         self.succeeded = False
+        self.local_id = 0  # this agent's rendezvous node id (fresh_node_identity)
 
     def state(self):
         """torch's private ``_RendezvousState`` (participants, wait and redundancy lists), or None."""
@@ -220,7 +221,7 @@ class Reporter:
         log.warning("not every one of the %d replicas of %r was ready in %g s: joining now", len(ips), peers, timeout_s)
 
     def is_me(self, node) -> bool:
-        return node.addr == self.me and node.pid == os.getpid()
+        return node.addr == self.me and node.pid == os.getpid() and node.local_id == self.local_id
 
     def world_formed(self, group) -> None:
         self.world += 1
@@ -278,6 +279,20 @@ class Reporter:
                 os._exit(BAD_CONFIG)  # no trainer of ours runs: nothing to stop or save
 
 
+def fresh_node_identity(reporter: Reporter) -> None:
+    """Give this agent a rendezvous identity its predecessor in the same container never had.
+
+    torch names a node (hostname, pid, local id). A container that Docker restarts keeps its hostname and, in a fresh
+    pid namespace, gets the same pid: its new agent would be taken for the dead one still listed in the rendezvous
+    state (a participant of a finished round), and wait for a round it is not part of until join_timeout. The local
+    id counts rendezvous handlers within a process; starting it from the clock makes each incarnation distinct.
+    """
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    reporter.local_id = int(time.time() * 1000) % 2**31
+    DynamicRendezvousHandler._node_desc_generator._local_id = reporter.local_id
+
+
 def install_agent(reporter: Reporter) -> None:
     """Make ``elastic_launch`` build torch's LocalElasticAgent with the reporting hooks below."""
     import torch.distributed.launcher.api as launcher_api
@@ -302,8 +317,8 @@ def install_agent(reporter: Reporter) -> None:
                 # container, so they all join within a moment of each other.
                 if PEERS and reporter.world == 0:
                     reporter.wait_for_peers(PEERS, PEERS_WAIT_SECONDS)
-                where = "{}:{}".format(*reporter.store) if reporter.store else "this machine"
-                log.info("joining a world of job %r at %s", reporter.run_id, where)
+                if reporter.store:
+                    log.info("joining a world of job %r at %s:%d", reporter.run_id, *reporter.store)
                 return join()
 
             spec.rdzv_handler.next_rendezvous = join_with_peers
@@ -412,6 +427,7 @@ def launch(argv: list[str] | None = None) -> int:
         log.error("%s", e)
         return e.code
     reporter = Reporter(store, args.rdzv_id, workers)
+    fresh_node_identity(reporter)
     install_agent(reporter)
     if store:
         threading.Thread(target=reporter.watch_redundancy, args=(high,), name="redundancy", daemon=True).start()

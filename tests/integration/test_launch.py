@@ -1,0 +1,105 @@
+"""app.launch (torchrun's engine with readable outcomes): exit codes and one-line reasons, with real torchrun agents.
+
+Each test runs ``python -m app.launch`` as compose does (torchrun's flags), with real trainer processes on loopback:
+0 for a finished run and for a stop on request that checkpointed (plain torchrun: 1), 2 for a bad setting whether the
+launcher or the trainer finds it (plain torchrun: 1 after a ChildFailedError report), 1 with one line naming the store
+when the rendezvous store is unreachable. No line of the launcher's output is a Python traceback.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.trainer_run import PYTHON, REPO, clean_env, free_port, wait_for_lines
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def launch(*args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PYTHON, "-m", "app.launch", *args],
+        cwd=REPO,
+        env=clean_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def assert_no_traceback(output: str) -> None:
+    assert "Traceback" not in output and "ChildFailedError" not in output, output[-3000:]
+
+
+def test_a_finished_run_exits_zero():
+    out = launch("--standalone", "--nproc-per-node=2", "-m", "app.train", "--steps", "3", "--metrics-port", "0")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("FINISHED") == 2
+    assert "the workers finished: exit 0" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--standalone", "--nproc-per-node=1", "-m", "app.train", "--lr", "-1"], "config error: lr=-1.0"),
+        (["--nnodes=3:1", "--nproc-per-node=1", "-m", "app.train"], "--nnodes='3:1'"),
+    ],
+)
+def test_a_setting_the_launcher_checks_exits_two_in_one_line(args, says):
+    out = launch(*args)
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and says in errors[0], out.stderr[-3000:]
+
+
+def test_a_setting_only_the_trainer_can_check_still_exits_two():
+    # effective_batch < world size is known only once the world is: the trainers exit 2, and so must the launcher.
+    out = launch(
+        "--standalone", "--nproc-per-node=2", "-m", "app.train", "--effective-batch", "1", "--metrics-port", "0"
+    )
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "bad configuration" in out.stderr
+    assert_no_traceback(out.stderr)
+
+
+def test_an_unreachable_store_is_named_within_the_wait():
+    port = free_port()
+    started = time.monotonic()
+    out = launch(
+        "--nnodes=1:2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=t",
+        "-m",
+        "app.train",
+        LAUNCH_STORE_WAIT_SECONDS="2",
+    )
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert f"rendezvous store 127.0.0.1:{port} unreachable for 2 s" in out.stderr
+    assert time.monotonic() - started < 120  # the import of torch, then 2 s: not torchrun's minutes of retries
+    assert_no_traceback(out.stderr)
+
+
+def test_a_stop_on_request_that_checkpointed_exits_zero(tmp_path):
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "app.launch", "--standalone", "--nproc-per-node=2", "-m", "app.train"]
+        + ["--steps", "100000", "--metrics-port", "0", "--checkpoint-dir", str(tmp_path), "--log-every", "1000"],
+        cwd=REPO,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for_lines(proc, proc.stderr, "INFO step 1/", timeout=240)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopped on request (SIGTERM): the trainer checkpointed; exit 0" in err
+    assert list(tmp_path.glob("step-*.pt")), "no checkpoint written on the stop"
