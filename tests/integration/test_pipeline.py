@@ -87,10 +87,11 @@ def test_four_stages_uneven_split_1f1b():
     assert [len(r["params"]) // 2 for r in results] == [2, 2, 1, 1]
 
 
-def test_data_x_pipeline_two_replicas_of_two_stages():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_data_x_pipeline_two_replicas_of_two_stages(schedule):
     # Ranks 0,1 are replica 0 (stages 0,1); ranks 2,3 replica 1. Each stage's gradients are averaged between its
     # two replicas by our DDP wrapper over a sub-group: the result must equal one process on the whole batch.
-    results = run_world(train_and_compare, 4, "gpipe", 2, 2, 3)
+    results = run_world(train_and_compare, 4, schedule, 2, 2, 3)
     for r in results:
         for row in r["rows"]:
             assert row["dp"] <= PARAM_TOLERANCE, row
