@@ -193,6 +193,20 @@ class PipelineRunner:
         by ``merge_stage_state_dicts(..., prefix="")`` or ``merge_state_dicts`` below."""
         return {self.prefix + k: v for k, v in self.module.state_dict().items()}
 
+    def gather_state_dict(self) -> dict | None:
+        """The whole model's ``state_dict`` (CPU tensors), merged from every stage of this pipeline, on its first
+        stage; ``None`` on the others. Collective over the pipeline group: every stage must call it.
+
+        Example::
+
+            full = runner.gather_state_dict()
+            if full is not None:
+                torch.save(full, "model.pt")  # loads into the bare model, no pipeline needed
+        """
+        parts: list = [None] * self.num_stages
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in self.state_dict().items()}, group=self.group)
+        return merge_state_dicts(parts) if self.stage_index == 0 else None
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load this stage's slice from a whole-model ``state_dict`` (merged, or this stage's own ``state_dict()``).
 

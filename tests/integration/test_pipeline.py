@@ -115,6 +115,9 @@ def merged_state_dict(rank: int, world: int) -> dict:
     dist.all_gather_object(gathered, runner.state_dict())
     bare = DeepMLP(width=WIDTH, depth=DEPTH)
     bare.load_state_dict(merge_state_dicts(gathered))  # strict: every key of the bare model, nothing else
+    on_first = runner.gather_state_dict()  # the same merge, done by the runner onto stage 0
+    assert (on_first is None) == (rank != 0)
+    assert on_first is None or all(torch.equal(v, bare.state_dict()[k]) for k, v in on_first.items())
     torch.manual_seed(0)
     reference = DeepMLP(width=WIDTH, depth=DEPTH)
     torch.optim.SGD(reference.parameters(), lr=LR)
