@@ -141,7 +141,7 @@ logs: ## follow the cluster's logs
 	docker compose logs -f
 
 chaos: venv image ## the chaos proof: a worker killed and brought back vs an untouched run; PASS/FAIL, JSON + PNG in bench/results/
-	$(PY) -m bench.chaos --no-build
+	$(PY) -m bench.chaos
 
 e2e: venv docker-setup ## the end-to-end tests: image, compose up --scale worker=4, Prometheus, every dashboard query
 	$(PY) -m pytest -m e2e tests/e2e $(PYTEST_ARGS)
