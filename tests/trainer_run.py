@@ -30,6 +30,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# How long a run or a wait may take before it counts as a hang. Generous on purpose: it only turns a hang into a
+# failure, and on a few cores shared by many processes, importing torch, forming the group and the first steps can
+# take minutes. Tests that promise a time bound assert it themselves.
+HANG_TIMEOUT_S = 300.0
 PYTHON = sys.executable
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
@@ -147,7 +151,7 @@ def keep_output(cmd, code, stdout: str, stderr: str, note: str = "") -> str:
 
 
 def torchrun(
-    *args: str, nproc: int = 2, timeout: float = 120, env: dict[str, str] | None = None, **popen
+    *args: str, nproc: int = 2, timeout: float = HANG_TIMEOUT_S, env: dict[str, str] | None = None, **popen
 ) -> subprocess.CompletedProcess:
     cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "-m", "app.train", *args]
     return subprocess.run(
@@ -203,7 +207,9 @@ def start_ranks(*args: str, world_size: int = 2, port: int | None = None, **extr
     return procs
 
 
-def wait_for_lines(proc: subprocess.Popen, stream, wanted: str, count: int = 1, timeout: float = 90) -> list[str]:
+def wait_for_lines(
+    proc: subprocess.Popen, stream, wanted: str, count: int = 1, timeout: float = HANG_TIMEOUT_S
+) -> list[str]:
     """Read ``stream`` (``proc.stdout`` or ``proc.stderr``) until ``count`` lines contain ``wanted``; return the
     lines read. Stops reading right after the last match, so the rest stays in the pipe for ``communicate()``.
 
