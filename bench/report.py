@@ -239,9 +239,8 @@ def render(name: str, doc: dict) -> str:
 
 
 def block_pattern(name: str) -> re.Pattern:
-    return re.compile(
-        rf"(<!-- bench-report:{re.escape(name)} -->\n)(.*?)(\n<!-- /bench-report:{re.escape(name)} -->)", re.S
-    )
+    n = re.escape(name)
+    return re.compile(rf"(<!-- bench-report:{n} -->\n)(?:.*?\n)?(<!-- /bench-report:{n} -->)", re.S)
 
 
 def rendered_page(text: str, results: Path = RESULTS) -> str:
@@ -262,7 +261,7 @@ def rendered_page(text: str, results: Path = RESULTS) -> str:
             continue
         doc = json.loads((results / f"{name}.json").read_text())
         body = render(name, doc)
-        text = pattern.sub(lambda m, body=body: m[1] + body + m[3], text)
+        text = pattern.sub(lambda m, body=body: m[1] + body + "\n" + m[2], text)
     return text
 
 
