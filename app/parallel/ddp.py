@@ -240,7 +240,7 @@ class DistributedDataParallel(nn.Module):
         device_ids: ``None``, or one device: the GPU ``module`` lives on. Forward inputs are then moved to it, as
             PyTorch does. More than one device, or any device for a CPU module, is an error (as PyTorch's).
         output_device: ``None`` or ``device_ids[0]``; like PyTorch 2.13 with one device per process, nothing is
-            moved to it. Given for a CPU module, an error (as PyTorch's).
+            moved to it. Given for a CPU module, an error (as PyTorch's, whose truthiness lets 0 pass).
         dim: the scatter dimension of the old one-process-many-GPUs mode; one device per process never scatters,
             so only ``0`` is accepted.
         broadcast_buffers: deprecated in 2.13 for ``forward_sync_buffers`` (same FutureWarning); ``False`` also
