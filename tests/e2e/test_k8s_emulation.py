@@ -17,9 +17,16 @@ names (ddp-train-i.ddp-train, and the namespace-qualified forms):
   no-new-privileges (Docker's default seccomp profile is RuntimeDefault); memory and CPU limits.
 
 Pod 0 starts last, a few seconds after the others: its DNS name does not exist while they first dial it, which
-is what happens on a cluster before pod 0's record is published. The test then asserts what a user sees: every
-pod exits 0 and prints FINISHED with its own rank, one world size, the configured step count and one checksum;
-each pod's annotated metrics port serves its metrics; rank 0's checkpoints land on the shared volume.
+is what happens on a cluster before pod 0's record is published. The first test then asserts what a user sees:
+every pod exits 0 and prints FINISHED with its own rank, one world size, the configured step count and one
+checksum; each pod's annotated metrics port serves its metrics; rank 0's checkpoints land on the shared volume.
+
+The other two replace pods the way the Job controller does (a new container per attempt, same hostname and DNS
+names, a new address) and count what the Job would count, from the pods' exit codes and its podFailurePolicy:
+- a pod lost mid-run (its network cut, then killed): its replacement starts at once, finds the old pod 0's
+  store still up and waits (app.k8s_launch) until pod 0 has timed out and been replaced; the second attempt
+  resumes from the checkpoint and finishes;
+- a pod evicted (SIGTERM, the grace period): it ends 143, its peer 75, and neither is counted.
 
     make k8s-emulate      (= make image, then .venv/bin/python -m pytest tests/e2e/test_k8s_emulation.py)
 
@@ -32,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import random
 import re
 import subprocess
 import time
@@ -251,3 +259,183 @@ def test_job_pod_template_trains_as_containers_named_like_the_pods(tmp_path):
         if started:
             docker("rm", "-f", *started, check=False)
         docker("network", "rm", network, check=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A pod lost mid-run: what the Job counts, and the replacement never joins the old store
+# ---------------------------------------------------------------------------------------------------------------
+# The old pod 0 must outlive its lost peer for a while, as on a cluster where a node vanishes without a TCP reset
+# (NCCL then waits for its timeout): a short collective timeout keeps that wait inside the test.
+COLLECTIVE_TIMEOUT_S = 60  # longer than a replacement pod takes to start and reach the store
+KILL_AT_CHECKPOINT = "step-00000050.pt"
+# Two attempts of two pods, each starting Python and torch under whatever else the machine runs.
+LOST_POD_DEADLINE_S = 420.0
+
+
+class EmulatedJob:
+    """The Job's pods as containers on one Docker network, each index replaced the way the Job controller does:
+    a new container (new name, same hostname and DNS names) once the previous one of that index has ended."""
+
+    def __init__(self, tmp_path: Path, env: dict[str, str]):
+        self.job, self.objs = cpu_render()
+        self.tmp, self.env = tmp_path, env
+        run_id = uuid.uuid4().hex[:8]
+        self.network, self.prefix = f"ddpk8s-{run_id}", f"ddpk8s-{run_id}"
+        self.pods: dict[int, list[str]] = {}  # index -> container names, one per attempt
+        # An address per attempt, as a cluster gives a new pod: Docker would hand the lost pod's address to its
+        # replacement, whose kernel then resets the old peers' connections, which no cluster does.
+        for _ in range(8):
+            self.subnet = f"10.{random.randint(64, 127)}.{random.randint(0, 255)}"
+            made = docker("network", "create", "--subnet", f"{self.subnet}.0/24", self.network, check=False)
+            if made.returncode == 0:
+                break
+        else:
+            raise AssertionError(f"no free subnet for the emulated pods: {made.stderr}")
+
+    def start(self, index: int) -> str:
+        pod = render_pod(self.job, self.objs, index, NAMESPACE)
+        pod.env.update(self.env)
+        attempts = self.pods.setdefault(index, [])
+        name = f"{self.prefix}-{pod.hostname}-{len(attempts)}"
+        argv = docker_run_args(pod, self.objs, self.tmp, name, self.network)
+        address = f"{self.subnet}.{10 + 10 * len(attempts) + index}"
+        docker(*argv[:2], "--ip", address, *argv[2:])
+        attempts.append(name)
+        return name
+
+    def exit_code(self, name: str) -> int | None:
+        running, code = docker("inspect", "-f", "{{.State.Running}} {{.State.ExitCode}}", name).stdout.split()
+        return None if running == "true" else int(code)
+
+    def wait_exit(self, name: str, timeout_s: float) -> int:
+        deadline = time.monotonic() + timeout_s
+        while (code := self.exit_code(name)) is None:
+            assert time.monotonic() < deadline, f"{name} still running after {timeout_s:.0f} s\n{self.report()}"
+            time.sleep(0.5)
+        return code
+
+    def logs(self, name: str) -> str:
+        out = docker("logs", name)
+        return out.stdout + out.stderr
+
+    def report(self) -> str:
+        return "\n".join(
+            f"--- {name} (exit {self.exit_code(name)}) ---\n{self.logs(name)[-2500:]}"
+            for names in self.pods.values()
+            for name in names
+        )
+
+    def close(self) -> None:
+        names = [n for names in self.pods.values() for n in names]
+        if names:
+            docker("rm", "-f", *names, check=False)
+        docker("network", "rm", self.network, check=False)
+
+
+def charged(job: dict, exit_code: int, disrupted: bool = False) -> bool:
+    """Whether the Job counts this failed pod against backoffLimit, read from its podFailurePolicy."""
+    for rule in job["spec"]["podFailurePolicy"]["rules"]:
+        if disrupted and "onPodConditions" in rule:
+            return rule["action"] == "Count"
+        if exit_code in rule.get("onExitCodes", {}).get("values", []):
+            return rule["action"] == "Count"
+    return True
+
+
+def test_a_lost_pod_is_replaced_and_its_replacement_waits_for_a_new_store(tmp_path):
+    require_docker_and_image()
+    # More steps than the ConfigMap's, so that training still runs when pod 1 is lost; no metrics linger.
+    env = {"DDP_COLLECTIVE_TIMEOUT_SECONDS": str(COLLECTIVE_TIMEOUT_S), "DDP_STEPS": "800"}
+    emu = EmulatedJob(tmp_path, {**env, "DDP_METRICS_LINGER_SECONDS": "0"})
+    try:
+        t0 = time.monotonic()
+        old1 = emu.start(1)
+        time.sleep(POD0_DELAY_S)
+        old0 = emu.start(0)
+        pvc = tmp_path / "pvc-ddp-train-checkpoints"
+        deadline = time.monotonic() + LOST_POD_DEADLINE_S
+        while not (pvc / KILL_AT_CHECKPOINT).exists():
+            late = f"no {KILL_AT_CHECKPOINT} in {LOST_POD_DEADLINE_S:.0f} s"
+            assert time.monotonic() < deadline, f"{late}\n{emu.report()}"
+            assert emu.exit_code(old0) is None and emu.exit_code(old1) is None, emu.report()
+            time.sleep(0.5)
+
+        # Node 1 is lost: its network first, so no connection reset reaches pod 0, then the pod itself.
+        t_kill = time.monotonic() - t0
+        docker("network", "disconnect", "-f", emu.network, old1)
+        docker("kill", old1)
+        assert emu.wait_exit(old1, 30) == 137
+        # The Job controller: index 1 has ended, so its replacement starts now, while pod 0 still waits on node 1.
+        new1 = emu.start(1)
+        old0_code = emu.wait_exit(old0, COLLECTIVE_TIMEOUT_S + 120)
+        held_back = "previous attempt's" in emu.logs(new1)
+        assert emu.exit_code(new1) is None, f"the replacement of pod 1 gave up waiting\n{emu.report()}"
+        t_old0 = time.monotonic() - t0
+        new0 = emu.start(0)  # index 0 has ended: its replacement hosts a new store
+        codes = {name: emu.wait_exit(name, LOST_POD_DEADLINE_S) for name in (new0, new1)}
+        t_end = time.monotonic() - t0
+
+        report = emu.report()
+        assert held_back, f"the replacement of pod 1 did not notice the old pod 0's store\n{report}"
+        assert codes == {new0: 0, new1: 0}, f"the second attempt did not finish\n{report}"
+        finished = {name: FINISHED.findall(emu.logs(name)) for name in (new0, new1)}
+        lines = [found[0] for found in finished.values() if len(found) == 1]
+        assert len(lines) == 2 and {int(line[2]) for line in lines} == {int(env["DDP_STEPS"])}, report
+        assert len({line[3] for line in lines}) == 1, f"ranks ended with different parameters: {lines}"
+        resumed = re.search(r"resumed from \S+ \(step (\d+)", emu.logs(new0))
+        assert resumed and int(resumed[1]) >= 50, f"the second attempt did not resume from a checkpoint\n{report}"
+
+        # What the Job counts: the lost pod (137, as an OOM kill; a node that is gone gets DisruptionTarget on a
+        # cluster and is not counted) and pod 0, whose collective timed out (a timeout is its own failure: were
+        # it ignored, a group that hangs by itself would be retried until activeDeadlineSeconds).
+        failures = {old1: 137, old0: old0_code}
+        counted = [name for name, code in failures.items() if charged(emu.job, code)]
+        print(
+            f"k8s emulation, a lost pod: old pod 0 exit {old0_code}; the replacement of pod 1 waited for a new "
+            f"store: {held_back}; resumed at step {resumed[1]}; failures counted {len(counted)} of "
+            f"backoffLimit {emu.job['spec']['backoffLimit']}; killed at {t_kill:.0f} s, old pod 0 ended at "
+            f"{t_old0:.0f} s, the second attempt finished at {t_end:.0f} s"
+        )
+        assert old0_code == 1, f"pod 0 should fail by its collective timeout\n{report}"
+        assert counted == [old1, old0] and len(counted) < emu.job["spec"]["backoffLimit"], failures
+    finally:
+        emu.close()
+
+
+def test_an_evicted_pod_and_its_peers_spend_no_retry(tmp_path):
+    require_docker_and_image()
+    env = {"DDP_STEPS": "800", "DDP_METRICS_LINGER_SECONDS": "0"}  # still training when pod 1 is evicted
+    emu = EmulatedJob(tmp_path, env)
+    try:
+        old1 = emu.start(1)
+        time.sleep(POD0_DELAY_S)
+        old0 = emu.start(0)
+        pvc = tmp_path / "pvc-ddp-train-checkpoints"
+        deadline = time.monotonic() + LOST_POD_DEADLINE_S
+        while not (pvc / KILL_AT_CHECKPOINT).exists():
+            late = f"no {KILL_AT_CHECKPOINT} in {LOST_POD_DEADLINE_S:.0f} s"
+            assert time.monotonic() < deadline, f"{late}\n{emu.report()}"
+            time.sleep(0.5)
+        # An eviction: the kubelet sends SIGTERM and waits terminationGracePeriodSeconds, then the pod gets
+        # DisruptionTarget. Its peers are not signalled.
+        grace = emu.job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        docker("stop", "-t", str(grace), old1, timeout=grace + 30)
+        codes = {old1: emu.wait_exit(old1, 30), old0: emu.wait_exit(old0, 120)}
+        stopped = re.search(r"stopped at step (\d+)", emu.logs(old0))
+        new1, new0 = emu.start(1), emu.start(0)  # both indexes ended: the Job replaces both
+        finals = {name: emu.wait_exit(name, LOST_POD_DEADLINE_S) for name in (new0, new1)}
+
+        report = emu.report()
+        assert codes == {old1: 143, old0: 75}, f"the evicted pod ends 143, its peer 75\n{report}"
+        counted = [n for n, code in codes.items() if charged(emu.job, code, disrupted=n == old1)]
+        assert counted == [], f"an eviction spent the retry budget: {counted}"
+        assert counted == [n for n, code in codes.items() if charged(emu.job, code)], "143 alone is ignored too"
+        assert finals == {new0: 0, new1: 0}, f"the second attempt did not finish\n{report}"
+        resumed = re.search(r"resumed from \S+ \(step (\d+)", emu.logs(new0))
+        assert stopped and resumed and resumed[1] == stopped[1], f"not resumed where it stopped\n{report}"
+        print(
+            f"k8s emulation, an eviction: exit codes {sorted(codes.values())}, counted {len(counted)}; "
+            f"stopped and resumed at step {stopped[1]}"
+        )
+    finally:
+        emu.close()
