@@ -357,7 +357,9 @@ def test_a_hung_peer_is_detected_after_collective_timeout_seconds():
                 p.send_signal(signal.SIGCONT)
         _kill(procs)
     assert procs[0].returncode == 1, err[-3000:]
-    assert timeout - 0.5 <= elapsed < timeout + 5, f"gave up {elapsed:.1f}s after the peer froze"
+    # Lower bound: not before the timeout. Upper: the timeout plus the failing rank's teardown on a loaded machine
+    # (12 s measured at load average 30 on 2 cores), far below the 120 s rendezvous timeout it must not wait for.
+    assert timeout - 0.5 <= elapsed < timeout + 20, f"gave up {elapsed:.1f}s after the peer froze"
 
 
 def test_a_metrics_port_already_taken_is_a_config_error_exit_2():
