@@ -36,7 +36,8 @@ def load_average() -> list[float]:
 
 
 def git_commit(repo: Path = REPO) -> dict:
-    """``{"commit": <HEAD sha>, "dirty": bool, "dirty_files": [...]}``; dirty = tracked files differ from HEAD."""
+    """``{"commit": <HEAD sha>, "dirty": bool, "dirty_files": [...]}``; dirty = tracked files other than results
+    differ from HEAD."""
 
     def git(*args: str) -> str:
         return subprocess.run(
@@ -46,6 +47,8 @@ def git_commit(repo: Path = REPO) -> dict:
     try:
         commit = git("rev-parse", "HEAD")
         changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+        # Results written by an earlier bench of the same session change no code: not "dirty".
+        changed = [path for path in changed if not path.startswith(("bench/results/", "runs/"))]
     except (OSError, subprocess.SubprocessError):
         return {"commit": "unknown (not a git checkout)", "dirty": None, "dirty_files": []}
     return {"commit": commit, "dirty": bool(changed), "dirty_files": changed[:20]}
