@@ -38,7 +38,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.provenance import describe_output, load_average, output_path, provenance
+from bench.provenance import describe_output, git_commit, load_average, output_path, provenance
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -368,6 +368,7 @@ def main(argv=None) -> int:
     load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
         copy = Path(tmp)
+        copied_at = git_commit()  # the commit (and uncommitted work) the mutants ran on, not HEAD at the end
         copy_tree(copy)
         broken: set[str] = set()
         if not args.skip_baseline:
@@ -393,6 +394,7 @@ def main(argv=None) -> int:
     doc = {
         "schema": "mutants.v1",
         **provenance(args, load_before),
+        **copied_at,
         "score": f"{caught}/{len(rows)}",
         "caught": caught,
         "total": len(rows),
