@@ -282,6 +282,11 @@ class Checkpointer:
                 f"checkpoint_dir={self.directory!r} holds {state['model_name']} checkpoints "
                 f"but model={self.model_name}; use another checkpoint_dir or model"
             )
+        if "pipeline_stages" in state["optimizer"] and isinstance(self.optimizer, torch.optim.Optimizer):
+            raise CheckpointMismatch(
+                f"checkpoint_dir={self.directory!r} holds a {state['optimizer']['pipeline_stages']}-stage pipeline's "
+                f"checkpoints (parallel=pipeline); resume with parallel=pipeline, or use another checkpoint_dir"
+            )
         self.model.load_state_dict(state["model"])  # copies onto the model's device
         self.optimizer.load_state_dict(state["optimizer"])  # moves state to the parameters' device, `step` stays
         for group in self.optimizer.param_groups:

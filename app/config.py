@@ -36,6 +36,9 @@ CONFIG_ENV = ENV_PREFIX + "CONFIG"  # the YAML file's path, when not given with 
 
 MODEL_CHOICES = ("mini_mlp", "tiny_transformer")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+PARALLEL_CHOICES = ("ddp", "pipeline", "dp")
+SCHEDULE_CHOICES = ("gpipe", "1f1b")
+PIPELINE_MAX_STAGES = {"mini_mlp": 3}  # its Linear layers: a stage without one would only pass activations on
 
 
 class ConfigError(ValueError):
@@ -74,6 +77,18 @@ class TrainConfig:
         "data-parallel wrapper: ours (app.parallel.ddp) | torch (PyTorch's DDP) | none (world size 1 only)", "ours"
     )
     bucket_cap_mb: float = _doc("DDP bucket size in MiB", 25.0)
+    parallel: str = _doc(
+        "how the ranks share the work: ddp (data parallel) | pipeline (one model stage per rank, "
+        "app.pipeline_loop) | dp (nn.DataParallel: one process, >= 2 GPUs)",
+        "ddp",
+    )
+    pipeline_stages: int = _doc(
+        "parallel=pipeline: stages per pipeline (0 = world size); the world holds world_size / stages replicas", 0
+    )
+    pipeline_microbatches: int = _doc(
+        "parallel=pipeline: micro-batches each step's micro_batch samples are cut into (must divide micro_batch)", 4
+    )
+    pipeline_schedule: str = _doc("parallel=pipeline: gpipe | 1f1b (1f1b needs microbatches >= stages)", "gpipe")
     device: str = _doc("auto (CUDA + NCCL when a GPU is visible, else CPU + gloo) | cpu | cuda", "auto")
     rendezvous_timeout_seconds: float = _doc(
         "seconds to reach MASTER_ADDR:MASTER_PORT and form the group (one deadline for both)", 60.0
@@ -107,6 +122,12 @@ class TrainConfig:
         _choice("model", self.model, MODEL_CHOICES)
         _choice("wrapper", self.wrapper, WRAPPERS)
         _choice("device", self.device, DEVICE_CHOICES)
+        _choice("parallel", self.parallel, PARALLEL_CHOICES)
+        _choice("pipeline_schedule", self.pipeline_schedule, SCHEDULE_CHOICES)
+        _at_least("pipeline_stages", self.pipeline_stages, 0)
+        _at_least("pipeline_microbatches", self.pipeline_microbatches, 1)
+        if self.parallel == "pipeline":
+            self._check_pipeline()
         for name in (
             "steps",
             "micro_batch",
@@ -138,12 +159,76 @@ class TrainConfig:
         if self.model == "tiny_transformer" and self.seq_len > 64:
             raise ConfigError(f"seq_len={self.seq_len}: tiny_transformer has 64 positions; choose seq_len <= 64")
 
+    def _check_pipeline(self) -> None:
+        if self.model not in PIPELINE_MAX_STAGES:
+            raise ConfigError(
+                f"parallel=pipeline: model={self.model} cannot be cut into stages (its blocks take a mask); "
+                f"use model=mini_mlp, or parallel=ddp"
+            )
+        top = PIPELINE_MAX_STAGES[self.model]
+        if self.pipeline_stages > top:
+            raise ConfigError(
+                f"pipeline_stages={self.pipeline_stages}: {self.model} has {top} layers with parameters; "
+                f"use at most {top} stages"
+            )
+        if self.micro_batch % self.pipeline_microbatches:
+            raise ConfigError(
+                f"pipeline_microbatches={self.pipeline_microbatches} does not divide micro_batch={self.micro_batch}: "
+                f"unequal micro-batches would change the loss; choose a divisor of {self.micro_batch}"
+            )
+        if (self.grad_accum_steps or 1) != 1 or self.effective_batch is not None:
+            raise ConfigError(
+                "parallel=pipeline: the pipeline's micro-batches replace gradient accumulation; leave "
+                "grad_accum_steps and effective_batch unset and size the step with micro_batch"
+            )
+        if self.inject_nan_at_step:
+            raise ConfigError("inject_nan_at_step: the NaN drill runs with parallel=ddp only; set it to 0")
+
+    def pipeline_layout(self, world_size: int) -> tuple[int, int]:
+        """``(stages, replicas)`` of ``parallel=pipeline`` in a world of ``world_size`` ranks; ConfigError if none.
+
+        Example::
+
+            >>> TrainConfig(parallel="pipeline").pipeline_layout(4)
+            (4, 1)
+        """
+        stages = self.pipeline_stages or world_size
+        if stages < 2:
+            raise ConfigError(
+                f"parallel=pipeline with world_size={world_size}: a pipeline needs >= 2 stages, one per rank; "
+                f"run >= 2 ranks (torchrun --nproc-per-node=2), or parallel=ddp"
+            )
+        if stages > PIPELINE_MAX_STAGES[self.model]:
+            raise ConfigError(
+                f"parallel=pipeline: {stages} stages (pipeline_stages=0: the world size) but {self.model} has "
+                f"{PIPELINE_MAX_STAGES[self.model]} layers with parameters; set pipeline_stages to a divisor of "
+                f"{world_size} up to {PIPELINE_MAX_STAGES[self.model]}"
+            )
+        if world_size % stages:
+            raise ConfigError(
+                f"pipeline_stages={stages} does not divide world_size={world_size}: run a multiple of {stages} ranks"
+            )
+        if self.pipeline_schedule == "1f1b" and self.pipeline_microbatches < stages:
+            raise ConfigError(
+                f"pipeline_schedule=1f1b needs pipeline_microbatches >= {stages} stages, got "
+                f"{self.pipeline_microbatches}; raise it or use pipeline_schedule=gpipe"
+            )
+        return stages, world_size // stages
+
     def check_world(self, world_size: int, local_world_size: int = 1) -> int:
         """Checks that need the world size or this machine; returns ``grad_accum_steps`` per rank.
 
         ``local_world_size``: processes on this machine (torchrun's LOCAL_WORLD_SIZE), each with its own metrics port.
         """
-        if self.wrapper == "none" and world_size > 1:
+        if self.parallel == "pipeline":
+            _, replicas = self.pipeline_layout(world_size)
+            world_size = replicas  # the data is dealt to the replicas; every stage of one sees the same batch
+        if self.parallel == "dp" and world_size > 1:
+            raise ConfigError(
+                f"parallel=dp with world_size={world_size}: nn.DataParallel is one process driving every GPU; "
+                f"run it without torchrun (python -m app.train --parallel dp), or use parallel=ddp"
+            )
+        if self.wrapper == "none" and world_size > 1 and self.parallel == "ddp":
             raise ConfigError(
                 f"wrapper=none with world_size={world_size}: unsynchronised ranks would train "
                 f"{world_size} different models; use wrapper=ours or wrapper=torch, or run one process"
@@ -171,6 +256,12 @@ class TrainConfig:
             raise ConfigError(
                 "device=cuda: no CUDA device is visible here (torch.cuda.is_available() is False); "
                 "use device=auto or device=cpu, or run on a machine with a GPU"
+            )
+        if self.parallel == "dp" and (self.device == "cpu" or torch.cuda.device_count() < 2):
+            raise ConfigError(
+                f"parallel=dp needs CUDA with >= 2 GPUs; {torch.cuda.device_count()} visible"
+                f"{' and device=cpu' if self.device == 'cpu' else ''}: use parallel=ddp (any device), "
+                f"or run on a machine with >= 2 GPUs"
             )
 
         if self.effective_batch is not None and self.grad_accum_steps is None:

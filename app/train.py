@@ -190,7 +190,17 @@ def train(cfg: TrainConfig, sources: dict[str, str], ctx, world: WorldEnv, grad_
             f'{problem} on rank 0; choose a writable directory, or "" for no checkpoints'
         )
     announce_endpoints(ctx, cfg, world.node)
-    code = Trainer(cfg, ctx, world, grad_accum_steps, stop, metrics).run()
+    if cfg.parallel == "pipeline":
+        from app.pipeline_loop import PipelineTrainer
+
+        trainer = PipelineTrainer(cfg, ctx, world, stop, metrics)
+    elif cfg.parallel == "dp":
+        from app.pipeline_loop import DataParallelTrainer
+
+        trainer = DataParallelTrainer(cfg, ctx, world, grad_accum_steps, stop, metrics)
+    else:
+        trainer = Trainer(cfg, ctx, world, grad_accum_steps, stop, metrics)
+    code = trainer.run()
     if code == 0 and not stop.requested and cfg.metrics_port and cfg.metrics_linger_seconds:
         log.info("keeping /metrics up for %g s (metrics_linger_seconds)", cfg.metrics_linger_seconds)
         stop.event.wait(cfg.metrics_linger_seconds)  # a SIGTERM cuts the wait short
