@@ -86,7 +86,9 @@ class TrainConfig:
         "parallel=pipeline: stages per pipeline (0 = world size); the world holds world_size / stages replicas", 0
     )
     pipeline_microbatches: int = _doc(
-        "parallel=pipeline: micro-batches each step's micro_batch samples are cut into (must divide micro_batch)", 4
+        "parallel=pipeline: micro-batches each replica's batch per step (micro_batch, or its share of "
+        "effective_batch) is cut into; must divide it",
+        4,
     )
     pipeline_schedule: str = _doc("parallel=pipeline: gpipe | 1f1b (1f1b needs microbatches >= stages)", "gpipe")
     device: str = _doc("auto (CUDA + NCCL when a GPU is visible, else CPU + gloo) | cpu | cuda", "auto")
@@ -171,15 +173,15 @@ class TrainConfig:
                 f"pipeline_stages={self.pipeline_stages}: {self.model} has {top} layers with parameters; "
                 f"use at most {top} stages"
             )
-        if self.micro_batch % self.pipeline_microbatches:
+        if self.effective_batch is None and self.micro_batch % self.pipeline_microbatches:
             raise ConfigError(
                 f"pipeline_microbatches={self.pipeline_microbatches} does not divide micro_batch={self.micro_batch}: "
                 f"unequal micro-batches would change the loss; choose a divisor of {self.micro_batch}"
             )
-        if (self.grad_accum_steps or 1) != 1 or self.effective_batch is not None:
+        if (self.grad_accum_steps or 1) != 1:
             raise ConfigError(
-                "parallel=pipeline: the pipeline's micro-batches replace gradient accumulation; leave "
-                "grad_accum_steps and effective_batch unset and size the step with micro_batch"
+                f"grad_accum_steps={self.grad_accum_steps}: with parallel=pipeline the pipeline's micro-batches "
+                f"replace gradient accumulation; leave it unset (size the step with micro_batch or effective_batch)"
             )
         if self.inject_nan_at_step:
             raise ConfigError("inject_nan_at_step: the NaN drill runs with parallel=ddp only; set it to 0")
@@ -213,7 +215,19 @@ class TrainConfig:
                 f"pipeline_schedule=1f1b needs pipeline_microbatches >= {stages} stages, got "
                 f"{self.pipeline_microbatches}; raise it or use pipeline_schedule=gpipe"
             )
-        return stages, world_size // stages
+        replicas = world_size // stages
+        if self.effective_batch is not None and self.effective_batch % (replicas * self.pipeline_microbatches):
+            raise ConfigError(
+                f"effective_batch={self.effective_batch} does not split into {replicas} replicas x "
+                f"pipeline_microbatches={self.pipeline_microbatches} equal micro-batches; choose a multiple of "
+                f"{replicas * self.pipeline_microbatches}"
+            )
+        return stages, replicas
+
+    def pipeline_batch(self, world_size: int) -> int:
+        """Samples one pipeline replica trains on per step: ``micro_batch``, or its share of ``effective_batch``."""
+        _, replicas = self.pipeline_layout(world_size)
+        return self.micro_batch if self.effective_batch is None else self.effective_batch // replicas
 
     def check_world(self, world_size: int, local_world_size: int = 1) -> int:
         """Checks that need the world size or this machine; returns ``grad_accum_steps`` per rank.

@@ -99,7 +99,8 @@ class PipelineTrainer(Trainer):
     def __init__(self, cfg: TrainConfig, ctx: DistContext, world: WorldEnv, stop, metrics):
         self.cfg, self.ctx, self.stop, self.metrics = cfg, ctx, stop, metrics
         num_stages, replicas = cfg.pipeline_layout(ctx.world_size)
-        self.global_batch = cfg.micro_batch * replicas
+        batch = cfg.pipeline_batch(ctx.world_size)  # one replica's samples per step
+        self.global_batch = batch * replicas
         torch.manual_seed(cfg.seed)  # every rank builds the same whole model and keeps its stage's slice
         self.model = MODELS[cfg.model]().to(ctx.device)
         pp_group, dp_group, self.stage, replica = build_pipeline_groups(num_stages)
@@ -119,9 +120,7 @@ class PipelineTrainer(Trainer):
         self.optimizer = torch.optim.AdamW(self.runner.module.parameters(), lr=cfg.lr)
         dataset = build_dataset(cfg.model, cfg.dataset_size, cfg.seed, cfg.seq_len)
         # The replicas split the data; rank and world size of the sampler are the replica's, not the rank's.
-        self.batches = GlobalBatches(
-            dataset, self.global_batch, cfg.micro_batch, replica, replicas, cfg.seed, ctx.device
-        )
+        self.batches = GlobalBatches(dataset, self.global_batch, batch, replica, replicas, cfg.seed, ctx.device)
         self._ckpt_model = _GatheredModel(self.runner)
         self._ckpt_optimizer = _StageOptimizers(self.optimizer, self.stage, num_stages)
         self.checkpointer = Checkpointer(
@@ -151,7 +150,7 @@ class PipelineTrainer(Trainer):
             replicas,
             cfg.pipeline_schedule,
             cfg.pipeline_microbatches,
-            cfg.micro_batch // cfg.pipeline_microbatches,
+            batch // cfg.pipeline_microbatches,
         )
 
     def train_step(self, step: int) -> StepRecord:
@@ -222,12 +221,12 @@ class PipelineTrainer(Trainer):
         if self.step >= self.cfg.steps:
             log.warning("checkpoint step %d >= steps=%d: nothing to train", self.step, self.cfg.steps)
         log.info(
-            "training %s from step %d to %d: micro_batch %d x %d replicas = %d samples per step",
+            "training %s from step %d to %d: %d samples x %d replicas = %d samples per step",
             self.cfg.model,
             self.step,
             self.cfg.steps,
-            self.cfg.micro_batch,
-            self.global_batch // self.cfg.micro_batch,
+            self.batches.local_samples,
+            self.global_batch // self.batches.local_samples,
             self.global_batch,
         )
 
