@@ -163,6 +163,7 @@ class Reporter:
         self.leave_reason = "new containers are waiting to join"
         self.succeeded = False
         self.local_id = 0  # this agent's rendezvous node id (fresh_node_identity)
+        self.first_of_job = False  # this agent came before the job's first world (not to a running job)
 
     def state(self):
         """torch's private ``_RendezvousState`` (participants, wait and redundancy lists), or None."""
@@ -203,6 +204,7 @@ class Reporter:
         """
         if self.job_started():
             return  # a world exists or is forming: join it now
+        self.first_of_job = True
         if self.store is None:
             return
         log.info("waiting until every replica of %r is ready to form the first world", peers)
@@ -239,7 +241,7 @@ class Reporter:
             came = [c for c in members if self.members and c not in self.members]
             line += (f"; left: {', '.join(gone)}" if gone else "") + (f"; new: {', '.join(came)}" if came else "") + ")"
         log.info("%s", line)
-        if self.world == 1 and self.workers and group.group_world_size != self.workers:
+        if self.world == 1 and self.first_of_job and self.workers and group.group_world_size != self.workers:
             log.warning(
                 "the world formed with %d workers, not WORKERS=%d: the world follows the running containers "
                 "(docker compose up --scale worker=N wins); WORKERS only sets how many containers `up` starts",
