@@ -145,19 +145,7 @@ class Trainer:
             dataset, self.global_batch, cfg.micro_batch, ctx.rank, ctx.world_size, cfg.seed, ctx.device
         )
         self.loss_fn = loss_function(cfg.model)
-        self.checkpointer = Checkpointer(
-            cfg.checkpoint_dir,
-            every=cfg.checkpoint_every,
-            keep=cfg.keep_checkpoints,
-            ctx=ctx,
-            model=self.model,
-            optimizer=self.optimizer,
-            batches=self.batches,
-            model_name=cfg.model,
-            seed=cfg.seed,
-            lr=cfg.lr,
-            global_batch=self.global_batch,
-        )
+        self.checkpointer = self.build_checkpointer(self.model, self.optimizer)
         torch.manual_seed(cfg.seed + ctx.rank)  # per-rank randomness (dropout, ...) differs between ranks
         self.resumed = self.checkpointer.resume()
         self.step = self.resumed.step if self.resumed else 0
@@ -167,6 +155,23 @@ class Trainer:
         self.control = StepControl(ctx, stop)
         self.progress = ProgressLog(cfg.steps, cfg.log_every, self.step + 1)
         self.synchronize = synchronize_for(ctx.device)
+
+    def build_checkpointer(self, model, optimizer) -> Checkpointer:
+        """The run's checkpointer over ``model`` and ``optimizer`` (or objects with their state_dict interface)."""
+        cfg = self.cfg
+        return Checkpointer(
+            cfg.checkpoint_dir,
+            every=cfg.checkpoint_every,
+            keep=cfg.keep_checkpoints,
+            ctx=self.ctx,
+            model=model,
+            optimizer=optimizer,
+            batches=self.batches,
+            model_name=cfg.model,
+            seed=cfg.seed,
+            lr=cfg.lr,
+            global_batch=self.global_batch,
+        )
 
     def run(self) -> int:
         """Train up to ``steps``; 0 when finished or stopped on request, 1 when stopped for a peer."""

@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from app.checkpoint import Checkpointer, CheckpointMismatch
+from app.checkpoint import CheckpointMismatch
 from app.config import TrainConfig
 from app.data import GlobalBatches, build_dataset, loss_function
 from app.dist import DistContext, WorldEnv
@@ -123,19 +123,7 @@ class PipelineTrainer(Trainer):
         self.batches = GlobalBatches(dataset, self.global_batch, batch, replica, replicas, cfg.seed, ctx.device)
         self._ckpt_model = _GatheredModel(self.runner)
         self._ckpt_optimizer = _StageOptimizers(self.optimizer, self.stage, num_stages)
-        self.checkpointer = Checkpointer(
-            cfg.checkpoint_dir,
-            every=cfg.checkpoint_every,
-            keep=cfg.keep_checkpoints,
-            ctx=ctx,
-            model=self._ckpt_model,
-            optimizer=self._ckpt_optimizer,
-            batches=self.batches,
-            model_name=cfg.model,
-            seed=cfg.seed,
-            lr=cfg.lr,
-            global_batch=self.global_batch,
-        )
+        self.checkpointer = self.build_checkpointer(self._ckpt_model, self._ckpt_optimizer)
         torch.manual_seed(cfg.seed + ctx.rank)
         self.resumed = self.checkpointer.resume()
         self.step = self.resumed.step if self.resumed else 0

@@ -42,15 +42,14 @@ import pytest
 from app.dist import free_port
 from tests.e2e.cluster_files import (
     COMPOSE,
-    LOCAL_BASE,
     ROOT,
-    SETUP_ENGINE,
     PanelQuery,
     compose_services,
     panel_queries,
     scrape_interval_seconds,
     substitute,
 )
+from tests.e2e.conftest import build_settings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -169,12 +168,7 @@ def cluster() -> ClusterRun:
     if subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30).returncode != 0:
         unavailable("docker compose (v2 plugin) missing: make docker-setup")
 
-    # The Makefile's choice: the local stand-ins where this project's setup script exists (no registry there).
-    local = SETUP_ENGINE.exists()
-    base_image = os.environ.get("BASE_IMAGE") or (LOCAL_BASE if local else "python:3.11-slim")
-    compose_file = os.environ.get("COMPOSE_FILE") or (
-        "compose.yaml:compose.local.yaml" if base_image.startswith("local/") else "compose.yaml"
-    )
+    base_image, compose_file = build_settings()  # as the Makefile chooses them
     project = f"ddp-e2e-{os.getpid()}"
     prom_port = free_port()
     env = {
