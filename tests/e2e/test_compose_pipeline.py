@@ -25,7 +25,9 @@ from tests.e2e.test_compose_cluster import FINISHED, Compose, prom_get
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 WORKERS = 2
-STEPS = 600  # a few hundred ms of MiniMLP per step pair at most: several 5 s scrapes while training, then linger
+# Long enough that training spans several 5 s scrapes even on a quiet machine (~25 ms a step there): a rate() over
+# 4 scrape intervals needs two samples that differ, or the panel is empty.
+STEPS = 1500
 RUN_DEADLINE_S = 300
 
 
@@ -67,8 +69,9 @@ def pipeline_run() -> dict:
         run["logs"] = compose("logs", "--no-color", "worker").stdout
         last = prom_get(base, "/api/v1/query", query="max(max_over_time(ddp_last_step_timestamp_seconds[30m]))")
         if last["result"]:
-            at = float(last["result"][0]["value"][1])
             rate_interval = 4 * scrape_interval_seconds()
+            # One scrape after the last step (workers linger): the final counters are then inside every window.
+            at = float(last["result"][0]["value"][1]) + scrape_interval_seconds()
             for q in panel_queries(pipeline=True):
                 if q.row.startswith(PIPELINE_ROW):
                     expr = substitute(q.expr, rate_interval)
