@@ -38,6 +38,7 @@ MODEL_CHOICES = ("mini_mlp", "tiny_transformer")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 PARALLEL_CHOICES = ("ddp", "pipeline", "dp")
 SCHEDULE_CHOICES = ("gpipe", "1f1b")
+DTYPE_CHOICES = ("float32", "float64")
 PIPELINE_MAX_STAGES = {"mini_mlp": 3}  # its Linear layers: a stage without one would only pass activations on
 
 
@@ -67,6 +68,11 @@ class TrainConfig:
         None,
     )
     lr: float = _doc("AdamW learning rate", 0.003)
+    dtype: str = _doc(
+        "precision of parameters, gradients and inputs: float32 | float64 (parallel=ddp only; float64 keeps runs on "
+        "different world sizes equal to ~1e-15, where float32 rounding can tip a ReLU: docs/elastic.md)",
+        "float32",
+    )
     seed: int = _doc(
         "seed of the parameters and the data (same on every rank); per-rank randomness uses seed + rank", 0
     )
@@ -126,6 +132,9 @@ class TrainConfig:
         _choice("device", self.device, DEVICE_CHOICES)
         _choice("parallel", self.parallel, PARALLEL_CHOICES)
         _choice("pipeline_schedule", self.pipeline_schedule, SCHEDULE_CHOICES)
+        _choice("dtype", self.dtype, DTYPE_CHOICES)
+        if self.dtype != "float32" and self.parallel != "ddp":
+            raise ConfigError(f"dtype={self.dtype} works with parallel=ddp only: set dtype=float32 for {self.parallel}")
         _at_least("pipeline_stages", self.pipeline_stages, 0)
         _at_least("pipeline_microbatches", self.pipeline_microbatches, 1)
         if self.parallel == "pipeline":

@@ -108,13 +108,15 @@ class GlobalBatches:
         world_size: int,
         seed: int,
         device: torch.device,
+        dtype: torch.dtype = torch.float32,
     ):
         if not world_size <= global_batch <= len(dataset):
             raise ValueError(
                 f"global batch {global_batch} must lie between world_size={world_size} and "
                 f"dataset_size={len(dataset)}: raise dataset_size or change the batch"
             )
-        self.inputs = dataset.inputs.to(device)
+        # Token ids stay integers; float features take the model's precision (TrainConfig.dtype).
+        self.inputs = dataset.inputs.to(device, dtype) if dataset.inputs.is_floating_point() else dataset.inputs.to(device)
         self.targets = dataset.targets.to(device)
         self.global_batch, self.micro_batch, self.seed = global_batch, micro_batch, seed
         self.start, self.local_samples = split_global_batch(global_batch, world_size, rank)

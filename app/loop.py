@@ -138,11 +138,12 @@ class Trainer:
         self.cfg, self.ctx, self.stop, self.metrics = cfg, ctx, stop, metrics
         self.global_batch = cfg.global_batch(ctx.world_size, grad_accum_steps)
         torch.manual_seed(cfg.seed)  # identical parameters on every rank, before any wrapper broadcasts them
-        self.model = MODELS[cfg.model]().to(ctx.device)
+        dtype = getattr(torch, cfg.dtype)
+        self.model = MODELS[cfg.model]().to(ctx.device, dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
         dataset = build_dataset(cfg.model, cfg.dataset_size, cfg.seed, cfg.seq_len)
         self.batches = GlobalBatches(
-            dataset, self.global_batch, cfg.micro_batch, ctx.rank, ctx.world_size, cfg.seed, ctx.device
+            dataset, self.global_batch, cfg.micro_batch, ctx.rank, ctx.world_size, cfg.seed, ctx.device, dtype
         )
         self.loss_fn = loss_function(cfg.model)
         self.checkpointer = self.build_checkpointer(self.model, self.optimizer)

@@ -14,7 +14,10 @@ trains the same steps on the same samples):
 
 Verdict PASS when every container of A exits 0, B's survivors and its returning worker exit 0, B really trained on
 3 and then on 4 again, and B's final parameters (the last checkpoint, loaded and digest-checked) equal A's within
-``--tolerance`` (the world-size invariance tolerance of tests/integration/test_invariance.py). Printed: the verdict,
+``--tolerance`` (the world-size invariance tolerance of tests/integration/test_invariance.py). Both runs train in
+float64 (``--dtype``): the world of 3 adds in another order than the world of 4, and in float32 that rounding
+(1e-7) tips the odd ReLU over hundreds of steps, so even two failure-free runs on 4 and on 3 ranks drift apart
+(docs/elastic.md); in float64 they agree to ~1e-15 and what remains is the recovery's own doing. Printed: the verdict,
 the recovery times (failure -> first step of the new world; scale-up -> first step of the world of 4), the steps
 redone, the cost of a checkpoint. Written: bench/results/chaos.json (with provenance) and chaos.png (the two loss
 curves, B's world size underneath).
@@ -139,6 +142,7 @@ def project_env(name: str, args) -> dict[str, str]:
         "DDP_STEPS": str(args.steps),
         "DDP_EFFECTIVE_BATCH": str(args.effective_batch),
         "DDP_MICRO_BATCH": str(args.micro_batch),
+        "DDP_DTYPE": args.dtype,
         "DDP_CHECKPOINT_EVERY": str(args.checkpoint_every),
         "DDP_LOG_EVERY": "1",
         "DDP_METRICS_LINGER_SECONDS": "0",
@@ -214,9 +218,7 @@ def analyse(a: dict, b: dict, args, params_a: dict, params_b: dict) -> dict:
     first_on_4 = first_step_after(lines_b, b["scale_time"], args.workers)
     worlds = [p["world"] for p in curve(lines_b)]
     diff = max((params_a[k].double() - params_b[k].double()).abs().max().item() for k in params_a)
-    # AdamW moves a parameter whose gradient is near zero by about lr per step whatever the gradient's size, so
-    # float-rounding differences of the world of 3 (1e-7) can grow to ~lr x steps in single parameters; the
-    # relative distance of the whole parameter vector is the measure that stays small when the training is equal.
+    # Reported, not judged: the whole vector's relative distance (in float32 it shows how far rounding took B).
     sq = sum((params_a[k].double() - params_b[k].double()).pow(2).sum().item() for k in params_a)
     norm = sum(params_a[k].double().pow(2).sum().item() for k in params_a)
     rel = (sq / norm) ** 0.5 if norm else 0.0
@@ -230,8 +232,7 @@ def analyse(a: dict, b: dict, args, params_a: dict, params_b: dict) -> dict:
         f"run B trained on {args.workers - 1} after the loss": first_on_3 is not None,
         f"run B trained on {args.workers} again after the scale-up": first_on_4 is not None,
         "run B reached the last step": bool(worlds) and curve(lines_b)[-1]["step"] == args.steps,
-        f"max |Δparam| <= {args.tolerance:g} or |θA-θB|/|θA| <= {args.rel_tolerance:g}": diff <= args.tolerance
-        or rel <= args.rel_tolerance,
+        f"B's parameters equal A's: max |Δparam| <= {args.tolerance:g} ({args.dtype})": diff <= args.tolerance,
     }
     return {
         "verdict": "PASS" if all(checks.values()) else "FAIL",
@@ -239,7 +240,7 @@ def analyse(a: dict, b: dict, args, params_a: dict, params_b: dict) -> dict:
         "max_abs_param_diff": diff,
         "relative_param_distance": rel,
         "tolerance": args.tolerance,
-        "rel_tolerance": args.rel_tolerance,
+        "dtype": args.dtype,
         "final_loss": {"A": curve(a["lines"])[-1]["loss"], "B": curve(lines_b)[-1]["loss"]},
         "victim": {"rank": args.victim, "container": victim_name},
         "killed_at_step": max(before_kill, default=None),
@@ -294,9 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tolerance", type=float, default=1e-5, help="max |Δparam| allowed (tests/integration/test_invariance.py)"
     )
-    p.add_argument(
-        "--rel-tolerance", type=float, default=1e-3, help="or |θA-θB|/|θA| at most this (see analyse: AdamW)"
-    )
+    # float64: the world of 3 sums in another order than the world of 4; in float32 that 1e-7 of rounding tips the
+    # odd ReLU over hundreds of steps and B drifts from A (docs/elastic.md measures it); in float64 it stays ~1e-15,
+    # so any difference left is the recovery's own.
+    p.add_argument("--dtype", default="float64", choices=["float32", "float64"], help="precision of both runs")
     p.add_argument("--timeout", type=float, default=900, help="seconds each phase may take")
     p.add_argument("--no-build", action="store_true", help="use the image as built (make image)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/chaos.json for the documented run)")
@@ -356,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         f"scale-up -> next step {result['scale_up_to_next_step_s']} s; "
         f"checkpoint {result['checkpoint_ms_median']} ms (median of {result['checkpoints_written']}); "
         f"max |Δparam| {result['max_abs_param_diff']:.3g} (tolerance {result['tolerance']:g}), "
-        f"|θA-θB|/|θA| {result['relative_param_distance']:.3g} (tolerance {result['rel_tolerance']:g}); "
+        f"|θA-θB|/|θA| {result['relative_param_distance']:.3g} ({result['dtype']}); "
         f"final loss A {result['final_loss']['A']} B {result['final_loss']['B']}"
     )
     print(describe_output(path))

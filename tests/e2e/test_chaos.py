@@ -6,8 +6,8 @@ to 4 (``up --scale worker=4 --no-recreate``). Asserted here, on one shared run:
 
 - every container of both runs ends with exit code 0 (the victim excepted: killed);
 - B trained on 3 after the loss and on 4 again after the scale-up, to the last step, with no manual step between;
-- B's final parameters equal A's: within the world-size invariance tolerance (tests/integration/test_invariance.py)
-  per parameter, or within a relative distance of the whole parameter vector, and the same final loss;
+- B's final parameters equal A's within the world-size invariance tolerance (tests/integration/test_invariance.py),
+  both trained in float64 so that float32 rounding cannot tip a ReLU differently on 3 ranks (docs/elastic.md);
 - lost work stays within one checkpoint interval.
 
 Minutes on a loaded 2-core machine (two clusters of 4 and their restarts); Docker prerequisites as in
@@ -48,18 +48,12 @@ def test_the_world_shrinks_and_grows_back_without_a_manual_step(result):
     assert 3 in worlds and worlds[-1] == 4, worlds
 
 
-@pytest.mark.xfail(
-    reason="known gap: steps trained at world 3 round differently (uneven shares summed in another order) and AdamW "
-    "amplifies that over hundreds of steps; measured without Docker too (docs/elastic.md), so the cluster is not the "
-    "cause, but the issue's bar (invariance tolerance) is not met",
-    strict=False,
-)
 def test_final_parameters_equal_the_uninterrupted_run(result):
-    # Per parameter within the invariance tolerance, or (AdamW amplifies rounding in near-zero-gradient parameters
-    # over many steps: bench/chaos.py analyse) the whole vector within rel_tolerance of A's.
-    close = result["max_abs_param_diff"] <= result["tolerance"]
-    assert close or result["relative_param_distance"] <= result["rel_tolerance"], result
-    assert abs(result["final_loss"]["A"] - result["final_loss"]["B"]) < 1e-3, result["final_loss"]
+    # Both runs in float64 (bench/chaos.py --dtype): the world of 3's other order of additions costs ~1e-15 there, so
+    # a replayed or skipped step, a lost optimizer state or a wrong share of the global batch shows up far above it.
+    assert result["dtype"] == "float64", result["dtype"]
+    assert result["max_abs_param_diff"] <= result["tolerance"], (result["max_abs_param_diff"], result["tolerance"])
+    assert result["final_loss"]["A"] == result["final_loss"]["B"], result["final_loss"]
 
 
 def test_lost_work_is_at_most_one_checkpoint_interval(result):

@@ -92,6 +92,8 @@ def test_unknown_env_setting_is_a_warning_not_silence():
         ({"grad_accum_steps": 0}, "grad_accum_steps"),
         ({"collective_timeout_seconds": 0}, "collective_timeout_seconds"),
         ({"model": "tiny_transformer", "seq_len": 65}, "seq_len"),
+        ({"dtype": "float16"}, "dtype"),
+        ({"dtype": "float64", "parallel": "pipeline", "pipeline_stages": 2}, "dtype"),
     ],
 )
 def test_validation_names_the_field(kwargs, field):
