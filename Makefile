@@ -138,6 +138,9 @@ up: ## start the cluster: WORKERS containers (1..MAX_WORKERS), one rank each, + 
 down: ## stop the cluster and remove its containers, network and volumes (checkpoints, metrics)
 	docker compose down -v --remove-orphans
 
+grafana-password: ## print Grafana's admin password (random, made at the cluster's first start; user admin)
+	@docker compose exec grafana sh -c 'cat "$${GF_PATHS_DATA:-/var/lib/grafana}/admin-password"; echo'
+
 logs: ## follow the cluster's logs
 	docker compose logs -f
 

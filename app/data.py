@@ -116,7 +116,8 @@ class GlobalBatches:
                 f"dataset_size={len(dataset)}: raise dataset_size or change the batch"
             )
         # Token ids stay integers; float features take the model's precision (TrainConfig.dtype).
-        self.inputs = dataset.inputs.to(device, dtype) if dataset.inputs.is_floating_point() else dataset.inputs.to(device)
+        floating = dataset.inputs.is_floating_point()
+        self.inputs = dataset.inputs.to(device, dtype) if floating else dataset.inputs.to(device)
         self.targets = dataset.targets.to(device)
         self.global_batch, self.micro_batch, self.seed = global_batch, micro_batch, seed
         self.start, self.local_samples = split_global_batch(global_batch, world_size, rank)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import socket
 import sys
 import threading
@@ -186,3 +187,32 @@ def _give_up(message: str) -> None:
 def cleanup_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# What gloo and NCCL say when the other end of a collective is gone or silent, and the cause in a user's words.
+_PEER_LOSS = (
+    (
+        re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+:? (Connection reset by peer|Connection closed by peer|Broken pipe)"),
+        "the peer at {0} went away ({1})",
+    ),
+    (re.compile(r"(Connection reset by peer|Connection closed by peer|Broken pipe)"), "a peer went away ({0})"),
+    (re.compile(r"[Tt]imed? ?out"), "a peer stopped answering within collective_timeout_seconds"),
+    (re.compile(r"NCCL (?:error|communicator was aborted)"), "NCCL failed (a peer lost or its GPU faulted)"),
+)
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """The cause of a collective that failed because another rank went away, in one line; None for other errors
+    (a bug's traceback must stay whole).
+
+    Example::
+
+        >>> lost_peer(RuntimeError("[gloo/pair.cc:537] Read error [172.19.0.6]:43736: Connection reset by peer."))
+        'the peer at 172.19.0.6 went away (Connection reset by peer)'
+    """
+    if not (isinstance(error, dist.DistError) or "gloo" in str(error) or "NCCL" in str(error)):
+        return None
+    for pattern, cause in _PEER_LOSS:
+        if match := pattern.search(str(error)):
+            return cause.format(*match.groups())
+    return None

@@ -85,8 +85,10 @@ class StopSignal:
 
 def setup_logging(rank: int) -> None:
     # INFO from rank 0 only (N copies of every line help nobody); warnings from every rank, marked with its rank.
+    # LOGLEVEL=DEBUG (as app.launch reads it): everything from every rank, tracebacks included.
+    debug = os.environ.get("LOGLEVEL", "").upper() == "DEBUG"
     logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
+        level=logging.DEBUG if debug else logging.INFO if rank == 0 else logging.WARNING,
         stream=sys.stderr,
         force=True,
         format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s",
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # torch and everything built on it, only now: a bad flag above fails before this seconds-long import.
     from app.checkpoint import CheckpointMismatch
-    from app.dist import RendezvousError, cleanup_distributed, init_distributed
+    from app.dist import RendezvousError, cleanup_distributed, init_distributed, lost_peer
     from app.loop import TrainingDiverged
 
     metrics = start_metrics(cfg, world)
@@ -147,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except TrainingDiverged as e:
         log.error("%s", e)
+        return 1
+    except RuntimeError as e:
+        cause = lost_peer(e)
+        if cause is None:
+            raise
+        # The launcher re-forms the world (or reports the end): one line here, the traceback for LOGLEVEL=DEBUG.
+        log.error("rank %d left the world: %s during a collective; exit 1", ctx.rank, cause)
+        log.debug("the failed collective", exc_info=True)
         return 1
     finally:
         metrics.shutdown()

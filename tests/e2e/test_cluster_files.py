@@ -9,6 +9,7 @@ here) or that only bite a user elsewhere (a published port on every interface, a
 from __future__ import annotations
 
 import re
+import subprocess
 
 import pytest
 import yaml
@@ -137,3 +138,23 @@ def test_workers_and_store_are_one_image_running_as_non_root(service):
     final_stage = dockerfile.rsplit("\nFROM ", 1)[1]
     assert re.search(r"^USER 10001", final_stage, re.M), "the runtime stage must not run as root"
     assert "/tmp/wheels" not in final_stage, "the wheelhouse must stay in the build stage"
+
+
+def test_grafana_admin_password_is_random_per_cluster_and_kept(tmp_path):
+    """Grafana's entrypoint, run as compose would run it (with `env` standing in for Grafana's /run.sh)."""
+    grafana = compose_services()["grafana"]
+    assert not any(k.startswith("GF_SECURITY_ADMIN") for k in grafana.get("environment", {})), "a fixed password"
+    sh, flag, script, name = grafana["entrypoint"]
+    script = script.replace("$$", "$").replace("exec /run.sh", "exec env")  # compose's escaping undone
+
+    def start() -> tuple[str, str]:
+        env = {"PATH": "/usr/bin:/bin", "GF_PATHS_DATA": str(tmp_path)}
+        result = subprocess.run([sh, flag, script, name], env=env, capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0, result.stderr
+        return (tmp_path / "admin-password").read_text(), result.stdout
+
+    password, environ = start()
+    assert re.fullmatch(r"[A-Za-z0-9]{32}", password), password
+    assert (tmp_path / "admin-password").stat().st_mode & 0o777 == 0o600  # Grafana's user only
+    assert f"GF_SECURITY_ADMIN_PASSWORD__FILE={tmp_path}/admin-password" in environ.splitlines()
+    assert start()[0] == password  # a restart keeps the password the admin account was made with

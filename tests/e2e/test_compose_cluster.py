@@ -26,6 +26,7 @@ and written to runs/compose-e2e.json.
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import json
 import os
@@ -351,7 +352,8 @@ def test_down_leaves_nothing_behind(cluster):
 
 def test_grafana_loads_the_provisioning():
     """Grafana with our provisioning: the datasource uid the panels name and the dashboard, through its API."""
-    image = compose_services(COMPOSE)["grafana"]["image"]
+    grafana = compose_services(COMPOSE)["grafana"]
+    image = grafana["image"]
     if (
         shutil.which("docker") is None
         or subprocess.run(["docker", "image", "inspect", image], capture_output=True, timeout=30).returncode != 0
@@ -378,7 +380,10 @@ def test_grafana_loads_the_provisioning():
             f"{prov}/provisioning:/etc/grafana/provisioning:ro",
             "-v",
             f"{prov}/dashboards:/etc/grafana/dashboards:ro",
+            "--entrypoint",  # compose's: a random admin password (docker run does not undo compose's $$)
+            grafana["entrypoint"][0],
             image,
+            *(arg.replace("$$", "$") for arg in grafana["entrypoint"][1:]),
         ],
         check=True,
         capture_output=True,
@@ -397,8 +402,18 @@ def test_grafana_loads_the_provisioning():
             assert time.monotonic() < deadline, "Grafana did not become healthy in 90 s"
             time.sleep(2)
 
-        def get(path: str) -> dict:  # Grafana's first-start admin account
-            req = urllib.request.Request(f"{url}{path}", headers={"Authorization": "Basic YWRtaW46YWRtaW4="})
+        password = subprocess.run(
+            ["docker", "exec", name, "cat", "/var/lib/grafana/admin-password"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        assert password != "admin"
+        token = base64.b64encode(f"admin:{password}".encode()).decode()
+
+        def get(path: str) -> dict:  # the admin account, with the password the entrypoint made
+            req = urllib.request.Request(f"{url}{path}", headers={"Authorization": f"Basic {token}"})
             with urllib.request.urlopen(req, timeout=10) as r:
                 return json.load(r)
 

@@ -360,6 +360,23 @@ def test_a_hung_peer_is_detected_after_collective_timeout_seconds():
     # Lower bound: not before the timeout. Upper: the timeout plus the failing rank's teardown on a loaded machine
     # (12 s measured at load average 30 on 2 cores), far below the 120 s rendezvous timeout it must not wait for.
     assert timeout - 0.5 <= elapsed < timeout + 20, f"gave up {elapsed:.1f}s after the peer froze"
+    # One line naming the cause; the traceback only under LOGLEVEL=DEBUG.
+    assert "rank 0 left the world: a peer stopped answering" in err and "Traceback" not in err, err[-3000:]
+
+
+def test_a_killed_peer_is_named_in_one_line_and_exit_1():
+    """A peer killed mid-run (docker kill, OOM killer): the survivor says which peer went away, without a traceback,
+    and exits 1 for the launcher to re-form the world."""
+    procs = start_ranks("--steps", "100000", "--metrics-port", "0", "--log-every", "50")
+    try:
+        _wait_for_line(procs[0], "step 50/")
+        procs[1].kill()
+        _, err = procs[0].communicate(timeout=90)
+    finally:
+        _kill(procs)
+    assert procs[0].returncode == 1, err[-3000:]
+    assert "rank 0 left the world: " in err and "went away" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
 
 
 def test_a_metrics_port_already_taken_is_a_config_error_exit_2():
