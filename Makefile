@@ -84,6 +84,10 @@ bench-metrics: venv ## step time with Prometheus metrics on vs off (2 ranks, int
 
 # Benchmarks record their commit, settings and machine load (bench/provenance.py); the docs' tables are rendered from
 # the committed JSON, and tests/unit/test_bench_report.py fails when they drift apart.
+.PHONY: world-drift
+world-drift: venv ## how far correct runs on 4 and on 3 ranks drift apart, float32 vs float64 (why chaos uses float64)
+	$(PY) -m bench.world_drift
+
 .PHONY: bench-report mutants
 MUTANTS_ARGS ?=      # e.g. MUTANTS_ARGS="--only ckpt-no-fsync --timeout 300"; --list shows the names
 bench-report: venv ## rewrite docs/benchmarks.md's generated tables from bench/results/*.json

@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 DOC = REPO / "docs" / "benchmarks.md"
-DOCS = [DOC, REPO / "docs" / "development.md"]  # pages that may hold generated blocks
+DOCS = [DOC, REPO / "docs" / "development.md", REPO / "docs" / "elastic.md"]  # pages that may hold generated blocks
 
 
 def provenance_line(doc: dict) -> str:
@@ -225,7 +225,54 @@ def render_mutants(doc: dict) -> list[str]:
     return lines
 
 
+def render_chaos(doc: dict) -> list[str]:
+    s = doc["settings"]
+    codes, dtype = doc["exit_codes"], doc.get("dtype", "float32")  # results before the dtype setting: float32
+    rows = [
+        ("verdict", f"**{doc['verdict']}**"),
+        ("killed at step / resumed from", f"{doc['killed_at_step']} / {doc['resumed_from_step']}"),
+        (f"steps redone (≤ one checkpoint interval, {s['checkpoint_every']})", doc["steps_redone"]),
+        (f"failure → first step of the world of {s['workers'] - 1}", f"{doc['failure_to_next_step_s']} s"),
+        (f"scale-up → first step of the world of {s['workers']}", f"{doc['scale_up_to_next_step_s']} s"),
+        ("checkpoint write (median)", f"{doc['checkpoint_ms_median']} ms ({doc['checkpoints_written']} writes)"),
+        ("exit codes A / B", f"{sorted(set(codes['A'].values()))} / {sorted(set(codes['B'].values()))}"),
+        ("final loss A / B", f"{doc['final_loss']['A']} / {doc['final_loss']['B']}"),
+        (
+            f"max \\|Δparam\\| B vs A ({dtype}; tolerance {doc['tolerance']:g})",
+            f"{doc['max_abs_param_diff']:.2g}",
+        ),
+        ("\\|θA − θB\\| / \\|θA\\|", f"{doc['relative_param_distance']:.2g}"),
+    ]
+    lines = [
+        f"{s['workers']} workers, {s['steps']} steps, global batch {s['effective_batch']} samples, checkpoint every "
+        f"{s['checkpoint_every']} steps, victim {s['victim']}, {dtype}; {doc.get('wall_s', '?')} s in all.",
+        "",
+        "| | run B against run A |",
+        "|---|---|",
+    ]
+    return lines + [f"| {name} | {value} |" for name, value in rows]
+
+
+def render_world_drift(doc: dict) -> list[str]:
+    s = doc["settings"]
+    dtypes = s["dtypes"]
+    head = "| step | " + " | ".join(f"{d} max \\|Δparam\\| | {d} \\|Δθ\\|/\\|θ\\|" for d in dtypes) + " |"
+    lines = [
+        f"World {s['worlds'][0]} against world {s['worlds'][1]}, no failure, global batch {s['effective_batch']} "
+        f"samples in micro-batches of at most {s['micro_batch']}, AdamW, `torchrun --standalone`.",
+        "",
+        head,
+        "|---:|" + "---:|---:|" * len(dtypes),
+    ]
+    for row in doc["rows"]:
+        cells = " | ".join(f"{row[d]['max_abs']:.2g} | {row[d]['relative']:.2g}" for d in dtypes)
+        lines.append(f"| {row['step']} | {cells} |")
+    return lines
+
+
 RENDERERS = {
+    "chaos": render_chaos,
+    "world-drift": render_world_drift,
     "ddp-bench": render_ddp_bench,
     "accum-curve": render_accum_curve,
     "metrics-overhead": render_metrics_overhead,
