@@ -237,6 +237,31 @@ MUTANTS: list[Mutant] = [
         "pass",
         T("tests/unit/test_config.py::test_validation_names_the_field"),
     ),
+    Mutant(
+        "dtype-ignored",
+        "dtype=float64 accepted but the model trains in float32 (the chaos proof would compare float32 runs)",
+        "app/loop.py",
+        "self.model = MODELS[cfg.model]().to(ctx.device, dtype)",
+        "self.model = MODELS[cfg.model]().to(ctx.device)",
+        T("tests/integration/test_invariance.py::test_in_float64_the_world_size_changes_nothing_but_the_last_bits"),
+    ),
+    # -- failures seen from outside ----------------------------------------------------------------------------------
+    Mutant(
+        "lost-peer-as-traceback",
+        "a peer that went away is reported as a 60-line traceback instead of one line naming it",
+        "app/train.py",
+        "cause = lost_peer(e)",
+        "cause = None",
+        T("tests/integration/test_train.py::test_a_killed_peer_is_named_in_one_line_and_exit_1"),
+    ),
+    Mutant(
+        "grafana-password-remade",
+        "Grafana's admin password file is made anew (world-readable) at every start",
+        "compose.yaml",
+        'if [ ! -s "$$f" ]; then (umask 077 && tr',
+        "if true; then (tr",
+        T("tests/e2e/test_cluster_files.py::test_grafana_admin_password_is_random_per_cluster_and_kept"),
+    ),
 ]
 
 
