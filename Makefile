@@ -122,7 +122,7 @@ export BASE_IMAGE COMPOSE_FILE
 # one build cache. No buildx here, so no Bake.
 export COMPOSE_BAKE ?= false
 
-.PHONY: docker-setup image up down logs e2e chaos
+.PHONY: docker-setup image up down logs e2e chaos drills
 docker-setup: ## Docker engine + Compose v2 (+ local base image and docker/wheels/ where no registry is reachable)
 	@if [ -f $(SETUP_ENGINE) ]; then WHEELS=$(CURDIR)/docker/wheels bash $(SETUP_ENGINE); \
 	elif docker compose version >/dev/null 2>&1; then echo "docker-setup: docker and compose are there"; \
@@ -150,6 +150,9 @@ logs: ## follow the cluster's logs
 
 chaos: venv image ## the chaos proof: a worker killed and brought back vs an untouched run; PASS/FAIL, JSON + PNG in bench/results/
 	$(PY) -m bench.chaos
+
+drills: venv image ## two failure drills measured: a worker paused, the store killed; table + JSON in bench/results/
+	$(PY) -m bench.drills
 
 e2e: venv docker-setup ## the end-to-end tests: image, compose up --scale worker=4, Prometheus, every dashboard query
 	$(PY) -m pytest -m e2e tests/e2e $(PYTEST_ARGS)
