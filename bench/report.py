@@ -270,7 +270,46 @@ def render_world_drift(doc: dict) -> list[str]:
     return lines
 
 
+def render_drills(doc: dict) -> list[str]:
+    s = doc["settings"]
+    lines = [
+        f"{s['workers']} workers, global batch {s['effective_batch']}, checkpoint every {s['checkpoint_every']} "
+        f"steps, DDP_COLLECTIVE_TIMEOUT_SECONDS={s['collective_timeout']}, LAUNCH_STORE_WAIT_SECONDS="
+        f'{s["store_wait"]}; a drill that had not ended after {s["bound"]} s would read "hung".',
+        "",
+        "| drill | outcome | measured | exit codes (restarts) | first message |",
+        "|---|---|---|---|---|",
+    ]
+    for name, key, measured in (
+        (
+            "a peer paused (`docker pause`), unpaused later",
+            "pause",
+            lambda d: (
+                f"pause → training on {s['workers'] - 1}: {d['pause_to_step_in_smaller_world_s']} s; "
+                f"unpause → on {s['workers']} again: {d['unpause_to_step_in_full_world_s']} s"
+            ),
+        ),
+        (
+            "the store killed (`docker kill`)",
+            "store",
+            lambda d: (
+                f"kill → first exit: ≤ {max(d['kill_to_first_exit_s'].values())} s; "
+                f"→ every worker gone for good: {d['kill_to_all_exited_s']} s"
+            ),
+        ),
+    ):
+        d = doc.get(key)
+        if not d:
+            continue
+        codes = ", ".join(f"{c['exit_code']} ({c['restart_count']})" for c in d["containers"])
+        first = ((d.get("messages") or d.get("messages_after_pause") or {}).get("lines") or ["—"])[0]
+        first = first.split(" ERROR ", 1)[-1].split(" INFO ", 1)[-1].replace("|", "\\|")
+        lines.append(f"| {name} | {d['verdict']} | {measured(d)} | {codes} | `{first}` |")
+    return lines
+
+
 RENDERERS = {
+    "drills": render_drills,
     "chaos": render_chaos,
     "world-drift": render_world_drift,
     "ddp-bench": render_ddp_bench,
