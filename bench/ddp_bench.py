@@ -4,9 +4,9 @@
     torchrun --standalone --nproc-per-node=2 -m bench.ddp_bench --repeats 7 --steps 10
 
 Every variant trains its own copy of the model on the same batches. Variants are measured *interleaved*: repeat 1
-runs every variant for ``--steps`` timed steps, then repeat 2 does the same, and so on; each variant's figure is
-the median of its per-repeat medians. On a shared, noisy machine absolute times drift, so read the ratios (each
-row against PyTorch's DDP, measured minutes apart at most), not the milliseconds.
+runs every variant for ``--steps`` timed steps, then repeat 2 does the same in another order, and so on; each
+variant's figure is the median of its per-repeat medians. On a shared, noisy machine absolute times drift, so
+read the ratios (each row against PyTorch's DDP, measured minutes apart at most), not the milliseconds.
 
 Variants (step time):
     no sync           no communication at all: the lower bound
@@ -33,6 +33,7 @@ import copy
 import ctypes
 import gc
 import json
+import random
 import statistics
 import sys
 import time
@@ -148,8 +149,13 @@ def measure(names: list[str], workload, batch: int, repeats: int, steps: int, wa
         for _ in range(warmup):
             v.step(x, y, loss_fn)
     per_repeat: dict[str, list[float]] = {n: [] for n in names}
-    for _ in range(repeats):
-        for v in variants:  # interleaved: drift in machine load hits every variant alike
+    for r in range(repeats):
+        # Interleaved, so drift in machine load hits every variant alike; in a new order each repeat (the same on
+        # every rank: seeded by the repeat), so no variant always follows the same one and inherits its caches,
+        # allocator state or gloo backlog.
+        order = list(variants)
+        random.Random(r).shuffle(order)
+        for v in order:
             per_repeat[v.name].append(time_steps(v, x, y, loss_fn, steps))
     return per_repeat
 

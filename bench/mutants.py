@@ -100,7 +100,15 @@ MUTANTS: list[Mutant] = [
         "app/parallel/ddp.py",
         "FIRST_BUCKET_BYTES = 1024 * 1024",
         "FIRST_BUCKET_BYTES = 1024 * 1024 * 1024",
-        T("tests/integration/test_ddp_api.py::test_first_bucket_is_capped_at_1_mib_and_later_ones_at_bucket_cap_mb"),
+        T("tests/integration/test_ddp_api.py::test_buckets_are_cut_like_pytorchs"),
+    ),
+    Mutant(
+        "ddp-bucket-closes-past-its-cap",
+        "a bucket closes only once it exceeds its cap, not when it reaches it: buckets differ from PyTorch's",
+        "app/parallel/ddp.py",
+        "if current_bytes >= cap:",
+        "if current_bytes > cap:",
+        T("tests/integration/test_ddp_api.py::test_buckets_are_cut_like_pytorchs"),
     ),
     # -- gradient accumulation (app/parallel/accum.py) ------------------------------------------------------------
     Mutant(

@@ -44,9 +44,10 @@ from torch import nn
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 
 DEFAULT_BUCKET_CAP_MB = 25  # PyTorch's default, used when bucket_cap_mb is None
-# The first bucket is capped lower than the rest, as in PyTorch (dist._DEFAULT_FIRST_BUCKET_BYTES): the last
-# layers' gradients arrive first, and a small first bucket gets communication going while most of backward is
-# still ahead. With one 25 MB bucket for a 24 MB model, nothing could overlap at all.
+# With the default bucket size, the first bucket is capped lower than the rest, as in PyTorch
+# (dist._DEFAULT_FIRST_BUCKET_BYTES): the last layers' gradients arrive first, and a small first bucket gets
+# communication going while most of backward is still ahead. An explicit bucket_cap_mb applies to every bucket,
+# the first included, again as in PyTorch: a user who asks for 25 MB buckets gets them.
 FIRST_BUCKET_BYTES = 1024 * 1024
 
 # Arguments of PyTorch's constructor that this wrapper does not implement, with the value that means "not used".
@@ -249,8 +250,8 @@ class DistributedDataParallel(nn.Module):
             (and buffers) to all. ``False`` skips both: the ranks must already agree.
         process_group: the group to synchronise over; ``None`` is the default (world) group.
         bucket_cap_mb: bucket size in MiB; ``None`` is 25. Bigger buckets mean fewer all-reduces (less latency
-            paid) but a later start of the first one (less overlap with backward). The first bucket is capped at
-            1 MiB whatever the value (PyTorch caps it only when ``bucket_cap_mb`` is ``None``).
+            paid) but a later start of the first one (less overlap with backward). With ``None`` the first bucket
+            is capped at 1 MiB, as in PyTorch; a bucket closes once it holds at least its cap (PyTorch's rule).
         find_unused_parameters: walk the autograd graph after each forward and mark parameters it did not reach as
             ready, so their buckets still complete. Costs a graph walk and a small all-reduce per step; needed only
             when forward skips parameters. Without it such a backward raises an error naming them.
@@ -308,6 +309,7 @@ class DistributedDataParallel(nn.Module):
                 "DistributedDataParallel needs an initialised process group: call "
                 "torch.distributed.init_process_group() first (torchrun sets its env:// variables)"
             )
+        first_bucket_capped = bucket_cap_mb is None
         bucket_cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
@@ -330,6 +332,7 @@ class DistributedDataParallel(nn.Module):
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
         self.bucket_bytes_cap = self.bucket_cap_bytes  # PyTorch's attribute name
+        self.first_bucket_cap_bytes = FIRST_BUCKET_BYTES if first_bucket_capped else self.bucket_cap_bytes
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.stats = CommStats()
 
@@ -437,24 +440,27 @@ class DistributedDataParallel(nn.Module):
         to the first, so the last-registered parameters get their gradients first, and putting them in bucket 0
         lets the first all-reduce start while the earlier layers' gradients are still being computed. That is the
         overlap. (static_graph later rebuilds with the order really observed.) Bucket 0 is capped at
-        FIRST_BUCKET_BYTES.
+        ``first_bucket_cap_bytes``.
+
+        PyTorch's rule (``dist._compute_bucket_assignment_by_size``): a parameter joins the open bucket, which
+        closes once it holds at least its cap. So a bucket may overshoot its cap by its last parameter, and a
+        last layer of 1 MiB + bias fills a 1 MiB first bucket rather than leaving the bias alone in it.
         """
         groups: list[list[int]] = []
         current: list[int] = []
         current_bytes = 0
         for index in order:
             p = self._params[index]
-            nbytes = p.numel() * p.element_size()
             first = self._params[current[0]] if current else None
-            cap = min(self.bucket_cap_bytes, FIRST_BUCKET_BYTES) if not groups else self.bucket_cap_bytes
-            starts_new = first is not None and (
-                current_bytes + nbytes > cap or (p.dtype, p.device) != (first.dtype, first.device)
-            )
-            if starts_new:
-                groups.append(current)
+            if first is not None and (p.dtype, p.device) != (first.dtype, first.device):
+                groups.append(current)  # one dtype and device per bucket: it is one flat tensor
                 current, current_bytes = [], 0
             current.append(index)
-            current_bytes += nbytes  # a single parameter larger than the cap gets a bucket of its own
+            current_bytes += p.numel() * p.element_size()
+            cap = self.first_bucket_cap_bytes if not groups else self.bucket_cap_bytes
+            if current_bytes >= cap:
+                groups.append(current)
+                current, current_bytes = [], 0
         if current:
             groups.append(current)
 

@@ -427,7 +427,7 @@ def test_fp16_and_bf16_hooks_stay_within_tolerance():
 
 def test_first_bucket_is_reduced_while_backward_still_runs():
     events, stats, param_bytes, n_buckets, steps = run_world(overlap_and_counters, 2)[0]
-    assert n_buckets >= 3
+    assert n_buckets >= 2  # the last layers' bucket, closed by the 256 KiB hidden weight, and the first layer's
     assert events.index("launch 0") < events.index("last grad"), events
     assert stats.sync_calls == steps
     assert stats.bytes_reduced == steps * param_bytes
