@@ -302,7 +302,7 @@ def compressed_hooks(rank, world):
 def overlap_and_counters(rank, world):
     torch.manual_seed(0)
     model = MiniMLP(in_features=64, hidden=256, out_features=8)
-    ddp = DDP(model, bucket_cap_mb=0.1)  # several buckets
+    ddp = DDP(model, bucket_cap_mb=0.005)  # 5 KiB: each layer closes a bucket of its own, three in all
     events = []
     first_layer_weight = model.net[0].weight  # its gradient is among the last computed by backward
     first_layer_weight.register_post_accumulate_grad_hook(lambda p: events.append("last grad"))
@@ -427,7 +427,7 @@ def test_fp16_and_bf16_hooks_stay_within_tolerance():
 
 def test_first_bucket_is_reduced_while_backward_still_runs():
     events, stats, param_bytes, n_buckets, steps = run_world(overlap_and_counters, 2)[0]
-    assert n_buckets >= 2  # the last layers' bucket, closed by the 256 KiB hidden weight, and the first layer's
+    assert n_buckets >= 3
     assert events.index("launch 0") < events.index("last grad"), events
     assert stats.sync_calls == steps
     assert stats.bytes_reduced == steps * param_bytes
