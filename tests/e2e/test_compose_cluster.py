@@ -254,7 +254,7 @@ def cluster() -> ClusterRun:
             run.failure += f"; second up: workers still running after {RUN_DEADLINE_S} s"
         run.second_workers = [c for c in compose.containers() if c["Service"] == "worker"]
         since = dt.datetime.fromtimestamp(second_wall, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        run.second_logs = compose("logs", "--no-color", "--since", since, "worker").stdout
+        run.second_logs = compose("logs", "--no-color", "--timestamps", "--since", since, "worker").stdout
     finally:
         compose("down", "-v", "--remove-orphans", "--timeout", "20", timeout=180, check=False)
         label = f"label=com.docker.compose.project={project}"
@@ -285,9 +285,11 @@ def cluster() -> ClusterRun:
 
 
 def finished_lines(logs: str) -> dict[int, tuple[str, int, int, str]]:
-    """rank -> (container, world_size, step, checksum) from the FINISHED lines of `docker compose logs`."""
+    """rank -> (container, world_size, step, checksum) of the last FINISHED line per rank of `docker compose logs
+    --timestamps`. The lines are taken in time order: compose prints each container's lines together, so after a
+    world re-formed, an earlier world's rank 0 (another container) could otherwise come last."""
     finished = {}
-    for line in logs.splitlines():
+    for line in sorted(logs.splitlines(), key=lambda line: stamp(line) or 0.0):
         if m := FINISHED.search(line):
             finished[int(m[1])] = (line.split("|", 1)[0].strip(), int(m[2]), int(m[3]), m[4])
     return finished
@@ -310,7 +312,9 @@ def test_a_second_up_without_down_resumes_from_the_shared_checkpoint(cluster):
     second = finished_lines(cluster.second_logs)
     assert sorted(second) == list(range(WORKERS)), cluster.second_logs[-4000:]
     # Nothing left to train: every rank loaded the last checkpoint from the shared volume, so the same parameters.
-    assert {(ws, step, cs) for _, ws, step, cs in second.values()} == {(WORKERS, STEPS, first[0][3])}
+    assert {(ws, step, cs) for _, ws, step, cs in second.values()} == {(WORKERS, STEPS, first[0][3])}, (
+        cluster.second_logs[-4000:]
+    )
     codes = {c["Name"]: (c["State"], c["ExitCode"]) for c in cluster.second_workers}
     assert len(codes) == WORKERS and all(v == ("exited", 0) for v in codes.values()), codes
 
