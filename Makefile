@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed ## create the virtualenv and install the project (torch==2.13.0 CPU where the wheel is local)
 
 demo: venv ## the proof: WORKERS CPU ranks under torchrun vs single-process training, step by step
-	$(TORCHRUN) --standalone --nproc-per-node=$(strip $(WORKERS)) -m app.demo \
+	$(TORCHRUN) --standalone --nproc-per-node=$(strip $(WORKERS)) -m app.demos.demo \
 	  --steps $(strip $(STEPS)) --bucket-cap-mb $(strip $(BUCKET_MB)) --wrapper $(strip $(WRAPPER))
 
 test: venv ## the test suite: unit, integration (real gloo ranks, Prometheus), e2e (Docker: one-line skip until make docker-setup)
@@ -52,14 +52,14 @@ accum: venv ## gradient accumulation on 2 CPU ranks: equivalence, sync counts, s
 
 .PHONY: pipeline pipeline-bubble
 pipeline: venv ## model parallel, GPipe, 1F1B, data x pipeline vs single-process training, step by step; bubble table
-	$(PY) -m app.pipeline_demo
+	$(PY) -m app.demos.pipeline_demo
 
 pipeline-bubble: venv ## pipeline idle share per stage vs (S-1)/(M+S-1), S=2,4 M=1..8; JSON + PNG in bench/results/
 	$(PY) -m bench.pipeline_bubble
 
 .PHONY: docs-config
-docs-config: venv ## rewrite docs/training.md's configuration table from TrainConfig (app/config.py)
-	$(PY) -c "import pathlib; from app.config import config_table_markdown as table; \
+docs-config: venv ## rewrite docs/training.md's configuration table from TrainConfig (app/worker/config.py)
+	$(PY) -c "import pathlib; from app.worker.config import config_table_markdown as table; \
 	p = pathlib.Path('docs/training.md'); s = p.read_text(); \
 	b, e = '<!-- config-table:begin -->', '<!-- config-table:end -->'; i, j = s.index(b) + len(b), s.index(e); \
 	p.write_text(s[:i] + '\n' + table() + s[j:])"
@@ -91,10 +91,10 @@ world-drift: venv ## how far correct runs on 4 and on 3 ranks drift apart, float
 .PHONY: bench-report mutants
 MUTANTS_ARGS ?=      # e.g. MUTANTS_ARGS="--only ckpt-no-fsync --timeout 300"; --list shows the names
 bench-report: venv ## rewrite docs/benchmarks.md's generated tables from bench/results/*.json
-	$(PY) -m bench.report
+	$(PY) -m tools.report
 
 mutants: venv ## plant one-line bugs (in a temporary copy), one at a time, run the tests meant to catch each; score
-	$(PY) -m bench.mutants $(MUTANTS_ARGS)
+	$(PY) -m tools.mutants $(MUTANTS_ARGS)
 
 .PHONY: k8s-validate k8s-emulate k8s-rules
 k8s-validate: venv ## check what `kubectl apply -f k8s/` and each `apply -k k8s/<dir>/` send: schemas, client, wiring
@@ -149,10 +149,10 @@ logs: ## follow the cluster's logs
 	docker compose logs -f
 
 chaos: venv image ## the chaos proof: a worker killed and brought back vs an untouched run; PASS/FAIL, JSON + PNG in bench/results/
-	$(PY) -m bench.chaos
+	$(PY) -m bench.cluster.chaos
 
 drills: venv image ## two failure drills measured: a worker paused, the store killed; table + JSON in bench/results/
-	$(PY) -m bench.drills
+	$(PY) -m bench.cluster.drills
 
 e2e: venv docker-setup ## the end-to-end tests: image, compose up --scale worker=4, Prometheus, every dashboard query
 	$(PY) -m pytest -m e2e tests/e2e $(PYTEST_ARGS)

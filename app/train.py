@@ -9,10 +9,11 @@
     # one process, no torchrun
     python -m app.train --wrapper none --steps 50
 
-The flow is ``main`` (config, signals, metrics endpoint, process group as a pair) → ``Trainer.run`` (app.loop:
+The flow is ``main`` (config, signals, metrics endpoint, process group as a pair) → ``Trainer.run`` (app.worker.trainer:
 build, resume, loop) → ``accumulation_step`` (app.parallel.accum). Per rank: the process group from torchrun's
-variables (app.dist), the same seeded parameters everywhere, its share of each global batch (app.data), one
-``/metrics`` endpoint (app.metrics), and checkpoints written by rank 0 (app.checkpoint).
+variables (app.worker.dist), the same seeded parameters everywhere, its share of each global batch
+(app.worker.data), one ``/metrics`` endpoint (app.worker.metrics), and checkpoints written by rank 0
+(app.worker.checkpoint).
 
 Stopping: SIGTERM (``docker stop``, Kubernetes) or SIGINT finishes the current step; the ranks agree on the step to
 stop at (one tiny all-reduce per step, which also carries the NaN check), rank 0 checkpoints, and the signalled ranks
@@ -34,7 +35,7 @@ import sys
 import threading
 import time
 
-from app.config import ConfigError, TrainConfig, WorldEnv, describe, load_config
+from app.worker.config import ConfigError, TrainConfig, WorldEnv, describe, load_config
 
 log = logging.getLogger("app.train")
 
@@ -85,7 +86,7 @@ class StopSignal:
 
 def setup_logging(rank: int) -> None:
     # INFO from rank 0 only (N copies of every line help nobody); warnings from every rank, marked with its rank.
-    # LOGLEVEL=DEBUG (as app.launch reads it): everything from every rank, tracebacks included.
+    # LOGLEVEL=DEBUG (as app.cluster.launch reads it): everything from every rank, tracebacks included.
     debug = os.environ.get("LOGLEVEL", "").upper() == "DEBUG"
     logging.basicConfig(
         level=logging.DEBUG if debug else logging.INFO if rank == 0 else logging.WARNING,
@@ -116,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     log.info(describe(resolved))
 
     # torch and everything built on it, only now: a bad flag above fails before this seconds-long import.
-    from app.checkpoint import CheckpointMismatch
-    from app.dist import RendezvousError, cleanup_distributed, init_distributed, lost_peer
-    from app.loop import TrainingDiverged
+    from app.worker.checkpoint import CheckpointMismatch
+    from app.worker.dist import RendezvousError, cleanup_distributed, init_distributed, lost_peer
+    from app.worker.trainer import TrainingDiverged
 
     metrics = start_metrics(cfg, world)
     if metrics is None:
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 def start_metrics(cfg: TrainConfig, world: WorldEnv):
     """This process's /metrics endpoint (``NoMetrics`` when metrics_port is 0); None, after one line, when its port
     cannot be opened. Served before the rendezvous: a rank stuck there is already visible (ddp_rank_info)."""
-    from app.metrics import NoMetrics, TrainMetrics
+    from app.worker.metrics import NoMetrics, TrainMetrics
 
     if not cfg.metrics_port:
         return NoMetrics()
@@ -187,8 +188,8 @@ def start_metrics(cfg: TrainConfig, world: WorldEnv):
 
 def train(cfg: TrainConfig, sources: dict[str, str], ctx, world: WorldEnv, grad_accum_steps: int, stop, metrics) -> int:
     """Inside the process group: the start-up checks every rank must agree on, then the loop, then the linger."""
-    from app.checkpoint import checkpoint_dir_problem
-    from app.loop import Trainer
+    from app.worker.checkpoint import checkpoint_dir_problem
+    from app.worker.trainer import Trainer
 
     if stop.requested:
         log.warning("%s before training started: exit 1", stop.name)
@@ -201,11 +202,11 @@ def train(cfg: TrainConfig, sources: dict[str, str], ctx, world: WorldEnv, grad_
         )
     announce_endpoints(ctx, cfg, world.node)
     if cfg.parallel == "pipeline":
-        from app.pipeline_loop import PipelineTrainer
+        from app.worker.pipeline_trainer import PipelineTrainer
 
         trainer = PipelineTrainer(cfg, ctx, world, stop, metrics)
     elif cfg.parallel == "dp":
-        from app.pipeline_loop import DataParallelTrainer
+        from app.worker.pipeline_trainer import DataParallelTrainer
 
         trainer = DataParallelTrainer(cfg, ctx, world, grad_accum_steps, stop, metrics)
     else:

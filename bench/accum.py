@@ -41,9 +41,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from app.models import DeepMLP, MiniMLP
 from app.parallel import wrap_model
 from app.parallel.accum import accumulation_step, effective_batch_size
+from app.worker.models import DeepMLP, MiniMLP
 from bench.provenance import describe_output, load_average, output_path, provenance
 
 SCHEMA = "accum-curve.v1"

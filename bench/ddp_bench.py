@@ -44,10 +44,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from app.dist import distributed
-from app.models import DeepMLP, TinyTransformer, count_parameter_tensors
 from app.parallel import wrap_model
 from app.parallel.comm_hooks import HOOKS
+from app.worker.dist import distributed
+from app.worker.models import DeepMLP, TinyTransformer, count_parameter_tensors
 from bench.provenance import describe_output, load_average, output_path, provenance
 
 # variant -> (wrapper, constructor arguments, comm hook); None: not wrapped (the loop decides what syncs)

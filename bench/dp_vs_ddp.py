@@ -29,7 +29,7 @@ SCHEMA = "dp-vs-ddp.v1"
 
 
 def build(width: int, depth: int):
-    from app.models import DeepMLP
+    from app.worker.models import DeepMLP
 
     torch.manual_seed(0)
     return DeepMLP(width=width, depth=depth)
@@ -116,7 +116,7 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
 
 
 def main(argv=None) -> int:
-    from app.pipeline_demo import spawn_world
+    from app.demos.world import spawn_world
     from bench.provenance import describe_output, load_average, output_path, provenance
 
     parser, args = parse_args(argv)

@@ -60,7 +60,7 @@ def init_nccl():
 def build(seed: int = 0):
     import torch
 
-    from app.models import DeepMLP
+    from app.worker.models import DeepMLP
 
     torch.manual_seed(seed)
     return DeepMLP(width=1024, depth=16).cuda()

@@ -73,7 +73,7 @@ def one_run(args, metrics_port: int) -> float:
 
 def direct_cost_us(iterations: int = 20000) -> float:
     """µs that ``observe_step`` adds to one step (one bucket, as MiniMLP has), median of 5 timings."""
-    from app.metrics import CommSample, TrainMetrics
+    from app.worker.metrics import CommSample, TrainMetrics
 
     m = TrainMetrics(rank=0, local_rank=0, world_size=2, node="0", host="bench")
     timings = []

@@ -9,7 +9,7 @@ flags, on how many cores and under how much load from elsewhere. Every bench cal
 
 and writes where ``output_path`` says: the committed file ``bench/results/<name>.json`` for the documented run
 (every flag at its default) or when ``--out`` names it, ``runs/<name>.json`` (not committed) otherwise, so that a
-quick trial with other flags never replaces the numbers the docs are generated from (``bench/report.py``).
+quick trial with other flags never replaces the numbers the docs are generated from (``tools/report.py``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ then the all-reduce sums the ranks). This bench measures what that difference gr
 size (``torchrun --standalone``), checkpoints every ``--every`` steps, and the largest parameter difference and
 the relative distance of the whole parameter vector at each of them, once per ``--dtypes``.
 
-Why it exists: the chaos proof (bench/chaos.py) compares a run that lost a worker with one that did not. Its
+Why it exists: the chaos proof (bench/cluster/chaos.py) compares a run that lost a worker with one that did not. Its
 tolerance must be the drift of two *correct* runs over the same horizon, and this table shows that in float32
 that drift is not float-rounding small after a few hundred steps, while in float64 it is.
 """
@@ -30,11 +30,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.world_drift", description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps of each run (bench/chaos.py's horizon)")
+    p.add_argument(
+        "--steps", type=int, default=300, help="optimizer steps of each run (bench/cluster/chaos.py's horizon)"
+    )
     p.add_argument("--every", type=int, default=25, help="compare the runs every this many steps")
     p.add_argument("--worlds", type=int, nargs=2, default=[4, 3], help="the two world sizes compared")
     p.add_argument("--dtypes", nargs="+", default=["float32", "float64"], choices=["float32", "float64"])
-    p.add_argument("--effective-batch", type=int, default=4096, help="global batch in samples (as bench/chaos.py)")
+    p.add_argument(
+        "--effective-batch", type=int, default=4096, help="global batch in samples (as bench/cluster/chaos.py)"
+    )
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--out", default=None, help="JSON path (default bench/results/world-drift.json)")
     return p
@@ -57,7 +61,7 @@ def train(directory: Path, world: int, dtype: str, args) -> float:
 
 def distance(a: Path, b: Path, step: int) -> dict:
     """max |Δparam| and |θa − θb| / |θa| between the two runs' checkpoints of ``step``."""
-    from app.checkpoint import checkpoint_path, load_checkpoint
+    from app.worker.checkpoint import checkpoint_path, load_checkpoint
 
     pa = load_checkpoint(checkpoint_path(a, step))["model"]
     pb = load_checkpoint(checkpoint_path(b, step))["model"]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import nn
 
-# torch is imported inside wrap_model, not here: app.config reads WRAPPERS, and a bad flag must fail before the
+# torch is imported inside wrap_model, not here: app.worker.config reads WRAPPERS, and a bad flag must fail before the
 # seconds-long torch import.
 WRAPPERS = ("ours", "torch", "none")  # ours: app.parallel.ddp; torch: torch.nn.parallel; none: the bare module
 

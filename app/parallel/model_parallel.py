@@ -4,7 +4,7 @@ When a model does not fit one device, place groups of consecutive layers on diff
 the activations from one device to the next, the loss is computed where the output lands (the last device, so the
 labels go there), and backward and the optimizer work unchanged: autograd follows the ``.to(device)`` copies back.
 
-    from app.models import DeepMLP
+    from app.worker.models import DeepMLP
     mp = ModelParallel(DeepMLP(width=64, depth=8), ["cuda:0", "cuda:1"])   # or ["cpu", "cpu"] anywhere
     loss = F.mse_loss(mp(x), y.to(mp.output_device))
     loss.backward(); optimizer.step()

@@ -141,8 +141,8 @@ def metric_names(expr: str) -> set[str]:
 
 
 def exported_metric_names() -> set[str]:
-    """The sample names a worker really exposes (app.metrics.TrainMetrics' registry), e.g. *_bucket, *_total."""
-    from app.metrics import TrainMetrics
+    """The sample names a worker really exposes (app.worker.metrics.TrainMetrics' registry), e.g. *_bucket, *_total."""
+    from app.worker.metrics import TrainMetrics
 
     metrics = TrainMetrics(rank=0, local_rank=0, world_size=2, node="0", host="h")
     metrics.enable_pipeline()  # the ddp_pipeline_* series, registered by a --parallel pipeline run

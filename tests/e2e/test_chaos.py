@@ -1,6 +1,6 @@
 """The chaos proof as a test: a worker lost mid-run and brought back changes neither the outcome nor the parameters.
 
-bench/chaos.py runs two compose projects of the real image at once: A, 4 workers untouched; B, 4 workers whose
+bench/cluster/chaos.py runs two compose projects of the real image at once: A, 4 workers untouched; B, 4 workers whose
 rank-0 container is killed (``docker kill``) at a step, continuing on 3 from the newest checkpoint, then scaled back
 to 4 (``up --scale worker=4 --no-recreate``). Asserted here, on one shared run:
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.chaos import build_parser, chaos
+from bench.cluster.chaos import build_parser, chaos
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -49,7 +49,8 @@ def test_the_world_shrinks_and_grows_back_without_a_manual_step(result):
 
 
 def test_final_parameters_equal_the_uninterrupted_run(result):
-    # Both runs in float64 (bench/chaos.py --dtype): the world of 3's other order of additions costs ~1e-15 there, so
+    # Both runs in float64 (bench/cluster/chaos.py --dtype): the world of 3's other order of additions costs ~1e-15
+    # there, so
     # a replayed or skipped step, a lost optimizer state or a wrong share of the global batch shows up far above it.
     assert result["dtype"] == "float64", result["dtype"]
     assert result["max_abs_param_diff"] <= result["tolerance"], (result["max_abs_param_diff"], result["tolerance"])

@@ -38,7 +38,7 @@ def test_every_panel_query_reads_only_metrics_the_worker_exports():
         for q in queries
         if metric_names(q.expr) - exported
     }
-    assert not unknown, f"panels query metrics app/metrics.py does not export: {unknown}"
+    assert not unknown, f"panels query metrics app/worker/metrics.py does not export: {unknown}"
     assert all(metric_names(q.expr) for q in queries), "a panel query names no metric at all"
     for expr in annotation_queries():
         assert metric_names(expr) and metric_names(expr) <= exported, expr
@@ -76,7 +76,7 @@ def test_every_alert_reads_only_metrics_the_worker_exports():
     unknown = {
         r["alert"]: sorted(metric_names(r["expr"]) - exported) for r in rules if metric_names(r["expr"]) - exported
     }
-    assert not unknown, f"alerts on metrics app/metrics.py does not export: {unknown}"
+    assert not unknown, f"alerts on metrics app/worker/metrics.py does not export: {unknown}"
 
 
 def test_dashboard_names_the_provisioned_datasource_by_uid():

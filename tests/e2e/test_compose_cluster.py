@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from app.dist import free_port
+from app.worker.dist import free_port
 from tests.e2e.cluster_files import (
     COMPOSE,
     ROOT,
@@ -90,7 +90,7 @@ class ClusterRun:
     last_step_time: float | None = None
     panel_results: dict[PanelQuery, list] = field(default_factory=dict)
     rank_label_values: list[str] = field(default_factory=list)
-    store_restarted: bool = False  # the store left and came back empty after the job (app.rendezvous_store)
+    store_restarted: bool = False  # the store left and came back empty after the job (app.cluster.rendezvous_store)
     second_logs: str = ""  # the workers' logs of the second `up` (same project, no `down` in between)
     second_workers: list[dict] = field(default_factory=list)
     leftovers: dict[str, list[str]] = field(default_factory=dict)

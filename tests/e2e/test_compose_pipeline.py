@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from app.dist import free_port
+from app.worker.dist import free_port
 from tests.e2e.cluster_files import PIPELINE_ROW, panel_queries, scrape_interval_seconds, substitute
 from tests.e2e.conftest import build_settings
 from tests.e2e.test_compose_cluster import FINISHED, Compose, prom_get

@@ -24,7 +24,7 @@ checksum; each pod's annotated metrics port serves its metrics; rank 0's checkpo
 The other two replace pods the way the Job controller does (a new container per attempt, same hostname and DNS
 names, a new address) and count what the Job would count, from the pods' exit codes and its podFailurePolicy:
 - a pod lost mid-run (its network cut, then killed): its replacement starts at once, finds the old pod 0's
-  store still up and waits (app.k8s_launch) until pod 0 has timed out and been replaced; the second attempt
+  store still up and waits (app.cluster.k8s_launch) until pod 0 has timed out and been replaced; the second attempt
   resumes from the checkpoint and finishes;
 - a pod evicted (SIGTERM, the grace period): it ends 143, its peer 75, and neither is counted.
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app.models import MiniMLP
 from app.parallel.accum import NonFiniteLossError, accumulation_step, effective_batch_size, resolve_grad_accum_steps
 from app.parallel.ddp import DistributedDataParallel
+from app.worker.models import MiniMLP
 from bench import accum as bench_accum
 from tests.world import run_world
 

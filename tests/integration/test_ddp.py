@@ -14,9 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from app.models import MiniMLP, TinyTransformer, parameter_checksum
 from app.parallel.comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from app.parallel.ddp import DistributedDataParallel as DDP
+from app.worker.models import MiniMLP, TinyTransformer, parameter_checksum
 from tests.world import run_world
 
 PARAM_TOL = 1e-6

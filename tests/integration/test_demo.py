@@ -17,7 +17,7 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 def run_demo(*args: str, workers: int = 2) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [str(TORCHRUN), "--standalone", f"--nproc-per-node={workers}", "-m", "app.demo", *args],
+        [str(TORCHRUN), "--standalone", f"--nproc-per-node={workers}", "-m", "app.demos.demo", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -39,7 +39,7 @@ def test_demo_passes_step_by_step(wrapper):
 
 def test_demo_rejects_bad_steps_with_exit_code_2():
     result = subprocess.run(
-        [sys.executable, "-m", "app.demo", "--steps", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "app.demos.demo", "--steps", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 2
     assert "--steps must be >= 1" in result.stderr

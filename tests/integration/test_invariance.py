@@ -2,8 +2,8 @@
 
 The same 12 steps of a global batch of 50 samples (micro-batches of at most 8) on one process, on 4 ranks, on 3
 ranks (shares of 17/17/16: uneven), and on 2 → 3 → 4 ranks resumed from checkpoints every 4 steps: the final
-parameters agree to float rounding. Each step trains on the same 50 samples whatever the world size (app.data), and
-each rank's loss is weighted by its share so the averaged gradient is the full batch's (app.parallel.accum).
+parameters agree to float rounding. Each step trains on the same 50 samples whatever the world size (app.worker.data),
+and each rank's loss is weighted by its share so the averaged gradient is the full batch's (app.parallel.accum).
 
 The tolerance is measured, not guessed: the runs differ only in the order of float additions (per-rank partial
 sums, then the all-reduce). Measured max |Δparam| against one process after 12 AdamW steps: 3.0e-08 (world 4),
@@ -18,7 +18,7 @@ import subprocess
 import pytest
 import torch
 
-from app.checkpoint import checkpoint_path, load_checkpoint
+from app.worker.checkpoint import checkpoint_path, load_checkpoint
 from tests.trainer_run import PYTHON, REPO, clean_env, describe, finished, torchrun
 
 # Six runs of the real worker (one to four processes each, each importing torch): minutes on a loaded machine.
@@ -94,7 +94,8 @@ def test_the_final_parameters_do_not_depend_on_the_world_size(runs, name):
 
 
 def test_in_float64_the_world_size_changes_nothing_but_the_last_bits(runs):
-    # The chaos proof (bench/chaos.py) trains in float64 for this: the world of 3 adds in another order, which in
+    # The chaos proof (bench/cluster/chaos.py) trains in float64 for this: the world of 3 adds in another order,
+    # which in
     # float32 costs 1e-7 per step and, over hundreds of steps, can tip a ReLU; in float64 it stays near 1e-15.
     assert all(t.dtype == torch.float64 for t in runs["world 3 float64"].values())
     diff = _max_diff(runs["world 3 float64"], runs["single float64"])
@@ -104,7 +105,7 @@ def test_in_float64_the_world_size_changes_nothing_but_the_last_bits(runs):
 
 def test_the_runs_really_trained(runs):
     torch.manual_seed(0)
-    from app.models import MiniMLP
+    from app.worker.models import MiniMLP
 
     initial = MiniMLP().state_dict()
     assert _max_diff(runs["single"], initial) > 100 * TOLERANCE  # equal because they moved alike, not because idle

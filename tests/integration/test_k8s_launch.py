@@ -1,4 +1,4 @@
-"""The fresh-store gate of app.k8s_launch against a real TCPStore on loopback: a replacement pod waits while the
+"""The fresh-store gate of app.cluster.k8s_launch against a real TCPStore on loopback: a replacement pod waits while the
 store it reaches is a previous attempt's (it has seen the pod's node rank), and joins the next new store."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import pytest
 from torch.distributed import TCPStore
 
-from app.k8s_launch import wait_for_fresh_store
+from app.cluster.k8s_launch import wait_for_fresh_store
 
 
 def serve(port: int = 0) -> TCPStore:

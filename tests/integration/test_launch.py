@@ -1,6 +1,6 @@
-"""app.launch (torchrun's engine with readable outcomes): exit codes and one-line reasons, with real torchrun agents.
+"""app.cluster.launch (torchrun's engine with readable outcomes): exit codes and one-line reasons, real agents.
 
-Each test runs ``python -m app.launch`` as compose does (torchrun's flags), with real trainer processes on loopback:
+Each test runs ``python -m app.cluster.launch`` as compose does (torchrun's flags), real trainer processes on loopback:
 0 for a finished run and for a stop on request that checkpointed (plain torchrun: 1), 2 for a bad setting whether the
 launcher or the trainer finds it (plain torchrun: 1 after a ChildFailedError report), 1 with one line naming the store
 when the rendezvous store is unreachable. No line of the launcher's output is a Python traceback.
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(600)
 
 def launch(*args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [PYTHON, "-m", "app.launch", *args],
+        [PYTHON, "-m", "app.cluster.launch", *args],
         cwd=REPO,
         env=clean_env(**env),
         capture_output=True,
@@ -86,7 +86,7 @@ def test_an_unreachable_store_is_named_within_the_wait():
 
 def test_a_stop_on_request_that_checkpointed_exits_zero(tmp_path):
     proc = subprocess.Popen(
-        [PYTHON, "-m", "app.launch", "--standalone", "--nproc-per-node=2", "-m", "app.train"]
+        [PYTHON, "-m", "app.cluster.launch", "--standalone", "--nproc-per-node=2", "-m", "app.train"]
         + ["--steps", "100000", "--metrics-port", "0", "--checkpoint-dir", str(tmp_path), "--log-every", "1000"],
         cwd=REPO,
         env=clean_env(),

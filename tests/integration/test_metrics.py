@@ -20,10 +20,10 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from app.metrics import TrainMetrics
-from app.models import MiniMLP
 from app.parallel.ddp import DistributedDataParallel
 from app.parallel.probes import CommSample, OursCommProbe, TorchCommProbe
+from app.worker.metrics import TrainMetrics
+from app.worker.models import MiniMLP
 from tests.trainer_run import free_port, start_torchrun, wait_for_lines
 from tests.world import run_world
 

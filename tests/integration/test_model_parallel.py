@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.models import DeepMLP, MiniMLP
 from app.parallel.model_parallel import ModelParallel, balance_partition, merge_stage_state_dicts, split_model
+from app.worker.models import DeepMLP, MiniMLP
 
 GPU_TOLERANCE = 1e-5  # different devices may pick different kernels (summation order); CPU stand-ins are exact
 

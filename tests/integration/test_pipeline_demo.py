@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_demo(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "app.pipeline_demo", *args],
+        [sys.executable, "-m", "app.demos.pipeline_demo", *args],
         cwd=ROOT,
         env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
         capture_output=True,

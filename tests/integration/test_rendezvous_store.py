@@ -1,4 +1,4 @@
-"""app.rendezvous_store for real: a TCPStore server that torchrun's c10d rendezvous meets at, and its restart rule.
+"""app.cluster.rendezvous_store for real: a TCPStore server that torchrun's c10d rendezvous meets at; its restart rule.
 
 .venv/bin/python -m pytest tests/test_rendezvous_store.py
 """
@@ -19,7 +19,7 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 def start_store(port: int, *args: str) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.rendezvous_store", "--host", "127.0.0.1", "--port", str(port), *args],
+        [sys.executable, "-m", "app.cluster.rendezvous_store", "--host", "127.0.0.1", "--port", str(port), *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -28,7 +28,7 @@ def start_store(port: int, *args: str) -> subprocess.Popen:
     deadline = time.monotonic() + 60
     while (
         subprocess.run(
-            [sys.executable, "-m", "app.rendezvous_store", "--check", f"127.0.0.1:{port}"], cwd=ROOT
+            [sys.executable, "-m", "app.cluster.rendezvous_store", "--check", f"127.0.0.1:{port}"], cwd=ROOT
         ).returncode
         != 0
     ):
@@ -62,7 +62,7 @@ def job(port: int, run_id: str) -> subprocess.CompletedProcess:
 
 def test_health_check_answers_only_while_a_store_serves():
     port = free_port()
-    check = [sys.executable, "-m", "app.rendezvous_store", "--check", f"127.0.0.1:{port}"]
+    check = [sys.executable, "-m", "app.cluster.rendezvous_store", "--check", f"127.0.0.1:{port}"]
     assert subprocess.run(check, cwd=ROOT).returncode == 1
     proc = start_store(port)
     try:
@@ -103,7 +103,7 @@ def test_without_the_restart_a_finished_run_id_is_refused():
 
 def test_bad_port_is_a_one_line_error():
     result = subprocess.run(
-        [sys.executable, "-m", "app.rendezvous_store", "--port", "70000"],
+        [sys.executable, "-m", "app.cluster.rendezvous_store", "--port", "70000"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -12,8 +12,8 @@ import subprocess
 
 import torch
 
-from app.checkpoint import Checkpointer, checkpoint_path, list_checkpoints, load_checkpoint
-from app.models import MiniMLP, parameter_checksum
+from app.worker.checkpoint import Checkpointer, checkpoint_path, list_checkpoints, load_checkpoint
+from app.worker.models import MiniMLP, parameter_checksum
 from tests.trainer_run import PYTHON, REPO, clean_env, describe, finished, start_ranks, torchrun
 from tests.world import run_world
 
@@ -105,8 +105,8 @@ def _rng_round_trip(rank: int, world: int, directory: str) -> dict:
     every rank back exactly where it was when the checkpoint was written."""
     import torch.distributed as dist
 
-    from app.data import GlobalBatches, build_dataset
-    from app.dist import DistContext
+    from app.worker.data import GlobalBatches, build_dataset
+    from app.worker.dist import DistContext
 
     ctx = DistContext(rank, rank, world, torch.device("cpu"), dist.get_backend())
 

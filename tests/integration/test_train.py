@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from app.checkpoint import list_checkpoints, load_checkpoint
+from app.worker.checkpoint import list_checkpoints, load_checkpoint
 from tests.trainer_run import (
     PYTHON,
     REPO,

@@ -15,8 +15,8 @@ import subprocess
 import pytest
 import torch
 
-from app.checkpoint import list_checkpoints, load_checkpoint
-from app.models import MiniMLP
+from app.worker.checkpoint import list_checkpoints, load_checkpoint
+from app.worker.models import MiniMLP
 from tests.trainer_run import PYTHON, REPO, clean_env, describe, finished, start_ranks, torchrun, wait_for_lines
 
 ATOL = 1e-6  # merged pipeline vs single process, max |diff| per parameter (measured 4.5e-8 after 30 steps)

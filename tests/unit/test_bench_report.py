@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from bench.report import DOCS, RENDERERS, RESULTS, block_pattern, rendered_page
+from tools.report import DOCS, RENDERERS, RESULTS, block_pattern, rendered_page
 
 RESULT_FILES = sorted(RESULTS.glob("*.json"))
 

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from app.config import ConfigError, TrainConfig, load_config
+from app.worker.config import ConfigError, TrainConfig, load_config
 from tests.trainer_run import PYTHON, REPO, clean_env
 
 
@@ -158,7 +158,7 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path):
 
 
 def test_torchrun_variables_are_read_once_with_the_elastic_range():
-    from app.config import WorldEnv
+    from app.worker.config import WorldEnv
 
     assert WorldEnv.from_environ({}) == WorldEnv()  # no torchrun: a world of one
     static = WorldEnv.from_environ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"})

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.data import GlobalBatches, build_dataset
 from app.parallel.accum import grad_accum_steps_for, micro_batch_sizes, split_global_batch
+from app.worker.data import GlobalBatches, build_dataset
 
 DATA = build_dataset("mini_mlp", 1000, seed=0)
 CPU = torch.device("cpu")

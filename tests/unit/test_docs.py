@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from app.config import config_table_markdown
+from app.worker.config import config_table_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 200
@@ -176,18 +176,18 @@ def documented_metrics() -> dict[str, str]:
 def test_metrics_doc_matches_what_a_rank_exports() -> None:
     from prometheus_client import generate_latest
 
-    from app.metrics import TrainMetrics
+    from app.worker.metrics import TrainMetrics
 
     metrics = TrainMetrics(rank=0, local_rank=0, world_size=1, node="0", host="docs")
     exported = dict(re.findall(r"^# TYPE (ddp_\w+) (\w+)", generate_latest(metrics.registry).decode(), re.M))
     documented = documented_metrics()
     assert {n: k for n, k in exported.items() if documented.get(n) != k} == {}, (
-        "docs/metrics.md's table lacks these metrics of app/metrics.py, or gives another type"
+        "docs/metrics.md's table lacks these metrics of app/worker/metrics.py, or gives another type"
     )
     # Metrics registered only in some modes (a pipeline stage, say) are not in a default registry: the source has them.
-    source = (ROOT / "app" / "metrics.py").read_text(encoding="utf-8")
+    source = (ROOT / "app" / "worker" / "metrics.py").read_text(encoding="utf-8")
     assert [n for n in documented if n.removesuffix("_total") not in source] == [], (
-        "docs/metrics.md documents metrics app/metrics.py does not define"
+        "docs/metrics.md documents metrics app/worker/metrics.py does not define"
     )
 
 
@@ -218,5 +218,5 @@ def test_config_table_is_generated_from_train_config() -> None:
     assert TABLE_BEGIN in text and TABLE_END in text, f"docs/training.md lost its {TABLE_BEGIN} / {TABLE_END} markers"
     table = text[text.index(TABLE_BEGIN) + len(TABLE_BEGIN) : text.index(TABLE_END)]
     assert table.strip() == config_table_markdown().strip(), (
-        "docs/training.md's configuration table differs from app.config.TrainConfig: run `make docs-config`"
+        "docs/training.md's configuration table differs from app.worker.config.TrainConfig: run `make docs-config`"
     )

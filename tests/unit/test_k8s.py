@@ -41,7 +41,7 @@ import yaml
 from kubernetes.client import ApiClient
 from kubernetes_validate.utils import SchemaNotFoundError
 
-from app.config import load_config
+from app.worker.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
@@ -228,7 +228,7 @@ def render_pod(job: dict, objs: dict, index: int, namespace: str = "default") ->
     return Pod(index, fields["metadata.name"], hostname, dns if subdomain else [], env, argv, c, spec)
 
 
-LAUNCHER = ["python", "-m", "app.k8s_launch"]
+LAUNCHER = ["python", "-m", "app.cluster.k8s_launch"]
 
 
 @pytest.fixture(params=["gpu", "cpu"], ids=lambda v: f"{v}-job")
@@ -374,7 +374,7 @@ def test_launcher_accepts_the_manifest_arguments(variant):
     from torch.distributed.run import parse_args
 
     _, job, objs = variant
-    args = parse_args(render_pod(job, objs, 1).argv[len(LAUNCHER) :])  # app.k8s_launch's own parser: torchrun's
+    args = parse_args(render_pod(job, objs, 1).argv[len(LAUNCHER) :])  # app.cluster.k8s_launch's own parser: torchrun's
     assert (args.node_rank, args.module, args.training_script) == (1, True, "app.train")
     assert args.max_restarts == 0, "a static rendezvous cannot re-form around one restarted node: the Job restarts"
 
@@ -414,14 +414,14 @@ def test_gpu_job_is_the_default_and_runs_one_nccl_process_per_gpu():
 
 
 def test_each_process_gets_its_share_of_the_cpu_limit(variant):
-    from app.k8s_launch import set_omp_threads
+    from app.cluster.k8s_launch import set_omp_threads
 
     _, job, objs = variant
     pod = render_pod(job, objs, 0)
     assert "OMP_NUM_THREADS" not in pod.env, "a fixed value would be the whole pod's for each of its processes"
     assert pod.env["CPU_LIMIT"] == str(math.ceil(quantity(container(job)["resources"]["limits"]["cpu"])))
     env = dict(pod.env)
-    set_omp_threads(str(gpus_per_pod(job)), env)  # what app.k8s_launch does, for the pod's process count
+    set_omp_threads(str(gpus_per_pod(job)), env)  # what app.cluster.k8s_launch does, for the pod's process count
     assert int(env["OMP_NUM_THREADS"]) * gpus_per_pod(job) <= max(int(pod.env["CPU_LIMIT"]), gpus_per_pod(job))
     eight = dict(pod.env, CPU_LIMIT="64")
     set_omp_threads("8", eight)
@@ -532,7 +532,7 @@ def test_every_container_has_requests_and_limits(variant):
 
 
 def test_stops_spend_no_retry_budget_and_crashes_a_bounded_one(variant):
-    from app.k8s_launch import EXIT_PEER, EXIT_STOPPED
+    from app.cluster.k8s_launch import EXIT_PEER, EXIT_STOPPED
 
     _, job, _ = variant
     spec = job["spec"]

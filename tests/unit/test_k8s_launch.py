@@ -1,4 +1,4 @@
-"""app.k8s_launch's decisions, without torchrun: the pod's exit code from its ranks', and the threads per rank.
+"""app.cluster.k8s_launch's decisions, without torchrun: the pod's exit code from its ranks', and the threads per rank.
 
 The fresh-store gate runs against a real TCPStore in tests/integration/test_k8s_launch.py, and the whole launcher
 in the Kubernetes emulation (tests/e2e/test_k8s_emulation.py).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.k8s_launch import EXIT_PEER, EXIT_STOPPED, _rendezvous_timeout, pod_exit_code, set_omp_threads
+from app.cluster.k8s_launch import EXIT_PEER, EXIT_STOPPED, _rendezvous_timeout, pod_exit_code, set_omp_threads
 
 
 @pytest.mark.parametrize(

@@ -1,13 +1,13 @@
 """`make mutants` stays runnable as the code moves: every mutant's snippet is found exactly once, its tests exist.
 
-The mutants themselves run for minutes (bench/mutants.py); this checks the list, in a second.
+The mutants themselves run for minutes (tools/mutants.py); this checks the list, in a second.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from bench.mutants import MUTANTS, REPO, count
+from tools.mutants import MUTANTS, REPO, count
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)

@@ -2,7 +2,7 @@
 
     make demo                                   # 4 CPU ranks, 20 steps, our DDP
     make demo WORKERS=2 STEPS=10 WRAPPER=torch  # PyTorch's DDP instead of ours
-    torchrun --standalone --nproc-per-node=4 -m app.demo --steps 20 --bucket-cap-mb 0.01
+    torchrun --standalone --nproc-per-node=4 -m app.demos.demo --steps 20 --bucket-cap-mb 0.01
 
 Each step draws one global batch (the same on every rank, from a generator seeded by the step), gives rank r the
 r-th equal slice, and trains. Rank 0 also trains a single-process *reference* copy of the model on the whole
@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from app.dist import distributed
-from app.models import MiniMLP, parameter_checksum
 from app.parallel import wrap_model
+from app.worker.dist import distributed
+from app.worker.models import MiniMLP, parameter_checksum
 
 PARAM_TOLERANCE = 1e-5  # float32 sums in a different order drift by ~1e-7 per step; 20 steps stay far below this
 LOSS_TOLERANCE = 1e-5

@@ -2,8 +2,8 @@
 the tests that should catch it.
 
     make mutants                                          # every mutant; tens of minutes on 2 cores
-    .venv/bin/python -m bench.mutants --only ckpt-no-fsync,loss-not-divided-by-k   # a few, by name
-    .venv/bin/python -m bench.mutants --list              # the mutants and whether each snippet is still found
+    .venv/bin/python -m tools.mutants --only ckpt-no-fsync,loss-not-divided-by-k   # a few, by name
+    .venv/bin/python -m tools.mutants --list              # the mutants and whether each snippet is still found
 
 Each mutant names a file, a snippet of code that occurs in it exactly once, its replacement, and the tests that
 should fail with it. The snippet, not a line number, locates it, so the list survives code moving around; a snippet
@@ -119,11 +119,11 @@ MUTANTS: list[Mutant] = [
         "weight = grad_scale if scale_loss else 1.0",
         T("tests/integration/test_accum.py::test_one_batch_of_16_equals_4_micro_batches_of_4"),
     ),
-    # -- checkpoints (app/checkpoint.py) --------------------------------------------------------------------------
+    # -- checkpoints (app/worker/checkpoint.py) ------------------------------------------------------------------------
     Mutant(
         "ckpt-written-in-place",
         "the checkpoint is written straight to its final name: a crash mid-write leaves a torn newest file",
-        "app/checkpoint.py",
+        "app/worker/checkpoint.py",
         'tmp = d / f".{final.name}.tmp-{os.getpid()}"',
         "tmp = final",
         T("tests/unit/test_checkpoint.py"),
@@ -131,7 +131,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ckpt-no-fsync",
         "the bytes are not forced to disk before the rename: a power loss can leave an empty newest file",
-        "app/checkpoint.py",
+        "app/worker/checkpoint.py",
         "os.fsync(f.fileno())",
         "f.flush()",
         T("tests/unit/test_checkpoint.py::test_the_bytes_are_durable_before_the_name_and_the_name_before_returning"),
@@ -139,7 +139,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ckpt-no-directory-fsync",
         "the rename is not made durable: after a power loss the newest checkpoint may be missing",
-        "app/checkpoint.py",
+        "app/worker/checkpoint.py",
         "        _fsync_dir(d)\n",
         "        pass\n",
         T("tests/unit/test_checkpoint.py::test_the_bytes_are_durable_before_the_name_and_the_name_before_returning"),
@@ -147,7 +147,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ckpt-digest-not-checked",
         "a checkpoint with flipped bits is loaded as if it were good",
-        "app/checkpoint.py",
+        "app/worker/checkpoint.py",
         'if digest(state) != state["digest"]:',
         "if False:",
         T("tests/unit/test_checkpoint.py::test_flipped_bits_are_detected"),
@@ -155,25 +155,25 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ckpt-rng-not-restored",
         "a resumed run draws other random numbers than the straight run would have",
-        "app/checkpoint.py",
+        "app/worker/checkpoint.py",
         'torch.set_rng_state(rng["cpu"][ctx.rank].cpu())',
         "pass",
         T("tests/integration/test_resume.py::test_resume_restores_every_ranks_own_rng_stream"),
     ),
-    # -- data position on resume (app/data.py) ---------------------------------------------------------------------
+    # -- data position on resume (app/worker/data.py) ------------------------------------------------------------------
     Mutant(
         "data-resume-position-assumes-2-ranks",
         "the saved sampler position assumes 2 ranks: a resume onto another world size skips or repeats samples",
-        "app/data.py",
+        "app/worker/data.py",
         'return {"epoch": self.epoch, "consumed": self.consumed}',
         'return {"epoch": self.epoch, "consumed": self.consumed // self.global_batch * self.local_samples * 2}',
         T("tests/unit/test_data.py::test_a_resume_on_another_world_size_continues_with_the_next_global_batch"),
     ),
-    # -- metrics (app/metrics.py) -----------------------------------------------------------------------------------
+    # -- metrics (app/worker/metrics.py) -------------------------------------------------------------------------------
     Mutant(
         "metrics-samples-count-steps",
         "ddp_samples_total counts 1 per step instead of the samples",
-        "app/metrics.py",
+        "app/worker/metrics.py",
         "self.samples.inc(samples)",
         "self.samples.inc(1)",
         T("tests/integration/test_metrics.py::test_metric_values_after_known_steps"),
@@ -181,16 +181,16 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "metrics-loss-is-the-lr",
         "ddp_loss shows the learning rate",
-        "app/metrics.py",
+        "app/worker/metrics.py",
         "self.loss.set(loss)",
         "self.loss.set(lr)",
         T("tests/integration/test_metrics.py::test_metric_values_after_known_steps"),
     ),
-    # -- process group (app/dist.py) --------------------------------------------------------------------------------
+    # -- process group (app/worker/dist.py) ----------------------------------------------------------------------------
     Mutant(
         "dist-rendezvous-deadline-tripled",
         "forming the group may take 3× rendezvous_timeout_seconds",
-        "app/dist.py",
+        "app/worker/dist.py",
         "remaining = max(deadline - time.monotonic(), 0.5)",
         "remaining = 3 * max(deadline - time.monotonic(), 0.5)",
         T("tests/integration/test_train.py::test_rank_0_waits_for_its_peers_no_longer_than_the_rendezvous_timeout"),
@@ -198,7 +198,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "dist-endpoint-wait-tripled",
         "an unreachable rendezvous endpoint is given up on after 3× rendezvous_timeout_seconds",
-        "app/dist.py",
+        "app/worker/dist.py",
         "wait_for_endpoint(host, port, timeout_s)",
         "wait_for_endpoint(host, port, 3 * timeout_s)",
         T("tests/integration/test_train.py::test_unreachable_rendezvous_fails_within_the_timeout_naming_the_endpoint"),
@@ -236,11 +236,11 @@ MUTANTS: list[Mutant] = [
         'print(f"config error: {e}", file=sys.stderr, flush=True)\n        return 1\n    stop.timeout_s',
         T("tests/unit/test_config.py::test_bad_input_exits_2_with_one_line"),
     ),
-    # -- configuration (app/config.py) -------------------------------------------------------------------------------
+    # -- configuration (app/worker/config.py) --------------------------------------------------------------------------
     Mutant(
         "config-no-positive-check",
         "a zero or negative setting (steps, batch, lr, ...) is accepted instead of a one-line error",
-        "app/config.py",
+        "app/worker/config.py",
         'raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")',
         "pass",
         T("tests/unit/test_config.py::test_validation_names_the_field"),
@@ -248,7 +248,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "dtype-ignored",
         "dtype=float64 accepted but the model trains in float32 (the chaos proof would compare float32 runs)",
-        "app/loop.py",
+        "app/worker/trainer.py",
         "self.model = MODELS[cfg.model]().to(ctx.device, dtype)",
         "self.model = MODELS[cfg.model]().to(ctx.device)",
         T("tests/integration/test_invariance.py::test_in_float64_the_world_size_changes_nothing_but_the_last_bits"),

@@ -4,9 +4,9 @@
 
 - ``accumulation_step`` (app.parallel.accum): one optimizer step over this rank's share of the global batch;
 - ``StepControl``: the one control all-reduce per step, carrying both the NaN/inf flag and the stop request;
-- ``Checkpointer`` (app.checkpoint): resume, cadence, RNG state, the final save;
+- ``Checkpointer`` (app.worker.checkpoint): resume, cadence, RNG state, the final save;
 - ``ProgressLog``: rank 0's progress lines and the summary, from typed ``StepRecord``s;
-- ``TrainMetrics`` (app.metrics): the ``/metrics`` endpoint.
+- ``TrainMetrics`` (app.worker.metrics): the ``/metrics`` endpoint.
 
 ``app.train.main`` builds the process group, the metrics and the stop signal, then runs ``Trainer(...).run()``.
 """
@@ -22,15 +22,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from app.checkpoint import Checkpointer
-from app.config import TrainConfig
-from app.data import GlobalBatches, build_dataset, loss_function
-from app.dist import DistContext, WorldEnv
-from app.metrics import synchronize_for
-from app.models import MODELS, parameter_checksum
 from app.parallel import wrap_model
 from app.parallel.accum import NonFiniteLossError, StepResult, accumulation_step
 from app.parallel.probes import comm_probe
+from app.worker.checkpoint import Checkpointer
+from app.worker.config import TrainConfig
+from app.worker.data import GlobalBatches, build_dataset, loss_function
+from app.worker.dist import DistContext, WorldEnv
+from app.worker.metrics import synchronize_for
+from app.worker.models import MODELS, parameter_checksum
 
 log = logging.getLogger("app.train")
 # compose/k8s signal every container within milliseconds: wait this long before calling a stop a peer's alone.

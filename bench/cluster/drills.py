@@ -1,8 +1,8 @@
 """Two failure drills of docs/elastic.md's table, measured with the real Docker engine: a peer hangs, the store dies.
 
-    make drills                      # = python -m bench.drills (Docker; builds the image once, ~10 min here)
-    python -m bench.drills --no-build --drill pause
-    python -m bench.drills --no-build --drill store --bound 420
+    make drills                      # = python -m bench.cluster.drills (Docker; builds the image once, ~10 min here)
+    python -m bench.cluster.drills --no-build --drill pause
+    python -m bench.cluster.drills --no-build --drill store --bound 420
 
 Each drill is a compose project of ``--workers`` (3) containers training ``--steps`` steps of a global batch of
 ``--effective-batch`` samples (large, so that a step is not instant), logging every step, checkpointing every
@@ -33,12 +33,13 @@ import subprocess
 import sys
 import time
 
-from bench.chaos import STAMP, STEP, WORLD, Project, first_step_after, project_env, stamp
+from bench.cluster.chaos import STAMP, STEP, WORLD, Project, first_step_after, project_env, stamp
 
 PAUSE_MESSAGES = re.compile(r"left the world|went away|stopped answering|re-form|joined a world|giving up")
 STORE_MESSAGES = re.compile(r"rendezvous store|unreachable|lost|giving up")
 MAX_MESSAGES = 10
-# A launcher's last line before it exits (app/launch.py): the cause and "exit N", or the store it waited for in vain.
+# A launcher's last line before it exits (app/cluster/launch.py): its cause and "exit N", or the store it waited
+# for in vain.
 EXITING = re.compile(r"\[launch \w+\] \w+ .*(exit \d|unreachable)")
 RECOVERED, HUNG = "recovered", "hung"
 
@@ -260,7 +261,7 @@ DRILLS = {"pause": drill_pause, "store": drill_store}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.drills", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.cluster.drills", description=__doc__.splitlines()[0])
     p.add_argument("--drill", default="all", choices=["pause", "store", "all"])
     p.add_argument("--workers", type=int, default=3, help="containers of each drill (pause leaves one fewer)")
     # Long enough that the world of 2 still has steps to train when the paused worker comes back.

@@ -85,7 +85,7 @@ class TrainConfig:
     bucket_cap_mb: float = _doc("DDP bucket size in MiB", 25.0)
     parallel: str = _doc(
         "how the ranks share the work: ddp (data parallel) | pipeline (one model stage per rank, "
-        "app.pipeline_loop) | dp (nn.DataParallel: one process, >= 2 GPUs)",
+        "app.worker.pipeline_trainer) | dp (nn.DataParallel: one process, >= 2 GPUs)",
         "ddp",
     )
     pipeline_stages: int = _doc(

@@ -30,14 +30,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from app.checkpoint import CheckpointMismatch
-from app.config import TrainConfig
-from app.data import GlobalBatches, build_dataset, loss_function
-from app.dist import DistContext, WorldEnv
-from app.loop import ProgressLog, StepControl, StepRecord, Trainer, TrainingDiverged
-from app.models import MODELS
 from app.parallel.pipeline import build_pipeline_groups, build_pipeline_stage, merge_state_dicts
 from app.parallel.probes import NoCommProbe
+from app.worker.checkpoint import CheckpointMismatch
+from app.worker.config import TrainConfig
+from app.worker.data import GlobalBatches, build_dataset, loss_function
+from app.worker.dist import DistContext, WorldEnv
+from app.worker.models import MODELS
+from app.worker.trainer import ProgressLog, StepControl, StepRecord, Trainer, TrainingDiverged
 
 log = logging.getLogger("app.train")
 

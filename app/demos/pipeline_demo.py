@@ -1,8 +1,8 @@
 """Model and pipeline parallelism, proven: each compared with single-process training, step by step.
 
     make pipeline                                      # all of it on CPU, a minute or two
-    .venv/bin/python -m app.pipeline_demo --steps 3 --micro-batches 2 --no-bubble
-    .venv/bin/python -m app.pipeline_demo --devices cuda:0,cuda:1   # model parallel on two real GPUs
+    .venv/bin/python -m app.demos.pipeline_demo --steps 3 --micro-batches 2 --no-bubble
+    .venv/bin/python -m app.demos.pipeline_demo --devices cuda:0,cuda:1   # model parallel on two real GPUs
 
 This process spawns its own ranks (real processes, gloo on loopback) and prints four parts:
 
@@ -23,16 +23,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import os
-import pickle
 import sys
-import tempfile
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from app.demos.world import spawn_world
 
 # Measured on CPU: the pipeline's loss (mean of M micro-batch means) differs from the batch mean by ~1e-7, its
 # parameters from the reference's by ~1e-9 after 5 steps (fp32 sums in another order). Bars 10-100x above that; a
@@ -41,56 +37,6 @@ LOSS_TOLERANCE = 1e-5
 PARAM_TOLERANCE = 1e-6
 GPU_TOLERANCE = 1e-5  # model parallel across real devices: kernels may sum in another order
 WIDTH, DEPTH = 64, 8
-
-
-# -- running a function on local ranks ------------------------------------------------------------------------------
-def _rank_entry(rank: int, world: int, folder: str, backend: str, fn, args: tuple) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)  # several ranks share this machine's cores
-    if backend == "nccl":
-        torch.cuda.set_device(rank)  # one GPU per rank, or every NCCL communicator lands on GPU 0
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{folder}/store",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    try:
-        result = fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-    Path(folder, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
-
-
-def spawn_world(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo") -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes in one process group; results by rank.
-
-    Args:
-        fn: a module-level function (the processes import it by name).
-        world_size: how many ranks.
-        timeout: seconds before the ranks are killed and ``TimeoutError`` is raised.
-        backend: ``"gloo"`` (CPU) or ``"nccl"`` (rank r on GPU r).
-
-    A rank that raises makes this raise ``torch.multiprocessing.ProcessRaisedException`` with its traceback.
-
-    Example::
-
-        losses = spawn_world(train, 2, cfg)  # [rank 0's return value, rank 1's]
-    """
-    import torch.multiprocessing as mp
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory() as folder:
-        ctx = mp.spawn(_rank_entry, args=(world_size, folder, backend, fn, args), nprocs=world_size, join=False)
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise TimeoutError(f"{world_size} ranks still running after {timeout:.0f}s: a hang")
-        return [pickle.loads(Path(folder, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
 
 
 # -- the parts ------------------------------------------------------------------------------------------------------
@@ -103,8 +49,8 @@ def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def model_parallel_part(devices: list[str], steps: int, lr: float) -> tuple[bool, str]:
-    from app.models import DeepMLP
     from app.parallel.model_parallel import ModelParallel
+    from app.worker.models import DeepMLP
 
     torch.manual_seed(0)
     model = DeepMLP(width=WIDTH, depth=DEPTH)
@@ -137,8 +83,8 @@ def model_parallel_part(devices: list[str], steps: int, lr: float) -> tuple[bool
 def pipeline_on_rank(rank: int, world: int, cfg: dict) -> dict:
     """The pipeline parts on this rank: world 2 runs GPipe and 1F1B; world 4 runs data x pipeline. Then a short
     bubble measurement for S = world."""
-    from app.models import DeepMLP
     from app.parallel.pipeline import build_pipeline_groups, build_pipeline_stage
+    from app.worker.models import DeepMLP
 
     out: dict = {}
     schedules = ["gpipe", "1f1b"] if world == 2 else ["gpipe"]
@@ -174,7 +120,7 @@ def pipeline_on_rank(rank: int, world: int, cfg: dict) -> dict:
     if world == 2:
         out["tensor_parallel"] = tensor_parallel_gaps(world, cfg)
     if cfg["bubble"]:
-        from bench.pipeline_bubble import measure_on_rank
+        from app.demos.bubble import measure_on_rank
 
         out["bubble"] = measure_on_rank(rank, world, cfg["bubble"])
     return out
@@ -251,7 +197,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = OneLineParser(prog="app.pipeline_demo", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="app.demos.pipeline_demo", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=5, help="training steps per comparison (default 5)")
     p.add_argument("--batch", type=int, default=32, help="samples per pipeline per step (default 32)")
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step, M (default 4)")
@@ -323,7 +269,7 @@ def main(argv=None) -> int:
     worst_loss, worst_param = max(worst_loss, wl), max(worst_param, wp)
 
     if cfg["bubble"]:
-        from bench.pipeline_bubble import merge_ranks, render
+        from app.demos.bubble import merge_ranks, render
 
         print(
             f"\n== bubble: idle share per stage vs (S-1)/(M+S-1), GPipe, emulated stage work "

@@ -1,7 +1,7 @@
 """The chaos proof: a cluster that loses a worker and gets it back trains to the same parameters as one that did not.
 
-    make chaos                       # = python -m bench.chaos (Docker; builds the image once, ~5-10 min here)
-    python -m bench.chaos --steps 200 --kill-at 60 --victim rank1
+    make chaos                       # = python -m bench.cluster.chaos (Docker; builds the image once, ~5-10 min here)
+    python -m bench.cluster.chaos --steps 200 --kill-at 60 --victim rank1
 
 Two compose projects of the same image and the same settings (global batch fixed in samples, so any world size
 trains the same steps on the same samples):
@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEP = re.compile(r"\[rank 0\] INFO step (\d+)/\d+ \| loss ([-\d.naif]+)")
 WORLD = re.compile(r"\[rank 0\] INFO training .* world_size (\d+)")
 RESUMED = re.compile(r"\[rank 0\] INFO resumed from \S+ \(step (\d+)")
@@ -93,7 +93,7 @@ class Project:
         return max(steps, default=0)
 
     def rank_container(self, rank: int) -> str | None:
-        """The container id holding ``rank`` in the newest world (from app.launch's join lines)."""
+        """The container id holding ``rank`` in the newest world (from app.cluster.launch's join lines)."""
         held = None
         for _, line in self.lines():
             if (m := JOINED.search(line)) and int(m[3]) == rank:
@@ -113,7 +113,7 @@ class Project:
 
     def final_parameters(self, step: int) -> dict:
         """The run's last checkpoint (copied out of its volume, loaded and digest-checked): name -> tensor."""
-        from app.checkpoint import load_checkpoint
+        from app.worker.checkpoint import load_checkpoint
 
         container = self.workers()[0]["ID"]
         with tempfile.TemporaryDirectory() as tmp:
@@ -283,7 +283,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.cluster.chaos", description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=4, help="world size of both runs (B drops to one fewer)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps of each run")
     p.add_argument("--kill-at", type=int, default=40, help="B loses its victim once rank 0 has logged this step")

@@ -2,10 +2,10 @@
 
 Every worker container runs it (compose.yaml) in place of ``torchrun``, with torchrun's own flags::
 
-    python -m app.launch --nnodes=1:8 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=rendezvous:29400 \\
+    python -m app.cluster.launch --nnodes=1:8 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=rendezvous:29400 \\
         --rdzv-id=job1 --max-restarts=3 -m app.train --steps 200
-    python -m app.launch --standalone --nproc-per-node=2 -m app.train --steps 20      # one machine
-    LOGLEVEL=DEBUG python -m app.launch ...                                         # torch's own log, tracebacks
+    python -m app.cluster.launch --standalone --nproc-per-node=2 -m app.train --steps 20      # one machine
+    LOGLEVEL=DEBUG python -m app.cluster.launch ...                                 # torch's own log, tracebacks
 
 The engine is torchrun's (``torch.distributed.run``'s parser, ``elastic_launch``, its ``LocalElasticAgent``); this
 module adds what a person reading ``docker compose ps`` and ``docker compose logs`` needs:
@@ -14,7 +14,7 @@ module adds what a person reading ``docker compose ps`` and ``docker compose log
   trainer exited 0 after checkpointing; 2 bad configuration (torchrun's ``--nnodes``, the trainer's settings,
   ``WORKERS``, more containers than the world's maximum); 1 anything else. Plain torchrun re-raises a stop signal
   (exit 1 after a clean stop) and reports a trainer's exit 2 as a ``ChildFailedError`` (exit 1).
-- **Checks before the agent starts**, each one line within a bounded time: the trainer's settings (app.config),
+- **Checks before the agent starts**, each one line within a bounded time: the trainer's settings (app.worker.config),
   ``WORKERS`` against the ``--nnodes`` range, the rendezvous store answering (``LAUNCH_STORE_WAIT_SECONDS``).
 - **One line per event** instead of torch's multi-line reports and tracebacks: this container joining a world
   (its rank, the members, which containers left or came since the last world), its trainer failing (rank, exit
@@ -41,7 +41,7 @@ PEERS_WAIT_SECONDS = float(os.environ.get("LAUNCH_PEERS_WAIT_SECONDS", "90"))
 # longer than this, it is one container too many.
 REDUNDANT_GRACE_SECONDS = float(os.environ.get("LAUNCH_REDUNDANT_GRACE_SECONDS", "20"))
 
-log = logging.getLogger("app.launch")
+log = logging.getLogger("app.cluster.launch")
 
 
 class LaunchError(Exception):
@@ -94,7 +94,7 @@ def check_trainer_config(args) -> None:
     """The trainer's settings, checked once here rather than failing (and being restarted) in every attempt."""
     if not (args.module and args.training_script == "app.train"):
         return
-    from app.config import ConfigError, load_config
+    from app.worker.config import ConfigError, load_config
 
     try:
         load_config(list(args.training_script_args))
@@ -208,7 +208,7 @@ class Reporter:
         if self.store is None:
             return
         log.info("waiting until every replica of %r is ready to form the first world", peers)
-        prefix = f"app.launch/{self.run_id}/ready/"
+        prefix = f"app.cluster.launch/{self.run_id}/ready/"
         self.client().set(prefix + socket.gethostbyname(socket.gethostname()), "1")
         deadline, ips = time.monotonic() + timeout_s, set()
         while time.monotonic() < deadline:

@@ -1,8 +1,8 @@
 """Process-group setup and teardown, as a pair, from the variables torchrun sets.
 
 torchrun exports RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT and
-TORCHELASTIC_RESTART_COUNT for every process it starts; ``WorldEnv.from_environ()`` (in app.config, torch-free, used
-here) reads them, once, for the whole worker. The device and backend follow from the hardware: CUDA → NCCL with one
+TORCHELASTIC_RESTART_COUNT for every process it starts; ``WorldEnv.from_environ()`` (in app.worker.config, torch-free,
+used here) reads them, once, for the whole worker. The device and backend follow from the hardware: CUDA → NCCL with one
 GPU per local rank; CPU → gloo.
 
 Two timeouts, two jobs: ``rendezvous_timeout_s`` is one deadline for reaching MASTER_ADDR:MASTER_PORT *and* forming
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from app.config import WorldEnv  # torchrun's variables, read without torch (config errors stay fast)
+from app.worker.config import WorldEnv  # torchrun's variables, read without torch (config errors stay fast)
 
 # How long past the rendezvous deadline c10d may take to report its own timeout before the worker gives up for it:
 # a TCP peer that accepts but never answers the store's handshake would otherwise hold a rank for minutes.

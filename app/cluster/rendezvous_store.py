@@ -4,11 +4,11 @@ Replicas of one Compose service (``docker compose up --scale worker=4``) get no 
 none of them can be told "you are rank 0, host the store". torchrun's c10d rendezvous assigns the ranks instead,
 but it needs a store to meet at that none of the workers owns; this process is that store::
 
-    python -m app.rendezvous_store                     # serve on 0.0.0.0:29400 until SIGTERM/SIGINT
-    python -m app.rendezvous_store --port 29401
-    python -m app.rendezvous_store --check HOST:PORT   # health check: exit 0 when the store accepts connections
+    python -m app.cluster.rendezvous_store                     # serve on 0.0.0.0:29400 until SIGTERM/SIGINT
+    python -m app.cluster.rendezvous_store --port 29401
+    python -m app.cluster.rendezvous_store --check HOST:PORT   # health check: exit 0 when the store accepts connections
 
-    python -m app.rendezvous_store --restart-after-job ddp-cluster   # exit 0 once job `ddp-cluster` has ended
+    python -m app.cluster.rendezvous_store --restart-after-job ddp-cluster   # exit 0 once job `ddp-cluster` has ended
 
 and each worker runs ``torchrun --nnodes=N --rdzv-backend=c10d --rdzv-endpoint=<store host>:29400
 --rdzv-id=<run> -m app.train``. When a job ends, torchrun closes its rendezvous id at the store for good: agents
@@ -107,7 +107,7 @@ def watch_job(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m app.rendezvous_store", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m app.cluster.rendezvous_store", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})")
     parser.add_argument(

@@ -2,7 +2,7 @@
 committed results in bench/results/.
 
     make bench-report                       # rewrite the generated blocks of the docs
-    .venv/bin/python -m bench.report --check  # exit 1 if the docs differ from the JSON (what the unit test checks)
+    .venv/bin/python -m tools.report --check  # exit 1 if the docs differ from the JSON (what the unit test checks)
 
 Each results file ``bench/results/<name>.json`` that has a renderer below owns one block of a page, between
 ``<!-- bench-report:<name> -->`` and ``<!-- /bench-report:<name> -->``: a line saying where the numbers come from

@@ -1,7 +1,7 @@
 """What a pod of the Kubernetes Job runs: torchrun, with what a pod of an Indexed Job needs around it.
 
     # the arguments are torchrun's own (k8s/base/job.yaml); pod 1 of 2, pod 0 hosts the store
-    python -m app.k8s_launch --rdzv-backend=static --nnodes=2 --nproc-per-node=gpu --node-rank=1 \\
+    python -m app.cluster.k8s_launch --rdzv-backend=static --nnodes=2 --nproc-per-node=gpu --node-rank=1 \\
         --master-addr=ddp-train-0.ddp-train --master-port=29500 --rdzv-conf=timeout=900 --max-restarts=0 \\
         -m app.train
 
@@ -41,7 +41,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import determine_local_world_size, parse_args, run
 
-log = logging.getLogger("app.k8s_launch")
+log = logging.getLogger("app.cluster.k8s_launch")
 
 EXIT_PEER = 75  # sysexits' EX_TEMPFAIL: not this pod's fault, try again
 EXIT_STOPPED = 143  # 128 + SIGTERM, what a container stopped by its signal reports

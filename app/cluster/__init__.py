@@ -1,0 +1,9 @@
+"""Cluster plumbing around the worker: how containers and pods become a world.
+
+- ``launch``: the compose workers' entry point, elastic torchrun with one-line outcomes and exit codes;
+- ``rendezvous_store``: the TCPStore server the compose workers rendezvous at;
+- ``k8s_launch``: the Kubernetes pods' entry point (an Indexed Job: rank from the completion index).
+
+It reads the worker's configuration (``app.worker.config``) to refuse bad settings before any rendezvous; the
+worker never imports it.
+"""
