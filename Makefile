@@ -90,7 +90,7 @@ world-drift: venv ## how far correct runs on 4 and on 3 ranks drift apart, float
 
 .PHONY: bench-report mutants
 MUTANTS_ARGS ?=      # e.g. MUTANTS_ARGS="--only ckpt-no-fsync --timeout 300"; --list shows the names
-bench-report: venv ## rewrite docs/benchmarks.md's generated tables from bench/results/*.json
+bench-report: venv ## rewrite the docs' generated tables from bench/results/*.json
 	$(PY) -m tools.report
 
 mutants: venv ## plant one-line bugs (in a temporary copy), one at a time, run the tests meant to catch each; score

@@ -1,5 +1,4 @@
-"""The benchmark tables of docs/benchmarks.md (and the mutant score of docs/development.md), rendered from the
-committed results in bench/results/.
+"""Every measured figure of the docs, rendered from the committed results in bench/results/.
 
     make bench-report                       # rewrite the generated blocks of the docs
     .venv/bin/python -m tools.report --check  # exit 1 if the docs differ from the JSON (what the unit test checks)
@@ -7,7 +6,9 @@ committed results in bench/results/.
 Each results file ``bench/results/<name>.json`` that has a renderer below owns one block of a page, between
 ``<!-- bench-report:<name> -->`` and ``<!-- /bench-report:<name> -->``: a line saying where the numbers come from
 (commit, date, machine, load; ``bench/provenance.py``), the table, and the documented claims with the measured
-value and whether each held. Prose outside the blocks is written by hand and must not repeat a number.
+value and whether each held. A file may feed a second block on another page, ``<name>/<part>`` (the accumulation
+bench's checks on docs/accumulation.md). Prose outside the blocks is written by hand and must not repeat a number:
+``tests/unit/test_docs.py::test_no_measured_number_outside_generated_blocks`` fails when it does.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 DOC = REPO / "docs" / "benchmarks.md"
-DOCS = [DOC, REPO / "docs" / "development.md", REPO / "docs" / "elastic.md"]  # pages that may hold generated blocks
+DOCS = sorted((REPO / "docs").glob("*.md"))  # every page may hold generated blocks
 
 
 def provenance_line(doc: dict) -> str:
@@ -120,6 +121,18 @@ def _ddp_claims(doc: dict) -> list[tuple[str, str, str, bool | None]]:
         rows.append(
             ("bf16 compression faster than PyTorch's fp32, deep_mlp", "≤ 0.85×", f"{ratio:.2f}×", ratio <= 0.85)
         )
+    for m, memory in (doc.get("memory") or {}).items():
+        ours, torch = memory.get("ours view", {}), memory.get("torch view", {})
+        if ours.get("peak_rss_growth_bytes") and torch.get("peak_rss_growth_bytes"):
+            a, b = ours["peak_rss_growth_bytes"] / 2**20, torch["peak_rss_growth_bytes"] / 2**20
+            rows.append(
+                (
+                    f"with bucket views, ours needs no more memory than PyTorch's (peak RSS growth), {m}",
+                    "ours ≤ PyTorch's",
+                    f"{a:.1f} vs {b:.1f} MiB",
+                    a <= b,
+                )
+            )
     return rows
 
 
@@ -171,6 +184,136 @@ def render_accum_curve(doc: dict) -> list[str]:
         )
     )
     return lines + claims_table(rows)
+
+
+def _fmt(x: float) -> str:
+    """A measured gap for a table: two significant digits (1.5e-08, 0.029)."""
+    return f"{x:.2g}"
+
+
+def both(r: dict) -> str:
+    """An equivalence check's two gaps, the gradients' and the parameters'."""
+    return f"max \\|Δgrad\\| {_fmt(r['max_abs_dgrad'])}, max \\|Δparam\\| {_fmt(r['max_abs_dparam'])}"
+
+
+def render_accum_checks(doc: dict) -> list[str]:
+    """The accumulation claims that ``make accum`` checks, for docs/accumulation.md."""
+    eq, syncs, wrong, adamw = (doc["checks"][k] for k in ("equivalence", "syncs", "wrong_scale", "adamw"))
+    kib = {k: v["bytes_reduced"] / 1024 for k, v in syncs.items()}
+    k = syncs["sync_on_last"]["accum_steps"]
+    steps = syncs["sync_on_last"]["optimizer_steps"]
+    rows = [
+        ("one batch of 16 vs 4 micro-batches of 4 (one process, SGD + momentum)", both(eq["single_16_vs_4x4"])),
+        ("under DDP: one batch of 32 vs 2 ranks × 4 micro-batches of 4, our DDP", both(eq["ddp_32_vs_2x4x4"])),
+        ("the same with PyTorch's DDP", both(eq["torch_ddp_32_vs_2x4x4"])),
+        ("2×8 vs 4×4, both accumulated, float32", both(eq["2x8_vs_4x4"])),
+        ("the same in float64", both(eq["2x8_vs_4x4_float64"])),
+        (
+            f"syncs, K = {k}, {steps} optimizer steps: sync on last / every micro-batch / forward outside `no_sync()`",
+            " / ".join(str(v["sync_calls"]) for v in syncs.values())
+            + " syncs; "
+            + " / ".join(f"{v:.1f}" for v in kib.values())
+            + " KiB reduced",
+        ),
+        (
+            f"loss not divided by K = {wrong['sgd']['accum_steps']}, one SGD step",
+            f"the update is {wrong['sgd']['update_ratio']:.2f}× the right one; max \\|Δparam\\| "
+            f"{_fmt(wrong['sgd']['max_abs_dparam_wrong'])} (right: {_fmt(wrong['sgd']['max_abs_dparam_right'])})",
+        ),
+        (
+            "the same with AdamW",
+            f"update {wrong['adamw']['update_ratio']:.2f}× the right one, max \\|Δparam\\| "
+            f"{_fmt(wrong['adamw']['max_abs_dparam_wrong'])}: Adam divides by √v, so the mistake hides",
+        ),
+        (
+            f"AdamW, {adamw['accumulation_step']['optimizer_steps']} optimizer steps of K = {k}",
+            f'`state["step"]` = {adamw["accumulation_step"]["state_step"][0]} (`step()` per micro-batch: '
+            f"{adamw['step_per_micro_batch']['state_step'][0]}, and "
+            f"{_fmt(adamw['step_per_micro_batch']['max_abs_dparam'])} off the big batch)",
+        ),
+    ]
+    model = doc["model"]
+    model = f"{model['name']}(width={model['width']}, depth={model['depth']})" if isinstance(model, dict) else model
+    lines = [
+        f"{doc['world_size']} ranks, `{model}`; syncs read from our DDP's own counter, `ddp.stats.sync_calls`. "
+        f"Every check of the bench: {len(doc['failed'])} failed.",
+        "",
+        "| claim | measured |",
+        "|---|---|",
+    ]
+    return lines + [f"| {claim} | {measured} |" for claim, measured in rows]
+
+
+BUBBLE_KINDS = (("emulated", "gpipe"), ("emulated", "1f1b"), ("real", "gpipe"), ("real", "1f1b"))
+
+
+def render_pipeline_bubble(doc: dict) -> list[str]:
+    """The idle share per stage against GPipe's formula, and what the emulated rows say about it."""
+    index = {(r["compute"], r["schedule"], r["stages"], r["micro_batches"]): r for r in doc["rows"]}
+    points = sorted({(r["stages"], r["micro_batches"]) for r in doc["rows"]})
+    lines = [
+        "Each cell: the mean over stages of each stage's idle share; — = 1F1B needs M ≥ S; * = more stages than "
+        "cores (contended).",
+        "",
+        "| S | M | (S−1)/(M+S−1) | emulated GPipe | emulated 1F1B | real GPipe | real 1F1B |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for stages, micro in points:
+        cells = []
+        for kind in BUBBLE_KINDS:
+            r = index.get((*kind, stages, micro))
+            cells.append("—" if r is None else f"{r['measured_mean']:.2f}{' *' if r['cpu_contended'] else ''}")
+        theory = (stages - 1) / (micro + stages - 1)
+        lines.append(f"| {stages} | {micro} | {theory:.2f} | " + " | ".join(cells) + " |")
+    return lines + [""] + claims_table(_bubble_claims(index, points))
+
+
+def _bubble_claims(index: dict, points: list[tuple[int, int]]) -> list[tuple[str, str, str, bool | None]]:
+    rows = []
+    for s in sorted({s for s, _ in points}):
+        gpipe = [
+            index[("emulated", "gpipe", s, m)] for t, m in points if t == s and ("emulated", "gpipe", s, m) in index
+        ]
+        if len(gpipe) < 2:
+            continue
+        first, gaps = gpipe[0], [r["measured_mean"] - r["theory"] for r in gpipe]
+        rows.append(
+            (
+                f"S = {s}, M = {first['micro_batches']}: the formula holds (emulated GPipe)",
+                "\\|measured − formula\\| ≤ 0.05",
+                f"{abs(gaps[0]):.2f}",
+                abs(gaps[0]) <= 0.05,
+            )
+        )
+        grows = all(b >= a for a, b in zip(gaps, gaps[1:]))
+        rows.append(
+            (
+                f"S = {s}: the measured idle exceeds the formula more as M grows (emulated GPipe)",
+                "gap rises with M",
+                " → ".join(f"{g:+.2f}" for g in gaps),
+                grows,
+            )
+        )
+        shrinks = all(b["measured_mean"] < a["measured_mean"] for a, b in zip(gpipe, gpipe[1:]))
+        rows.append(
+            (
+                f"S = {s}: more micro-batches still shrink the idle share (emulated GPipe)",
+                "falls with M",
+                " → ".join(f"{r['measured_mean']:.2f}" for r in gpipe),
+                shrinks,
+            )
+        )
+    pairs = [
+        (index[("emulated", "1f1b", s, m)], index[("emulated", "gpipe", s, m)])
+        for s, m in points
+        if ("emulated", "1f1b", s, m) in index and ("emulated", "gpipe", s, m) in index
+    ]
+    if pairs:
+        worst = max(a["measured_mean"] - b["measured_mean"] for a, b in pairs)
+        rows.append(
+            ("1F1B idles no more than GPipe, emulated, every S and M", "1F1B − GPipe ≤ 0", f"{worst:+.2f}", worst <= 0)
+        )
+    return rows
 
 
 def render_metrics_overhead(doc: dict) -> list[str]:
@@ -314,6 +457,8 @@ RENDERERS = {
     "world-drift": render_world_drift,
     "ddp-bench": render_ddp_bench,
     "accum-curve": render_accum_curve,
+    "accum-curve/checks": render_accum_checks,
+    "pipeline-bubble": render_pipeline_bubble,
     "metrics-overhead": render_metrics_overhead,
     "mutants": render_mutants,
 }
@@ -345,7 +490,7 @@ def rendered_page(text: str, results: Path = RESULTS) -> str:
         pattern = block_pattern(name)
         if not pattern.search(text):
             continue
-        doc = json.loads((results / f"{name}.json").read_text())
+        doc = json.loads((results / f"{name.partition('/')[0]}.json").read_text())  # NAME/PART: a part of NAME
         body = render(name, doc)
         text = pattern.sub(lambda m, body=body: m[1] + body + "\n" + m[2], text)
     return text
@@ -357,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     pages = {doc: doc.read_text() for doc in DOCS if doc.exists()}
     placed = {n for n in RENDERERS for text in pages.values() if block_pattern(n).search(text)}
-    unplaced = [n for n in RENDERERS if n not in placed and (RESULTS / f"{n}.json").exists()]
+    unplaced = [n for n in RENDERERS if n not in placed and (RESULTS / f"{n.partition('/')[0]}.json").exists()]
     if unplaced:
         print(f"note: no page has a block for {', '.join(unplaced)}", file=sys.stderr)
     stale = []

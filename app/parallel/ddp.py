@@ -20,7 +20,7 @@ because every rank applies the same averaged gradient to the same parameters, th
     p_0.grad ready ─┴──► bucket k full ──► all_reduce(SUM)/world ─────────────────────────────────────┘   p.grad
 
 The constructor is PyTorch 2.13's, argument for argument (``DistributedDataParallel(model, device_ids=[rank])``
-works by changing the import only); docs/ddp-api.md maps each argument to what it does here. With
+works by changing the import only); docs/ddp.md maps each argument to what it does here. With
 ``gradient_as_bucket_view=True`` step 4 disappears: ``p.grad`` *is* a slice of the bucket, so the gradient exists
 once. With ``static_graph=True`` the first iteration is studied once (unused parameters, the order gradients
 arrive in) and later iterations reuse it.

@@ -70,7 +70,7 @@ class TrainConfig:
     lr: float = _doc("AdamW learning rate", 0.003)
     dtype: str = _doc(
         "precision of parameters, gradients and inputs: float32 | float64 (parallel=ddp only; float64 keeps runs on "
-        "different world sizes equal to ~1e-15, where float32 rounding can tip a ReLU: docs/elastic.md)",
+        "different world sizes equal to ~1e-15, where float32 rounding can tip a ReLU: docs/cluster.md)",
         "float32",
     )
     seed: int = _doc(

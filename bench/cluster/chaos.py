@@ -17,7 +17,7 @@ Verdict PASS when every container of A exits 0, B's survivors and its returning 
 ``--tolerance`` (the world-size invariance tolerance of tests/integration/test_invariance.py). Both runs train in
 float64 (``--dtype``): the world of 3 adds in another order than the world of 4, and in float32 that rounding
 (1e-7) tips the odd ReLU over hundreds of steps, so even two failure-free runs on 4 and on 3 ranks drift apart
-(docs/elastic.md); in float64 they agree to ~1e-15 and what remains is the recovery's own doing. Printed: the verdict,
+(docs/cluster.md); in float64 they agree to ~1e-15 and what remains is the recovery's own doing. Printed: the verdict,
 the recovery times (failure -> first step of the new world; scale-up -> first step of the world of 4), the steps
 redone, the cost of a checkpoint. Written: bench/results/chaos.json (with provenance) and chaos.png (the two loss
 curves, B's world size underneath).
@@ -296,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tolerance", type=float, default=1e-5, help="max |Δparam| allowed (tests/integration/test_invariance.py)"
     )
     # float64: the world of 3 sums in another order than the world of 4; in float32 that 1e-7 of rounding tips the
-    # odd ReLU over hundreds of steps and B drifts from A (docs/elastic.md measures it); in float64 it stays ~1e-15,
+    # odd ReLU over hundreds of steps and B drifts from A (docs/cluster.md measures it); in float64 it stays ~1e-15,
     # so any difference left is the recovery's own.
     p.add_argument("--dtype", default="float64", choices=["float32", "float64"], help="precision of both runs")
     p.add_argument("--timeout", type=float, default=900, help="seconds each phase may take")

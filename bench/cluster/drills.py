@@ -1,4 +1,4 @@
-"""Two failure drills of docs/elastic.md's table, measured with the real Docker engine: a peer hangs, the store dies.
+"""Two failure drills of docs/cluster.md's table, measured with the real Docker engine: a peer hangs, the store dies.
 
     make drills                      # = python -m bench.cluster.drills (Docker; builds the image once, ~10 min here)
     python -m bench.cluster.drills --no-build --drill pause

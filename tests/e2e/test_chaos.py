@@ -7,7 +7,7 @@ to 4 (``up --scale worker=4 --no-recreate``). Asserted here, on one shared run:
 - every container of both runs ends with exit code 0 (the victim excepted: killed);
 - B trained on 3 after the loss and on 4 again after the scale-up, to the last step, with no manual step between;
 - B's final parameters equal A's within the world-size invariance tolerance (tests/integration/test_invariance.py),
-  both trained in float64 so that float32 rounding cannot tip a ReLU differently on 3 ranks (docs/elastic.md);
+  both trained in float64 so that float32 rounding cannot tip a ReLU differently on 3 ranks (docs/cluster.md);
 - lost work stays within one checkpoint interval.
 
 Minutes on a loaded 2-core machine (two clusters of 4 and their restarts); Docker prerequisites as in

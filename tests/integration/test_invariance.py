@@ -25,7 +25,7 @@ from tests.trainer_run import PYTHON, REPO, clean_env, describe, finished, torch
 pytestmark = pytest.mark.timeout(1200)
 STEPS, GLOBAL_BATCH, MICRO_BATCH, DATASET = 12, 50, 8, 1000
 TOLERANCE = 1e-5
-FLOAT64_TOLERANCE = 1e-12  # measured 8e-16 after 300 steps of world 4 against world 3 (docs/elastic.md)
+FLOAT64_TOLERANCE = 1e-12  # measured 8e-16 after 300 steps of world 4 against world 3 (docs/cluster.md)
 COMMON = (
     "--effective-batch",
     str(GLOBAL_BATCH),
