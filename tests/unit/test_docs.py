@@ -131,7 +131,9 @@ def test_readme_links_every_docs_page() -> None:
 
 
 def code_map_tables(path: Path) -> list[tuple[str, list[str]]]:
-    """Tables that map prose onto code: a header cell ``where in `some/file.py``` and, below it, the names it cites.
+    """Tables that map prose onto code: a header cell ``where in `some/file.py``` (or a folder, ``where in
+    `app/parallel/```: code that moves between the files of a folder keeps its table true) and, below it, the names
+    it cites.
 
     Returns ``(file, names)`` per table, the names being every backticked identifier in that column.
     """
@@ -139,7 +141,7 @@ def code_map_tables(path: Path) -> list[tuple[str, list[str]]]:
     lines = FENCE.sub("", path.read_text(encoding="utf-8")).splitlines()
     for i, line in enumerate(lines):
         cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.lstrip().startswith("|") else []
-        column = next((k for k, c in enumerate(cells) if re.fullmatch(r"where in `[^`]+\.py`", c)), None)
+        column = next((k for k, c in enumerate(cells) if re.fullmatch(r"where in `[^`]+(?:\.py|/)`", c)), None)
         if column is None:
             continue
         names = []
@@ -155,7 +157,8 @@ def code_map_tables(path: Path) -> list[tuple[str, list[str]]]:
 @pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_code_named_in_the_docs_exists(path: Path) -> None:
     for file, names in code_map_tables(path):
-        source = (ROOT / file).read_text(encoding="utf-8")
+        files = sorted((ROOT / file).glob("*.py")) if file.endswith("/") else [ROOT / file]
+        source = "\n".join(f.read_text(encoding="utf-8") for f in files)
         gone = [n for n in names if not re.search(rf"^\s*(?:def|class)\s+{n}\b", source, re.M)]
         assert gone == [], f"{path.relative_to(ROOT)} names {gone} in {file}, which defines no such function or class"
 
@@ -220,3 +223,72 @@ def test_config_table_is_generated_from_train_config() -> None:
     assert table.strip() == config_table_markdown().strip(), (
         "docs/training.md's configuration table differs from app.worker.config.TrainConfig: run `make docs-config`"
     )
+
+
+# A measured figure on a page must come from a results file, through a generated block (tools/report.py), so that
+# rerunning a bench can never leave a stale number behind. What looks like a measurement: a number with a unit of
+# time, size or rate, a ratio (1.04×), a percentage, a float gap written as x.ye-N. Code blocks are commands and
+# labelled sample output; the config table is generated from TrainConfig.
+GENERATED_BLOCK = re.compile(r"<!-- bench-report:([\w/-]+) -->\n.*?<!-- /bench-report:\1 -->", re.S)
+CONFIG_TABLE = re.compile(re.escape(TABLE_BEGIN) + ".*?" + re.escape(TABLE_END), re.S)
+_NUMBER = r"\d+(?:\.\d+)?"
+_UNIT = r"ms|µs|s|min|minutes?|seconds?|hours?|KiB|MiB|GiB|KB|MB|GB|GB/s|MB/s|%"
+MEASUREMENT = re.compile(
+    rf"(?<![\w.]){_NUMBER}\s?(?:{_UNIT}|[×x])(?!\w)"  # 85.1 ms, 57.7 MiB, 64%, 1.04×
+    r"|(?<![\w.])\d+\.\d+e-\d+"  # 2.98e-08 (a bar is written 1e-5)
+    r"|(?<=\| )\d+\.\d+(?= \|)"  # a table cell that is a bare decimal: a hand-copied results table
+)
+# Numbers that look like measurements but are settings, sizes fixed by configuration or formula constants. Each
+# entry: a pattern the figure and its context must match, and why it is not a measurement.
+ALLOWED_FIGURES = [
+    (r"(?i)\b25\s?MB\b|\b25 MiB\b|\b1 MiB\b", "DDP bucket caps (25 MB, the first bucket's 1 MiB): settings"),
+    (r"24 MiB|6 MiB|1\.2 MiB|[258] KiB|64 MiB|2 GiB", "model, buffer and volume sizes: fixed by the code"),
+    (
+        r"(?i)(?:timeout|times? out|_seconds|grace|linger|keep-alive|health check|wait)\W[^.;|]{0,50}?\d+ (?:s|min)\b"
+        r"|\d+ s\b[^.;|]{0,25}(?:timeout|_SECONDS|linger|grace)",
+        "a timeout or wait named beside its value: settings",
+    ),
+    (r"^\| `DDP\w+` \|.*$", "alert thresholds: the rules' settings (docker/prometheus/alerts.yml)"),
+    (r"95% confidence|(?:≤|at or below|at most) 2%", "the metrics bench's confidence level and target: settings"),
+    (r"40 ms forward", "the emulated pipeline stage's wait: a setting of bench.pipeline_bubble"),
+    (r"\d+ × (?:Linear|\d+ tokens|\d+ CPU|8\))|\d+×\d+ vs \d+×\d+|ranks × \d+", "shapes and splits, not ratios"),
+    (r"\b[×x]torch\b|2\(n ?− ?1\)/n", "a column name and a formula"),
+    (r"--timeout=\d+m\b", "kubectl wait timeouts: settings"),
+    (
+        r"^\| `(?:no sync|ours 25MB|torch 25MB|lesson loop)` \|.*$",
+        "README's results: test_readme_results_... checks them",
+    ),
+]
+
+
+def measured_figures(text: str) -> list[str]:
+    """The measurement-like numbers of a page outside generated blocks, code blocks and the allow-list."""
+    text = FENCE.sub("", CONFIG_TABLE.sub("", GENERATED_BLOCK.sub("", text)))
+    found = []
+    for line in text.splitlines():
+        allowed = [m.span() for pattern, _ in ALLOWED_FIGURES for m in re.finditer(pattern, line, re.M)]
+        for m in MEASUREMENT.finditer(line):
+            if not any(a <= m.start() and m.end() <= b for a, b in allowed):
+                found.append(f"{m[0]!r} in: {line.strip()[:100]}")
+    return found
+
+
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_measured_number_outside_generated_blocks(path: Path) -> None:
+    found = measured_figures(path.read_text(encoding="utf-8"))
+    assert found == [], (
+        f"{path.relative_to(ROOT)} states measured figures by hand: render them from bench/results/ through a "
+        "tools/report.py block, or delete them (a setting belongs in ALLOWED_FIGURES, with why)\n" + "\n".join(found)
+    )
+
+
+def test_the_figure_check_catches_what_it_should() -> None:
+    page = (
+        "Ours is 1.04× PyTorch's, 85.1 ms a step, 57.7 MiB, 64% of the step, max |dp| 2.98e-08.\n"
+        "<!-- bench-report:x -->\n| ours | 85.1 ms |\n<!-- /bench-report:x -->\n"
+        "```\nstep 1 | 12.3 ms\n```\n"
+        "Buckets of 25 MB; the bar is 1e-5; a collective times out after 30 s.\n"
+        "| S | M | GPipe |\n|---:|---:|---:|\n| 2 | 8 | 0.45 |\n"
+    )
+    found = [f.split("'")[1] for f in measured_figures(page)]
+    assert found == ["1.04×", "85.1 ms", "57.7 MiB", "64%", "2.98e-08", "0.45"]
