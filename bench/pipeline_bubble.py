@@ -86,39 +86,18 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "parallelism.md"
-BEGIN, END = "<!-- bubble-table -->", "<!-- /bubble-table -->"
-
-
-def markdown(doc: dict) -> str:
-    """The docs' table from a results file: the mean idle share over stages, per compute kind and schedule."""
-    m = doc["machine"]
-    load = f"load average {m['load_average_before'][0]:.1f} → {m['load_average_after'][0]:.1f} (1 min, before → after)"
-    lines = [
-        f"*Measured at commit `{doc['commit'][:10]}`{' (with uncommitted changes)' if doc['dirty'] else ''}, "
-        f"{doc['date']}, {m['cores']} cores ({m['cpu_model']}), {load}, torch {m['torch']}. Each cell: the mean "
-        f"over stages of each stage's idle share; — = 1F1B needs M ≥ S; * = more stages than cores (contended).*",
-        "",
-        "| S | M | (S−1)/(M+S−1) | emulated GPipe | emulated 1F1B | real GPipe | real 1F1B |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    index = {(r["compute"], r["schedule"], r["stages"], r["micro_batches"]): r for r in doc["rows"]}
-    for stages, micro in sorted({(r["stages"], r["micro_batches"]) for r in doc["rows"]}):
-        cells = []
-        for kind in (("emulated", "gpipe"), ("emulated", "1f1b"), ("real", "gpipe"), ("real", "1f1b")):
-            r = index.get((*kind, stages, micro))
-            cells.append("—" if r is None else f"{r['measured_mean']:.2f}{' *' if r['cpu_contended'] else ''}")
-        theory = (stages - 1) / (micro + stages - 1)
-        lines.append(f"| {stages} | {micro} | {theory:.2f} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def write_docs(results: Path, doc_path: Path = DOC) -> None:
-    """Replace the table between the markers in docs/parallelism.md by the one ``results`` gives."""
+    """Rewrite the bubble block of docs/parallelism.md from ``results``: tools/report.py renders it, as it renders
+    every measured figure of the docs (``make bench-report`` does the same for all pages)."""
+    from tools.report import block_pattern, render
+
     text = doc_path.read_text(encoding="utf-8")
-    head, _, rest = text.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    table = markdown(json.loads(results.read_text()))
-    doc_path.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}", encoding="utf-8")
+    if not block_pattern("pipeline-bubble").search(text):
+        raise SystemExit(f"{doc_path.name} has no <!-- bench-report:pipeline-bubble --> block: nothing rewritten")
+    body = render("pipeline-bubble", json.loads(results.read_text()))
+    doc_path.write_text(block_pattern("pipeline-bubble").sub(lambda m: m[1] + body + "\n" + m[2], text), "utf-8")
 
 
 def int_list(text: str) -> list[int]:

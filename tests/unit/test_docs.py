@@ -241,7 +241,7 @@ MEASUREMENT = re.compile(
 # Numbers that look like measurements but are settings, sizes fixed by configuration or formula constants. Each
 # entry: a pattern the figure and its context must match, and why it is not a measurement.
 ALLOWED_FIGURES = [
-    (r"(?i)\b25\s?MB\b|\b25 MiB\b|\b1 MiB\b", "DDP bucket caps (25 MB, the first bucket's 1 MiB): settings"),
+    (r"(?i)\b25\s?MB\b|\b25 MiB\b|\b1 ?MiB\b|\b1MB\b", "DDP bucket caps (25 MB, 1 MB, the first bucket's 1 MiB)"),
     (r"24 MiB|6 MiB|1\.2 MiB|[258] KiB|64 MiB|2 GiB", "model, buffer and volume sizes: fixed by the code"),
     (
         r"(?i)(?:timeout|times? out|_seconds|grace|linger|keep-alive|health check|wait)\W[^.;|]{0,50}?\d+ (?:s|min)\b"
