@@ -51,24 +51,51 @@ _STALL_THRESHOLD = """
                 30)
 """
 
+_WORKERS_RUN_1H = "count(up and on(instance) max by (instance) (last_over_time(ddp_rank_info[1h])))"
+_WORKERS_RUN_10M = "count(up and on(instance) max by (instance) (last_over_time(ddp_rank_info[10m])))"
+_STORM_FROM_PROCESSES = """          max(
+            changes(process_start_time_seconds[15m])
+              and on(instance) max by (instance) (last_over_time(ddp_rank_info[15m]))
+          ) >= 3
+            or on()
+"""
+
 # Each a weaker rule that the unit tests must reject: they test the rules, not only their syntax.
 MUTATIONS = {
     "straggler at 3x the median": ("DDPStraggler", "1.5 * quantile(0.5,", "3 * quantile(0.5,"),
-    # The 30 s floor alone: a job whose steps take over 30 s would page during every step.
+    # The 30 s floor alone: a job whose steps take over 30 s (one slow rank among four) would page at every step.
     "stall without the median": ("DDPTrainingStalled", _STALL_THRESHOLD, " > 30\n"),
     "stall at 100x the median": ("DDPTrainingStalled", "10 * (quantile(0.5,", "100 * (quantile(0.5,"),
-    # Without "no worker answers", every running job below its target would page.
-    "job ended without the workers check": ("DDPJobEndedEarly", "unless on() count(ddp_rank_info) > 0", ""),
+    # A trainer waiting for its first world exports 0: a slow first rendezvous would read as a stall.
+    "stall before the first step": (
+        "DDPTrainingStalled",
+        "max(ddp_last_step_timestamp_seconds > 0)",
+        "max(ddp_last_step_timestamp_seconds)",
+    ),
+    # Without "no worker runs", every running job below its target would page.
+    "job ended without the workers check": ("DDPJobEndedEarly", f"unless on() {_WORKERS_RUN_1H} > 0", ""),
+    # Trainers that answer instead of workers that run: a long re-formation would page.
+    "job ended when no rank answers": ("DDPJobEndedEarly", _WORKERS_RUN_1H, "count(ddp_rank_info)"),
     # At or below the target: a job that finished would page once its workers are gone.
     "job ended at the target": ("DDPJobEndedEarly", "ddp_step[1h])) <", "ddp_step[1h])) <="),
-    # Any target that is down, an exporter that is not a worker included, would page.
-    "rank down for any target": (
+    # Any rank seen lately, not only those of a world of today's size: a planned scale-down would page.
+    "rank down for a rank the world no longer has": (
         "DDPRankDown",
-        "up == 0 and on(instance) max by (instance) (last_over_time(ddp_rank_info[10m]))",
-        "up == 0",
+        "last_over_time(ddp_world_size[1h]) == on() group_left() max(ddp_world_size)",
+        "last_over_time(ddp_world_size[1h])",
     ),
-    # A minute instead of 20 s: a dead rank would page too late.
-    "rank down after a minute": ("DDPRankDown", "for: 20s", "for: 1m"),
+    # Without "finished", ranks that leave a finished job one by one would page.
+    "rank down after the end": (
+        "DDPRankDown",
+        "\n            unless on() max(ddp_step) >= on() max(ddp_target_steps)\n",
+        "\n",
+    ),
+    # 20 s: shorter than a re-formation keeps the survivors answering for the old world, which would page.
+    "rank down within a re-formation": ("DDPRankDown", "for: 45s", "for: 20s"),
+    # 90 s: a rank the world still expects would page too late.
+    "rank down after 90 s": ("DDPRankDown", "for: 45s", "for: 90s"),
+    # A short memory: the alert would resolve while the rank is still gone (the old rule's 30 s).
+    "rank down forgets the rank": ("DDPRankDown", "ddp_world_size[1h]", "ddp_world_size[30s]"),
     # At or below: a steady world would page.
     "world shrank on a steady world": ("DDPWorldShrank", "max(ddp_world_size) <", "max(ddp_world_size) <="),
     # Without "finished", every job would page once its workers exit at the end.
@@ -77,8 +104,23 @@ MUTATIONS = {
         "unless on() max(last_over_time(ddp_step[10m])) >= on() max(last_over_time(ddp_target_steps[10m]))",
         "",
     ),
-    # Four re-formations instead of three: a storm would be noticed one failure later.
-    "storm at four": ("DDPRestartStorm", ">= 3", ">= 4"),
+    # Trainers that answer instead of workers that run: a long re-formation would page.
+    "below minimum when no rank answers": ("DDPWorldBelowMinimum", _WORKERS_RUN_10M, "count(ddp_rank_info)"),
+    # The checkpoint's generation alone: a restart loop that reloads one checkpoint never pages.
+    "storm from the checkpoint only": ("DDPRestartStorm", _STORM_FROM_PROCESSES, ""),
+    # Every process, Prometheus' own included: a scrape of anything that restarts would count.
+    "storm from any process": (
+        "DDPRestartStorm",
+        "\n              and on(instance) max by (instance) (last_over_time(ddp_rank_info[15m]))",
+        "",
+    ),
+    # Four restarts instead of three: a storm would be noticed one failure later.
+    "storm at four restarts": ("DDPRestartStorm", "          ) >= 3\n", "          ) >= 4\n"),
+    "storm at four generations": (
+        "DDPRestartStorm",
+        "ddp_world_generation[15m])) >= 3",
+        "ddp_world_generation[15m])) >= 4",
+    ),
 }
 
 
@@ -98,7 +140,7 @@ def test_alert_unit_tests_can_fail(promtool, tmp_path, mutation):
 def test_scrape_config_and_rules_are_valid(promtool):
     result = _run(promtool, "check", "config", "prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "8 rules found" in result.stdout + result.stderr
+    assert "7 rules found" in result.stdout + result.stderr
 
 
 def test_communication_share_is_a_dashboard_fact_not_a_page():
