@@ -87,8 +87,14 @@ MUTATIONS = {
     # Without "finished", ranks that leave a finished job one by one would page.
     "rank down after the end": (
         "DDPRankDown",
-        "\n            unless on() max(ddp_step) >= on() max(ddp_target_steps)\n",
+        "\n            unless on() max(ddp_step) >= on() (max(ddp_target_steps) > 0)\n",
         "\n",
+    ),
+    # 0 of 0 steps is no finish: ranks waiting in their first rendezvous would hide a rank that is gone.
+    "rank down hidden by ranks not yet started": (
+        "DDPRankDown",
+        "max(ddp_step) >= on() (max(ddp_target_steps) > 0)",
+        "max(ddp_step) >= on() max(ddp_target_steps)",
     ),
     # 20 s: shorter than a re-formation keeps the survivors answering for the old world, which would page.
     "rank down within a re-formation": ("DDPRankDown", "for: 45s", "for: 20s"),
@@ -101,7 +107,7 @@ MUTATIONS = {
     # Without "finished", every job would page once its workers exit at the end.
     "below minimum after the end": (
         "DDPWorldBelowMinimum",
-        "unless on() max(last_over_time(ddp_step[10m])) >= on() max(last_over_time(ddp_target_steps[10m]))",
+        "unless on() max(last_over_time(ddp_step[10m])) >= on() (max(last_over_time(ddp_target_steps[10m])) > 0)",
         "",
     ),
     # Trainers that answer instead of workers that run: a long re-formation would page.
