@@ -1,19 +1,28 @@
-"""The alert rules and the scrape config, checked by Prometheus' own promtool.
+"""The alert and recording rules, the scrape config and the alert routing, checked by Prometheus' own tools.
 
     promtool test rules docker/prometheus/alerts.test.yml      # the unit tests of each alert (series in, alerts out)
-    promtool check config docker/prometheus/prometheus.yml     # the scrape config and the rule file it loads
+    promtool check config docker/prometheus/prometheus.yml     # the scrape config and the rule files it loads
+    amtool check-config docker/alertmanager/alertmanager.yml   # Alertmanager's routing to the alert-log receiver
 
-promtool comes with Debian's `prometheus` package (.ci/run installs it). Outside CI a missing promtool skips these
-tests, saying so; under CI=true it fails them.
+promtool comes with Debian's `prometheus` package (.ci/run installs it), amtool with `prometheus-alertmanager`.
+Outside CI a missing tool skips its tests, saying so; under CI=true it fails them. The receiver
+(docker/alertmanager/alert_log.py) is tested for real: a server on a free port, sent what Alertmanager sends.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import socket
 import subprocess
+import sys
+import urllib.error
+import urllib.request
 
 import pytest
+import yaml
 
 from tests.e2e.cluster_files import ROOT
 
@@ -21,15 +30,24 @@ pytestmark = pytest.mark.e2e
 PROM_DIR = ROOT / "docker/prometheus"
 
 
-@pytest.fixture(scope="module")
-def promtool() -> str:
-    path = shutil.which("promtool")
+def _tool(name: str, package: str) -> str:
+    path = shutil.which(name)
     if path is None:
-        message = "promtool not found: apt-get install -y --no-install-recommends prometheus"
+        message = f"{name} not found: apt-get install -y --no-install-recommends {package}"
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
     return path
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    return _tool("promtool", "prometheus")
+
+
+@pytest.fixture(scope="module")
+def amtool() -> str:
+    return _tool("amtool", "prometheus-alertmanager")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -151,8 +169,90 @@ def test_scrape_config_and_rules_are_valid(promtool):
 
 def test_communication_share_is_a_dashboard_fact_not_a_page():
     # Over half of every healthy CPU-demo step is exposed communication: true, shown on the dashboard, no incident.
-    import yaml
-
     rules = yaml.safe_load((PROM_DIR / "alerts.yml").read_text())["groups"][0]["rules"]
     exprs = " ".join(r["expr"] for r in rules if r["alert"] != "DDPStraggler")
     assert "ddp_exposed_comm_duration_seconds" not in exprs, "an alert on the communication share pages healthy runs"
+
+
+def test_alertmanager_routes_every_alert_to_the_log(amtool):
+    result = subprocess.run(
+        [amtool, "check-config", "alertmanager.yml"],
+        cwd=ROOT / "docker/alertmanager",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    config = yaml.safe_load((ROOT / "docker/alertmanager/alertmanager.yml").read_text())
+    (receiver,) = config["receivers"]
+    assert config["route"]["receiver"] == receiver["name"] and not config["route"].get("routes")
+    assert receiver["webhook_configs"][0]["url"] == "http://alert-log:9095/"  # the compose service below
+    prometheus = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
+    assert prometheus["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["alertmanager:9093"]
+
+
+@pytest.fixture()
+def alert_log():
+    """docker/alertmanager/alert_log.py on a free port: (its URL, its process)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = ROOT / "docker/alertmanager/alert_log.py"
+    proc = subprocess.Popen(
+        [sys.executable, "-u", str(script), "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert "listening" in proc.stdout.readline()
+        yield f"http://127.0.0.1:{port}/", proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _post(url: str, body: bytes) -> int:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_alert_log_prints_each_alert_in_one_line(alert_log):
+    url, proc = alert_log
+    # Alertmanager's webhook body (version 4), trimmed to what the receiver reads: two ranks gone, one resolved.
+    notification = {
+        "version": "4",
+        "status": "firing",
+        "alerts": [
+            {
+                "status": "firing",
+                "labels": {"alertname": "DDPRankDown", "severity": "critical", "rank": "3", "job": "ddp-worker"},
+                "annotations": {"summary": "Rank 3 is gone; the world of 4 still expects it"},
+            },
+            {
+                "status": "resolved",
+                "labels": {"alertname": "DDPRankDown", "severity": "critical", "rank": "1"},
+                "annotations": {"summary": "Rank 1 is gone; the world of 4 still expects it"},
+            },
+        ],
+    }
+    assert _post(url, json.dumps(notification).encode()) == 200
+    lines = [proc.stdout.readline().rstrip("\n") for _ in range(2)]
+    assert re.fullmatch(
+        r"\S+Z FIRING critical DDPRankDown rank=3: Rank 3 is gone; the world of 4 still expects it", lines[0]
+    )
+    assert " RESOLVED critical DDPRankDown rank=1: " in lines[1]
+
+
+def test_alert_log_rejects_what_is_not_a_notification(alert_log):
+    url, proc = alert_log
+    assert _post(url, b"not json") == 400
+    assert _post(url, b'{"status": "firing"}') == 400
+    proc.kill()
+    out, err = proc.communicate(timeout=10)
+    assert out == "", "nothing printed for a bad body"
+    assert err.count("rejected a POST") == 2 and "not JSON" in err and 'no "alerts" list' in err
