@@ -31,6 +31,8 @@ from tests.e2e.cluster_files import (
 
 def test_every_panel_query_reads_only_metrics_the_worker_exports():
     exported = exported_metric_names() | {"up"}  # `up`: Prometheus' own, one per scrape target
+    recording = yaml.safe_load((ROOT / "docker/prometheus/recording.yml").read_text())["groups"]
+    exported |= {r["record"] for g in recording for r in g["rules"]}  # their own inputs: test_prometheus_rules
     queries = panel_queries(pipeline=True)
     assert len(queries) >= 15
     unknown = {

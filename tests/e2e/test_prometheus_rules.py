@@ -164,7 +164,51 @@ def test_alert_unit_tests_can_fail(promtool, tmp_path, mutation):
 def test_scrape_config_and_rules_are_valid(promtool):
     result = _run(promtool, "check", "config", "prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "7 rules found" in result.stdout + result.stderr
+    out = result.stdout + result.stderr
+    assert "alerts.yml\n  SUCCESS: 7 rules found" in out and "recording.yml\n  SUCCESS: 8 rules found" in out, out
+
+
+def test_recording_unit_tests_pass(promtool):
+    result = _run(promtool, "test", "rules", "recording.test.yml")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# Each a wrong recording rule that recording.test.yml must reject.
+RECORDING_MUTATIONS = {
+    "median recorded as the max": (
+        "quantile by (job) (0.5, rank:ddp_own_work_per_step_seconds:rate1m)",
+        "max by (job) (rank:ddp_own_work_per_step_seconds:rate1m)",
+    ),
+    "own work without the exposed wait": (" - rate(ddp_exposed_comm_duration_seconds_sum[1m])", ""),
+    "p50 of the wrong quantile": (
+        "histogram_quantile(0.5, sum by (job, rank, le) (rate(ddp_step_duration_seconds_bucket",
+        "histogram_quantile(0.9, sum by (job, rank, le) (rate(ddp_step_duration_seconds_bucket",
+    ),
+}
+
+
+@pytest.mark.parametrize("mutation", RECORDING_MUTATIONS, ids=list(RECORDING_MUTATIONS))
+def test_recording_unit_tests_can_fail(promtool, tmp_path, mutation):
+    old, new = RECORDING_MUTATIONS[mutation]
+    rules = (PROM_DIR / "recording.yml").read_text()
+    assert rules.count(old) == 1
+    (tmp_path / "recording.yml").write_text(rules.replace(old, new))
+    shutil.copy(PROM_DIR / "recording.test.yml", tmp_path)
+    result = subprocess.run(
+        [promtool, "test", "rules", "recording.test.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode != 0 and "FAILED" in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+def test_recording_rules_read_only_what_the_worker_exports():
+    # A rule over a metric nobody exports records nothing, silently: the dashboard panel on it stays empty.
+    from tests.e2e.cluster_files import exported_metric_names, metric_names
+
+    known = exported_metric_names()
+    for group in yaml.safe_load((PROM_DIR / "recording.yml").read_text())["groups"]:
+        for rule in group["rules"]:
+            assert metric_names(rule["expr"]) <= known, (rule["record"], metric_names(rule["expr"]) - known)
+            known.add(rule["record"])  # later rules may read it
 
 
 def test_communication_share_is_a_dashboard_fact_not_a_page():
