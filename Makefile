@@ -101,9 +101,11 @@ k8s-validate: venv ## check what `kubectl apply -f k8s/` and each `apply -k k8s/
 	$(PY) -m pytest tests/unit/test_k8s.py $(PYTEST_ARGS)
 
 RULE := k8s/monitoring/prometheusrule.yaml
-k8s-rules: ## rewrite $(RULE) below `spec:` from docker/prometheus/alerts.yml (comments kept)
+k8s-rules: ## rewrite $(RULE) below `spec:` from docker/prometheus/alerts.yml and recording.yml (comments kept)
 	sed '/^spec:/q' $(RULE) > $(RULE).tmp
 	sed -n '/^groups:/,$$p' docker/prometheus/alerts.yml | sed 's/^\(.\)/  \1/' >> $(RULE).tmp
+	echo >> $(RULE).tmp
+	sed -n '/^groups:/,$$p' docker/prometheus/recording.yml | tail -n +2 | sed 's/^\(.\)/  \1/' >> $(RULE).tmp
 	mv $(RULE).tmp $(RULE)
 
 k8s-emulate: venv image ## run the k8s/cpu/ render's pods for real: Docker containers named like the pods

@@ -179,6 +179,7 @@ def cluster() -> ClusterRun:
         "COMPOSE_BAKE": "false",
         "PROMETHEUS_PORT": str(prom_port),
         "GRAFANA_PORT": str(free_port()),
+        "ALERTMANAGER_PORT": str(free_port()),
         "RUN_ID": project,
         "DDP_STEPS": str(STEPS),
         "DDP_LOG_EVERY": "100",

@@ -43,6 +43,7 @@ def pipeline_run() -> dict:
         "COMPOSE_BAKE": "false",
         "PROMETHEUS_PORT": str(prom_port),
         "GRAFANA_PORT": str(free_port()),
+        "ALERTMANAGER_PORT": str(free_port()),
         "RUN_ID": project,
         "DDP_PARALLEL": "pipeline",
         "DDP_STEPS": str(STEPS),

@@ -1,19 +1,28 @@
-"""The alert rules and the scrape config, checked by Prometheus' own promtool.
+"""The alert and recording rules, the scrape config and the alert routing, checked by Prometheus' own tools.
 
     promtool test rules docker/prometheus/alerts.test.yml      # the unit tests of each alert (series in, alerts out)
-    promtool check config docker/prometheus/prometheus.yml     # the scrape config and the rule file it loads
+    promtool check config docker/prometheus/prometheus.yml     # the scrape config and the rule files it loads
+    amtool check-config docker/alertmanager/alertmanager.yml   # Alertmanager's routing to the alert-log receiver
 
-promtool comes with Debian's `prometheus` package (.ci/run installs it). Outside CI a missing promtool skips these
-tests, saying so; under CI=true it fails them.
+promtool comes with Debian's `prometheus` package (.ci/run installs it), amtool with `prometheus-alertmanager`.
+Outside CI a missing tool skips its tests, saying so; under CI=true it fails them. The receiver
+(docker/alertmanager/alert_log.py) is tested for real: a server on a free port, sent what Alertmanager sends.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import socket
 import subprocess
+import sys
+import urllib.error
+import urllib.request
 
 import pytest
+import yaml
 
 from tests.e2e.cluster_files import ROOT
 
@@ -21,15 +30,24 @@ pytestmark = pytest.mark.e2e
 PROM_DIR = ROOT / "docker/prometheus"
 
 
-@pytest.fixture(scope="module")
-def promtool() -> str:
-    path = shutil.which("promtool")
+def _tool(name: str, package: str) -> str:
+    path = shutil.which(name)
     if path is None:
-        message = "promtool not found: apt-get install -y --no-install-recommends prometheus"
+        message = f"{name} not found: apt-get install -y --no-install-recommends {package}"
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
     return path
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    return _tool("promtool", "prometheus")
+
+
+@pytest.fixture(scope="module")
+def amtool() -> str:
+    return _tool("amtool", "prometheus-alertmanager")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -51,34 +69,82 @@ _STALL_THRESHOLD = """
                 30)
 """
 
+_WORKERS_RUN_1H = "count(up and on(instance) max by (instance) (last_over_time(ddp_rank_info[1h])))"
+_WORKERS_RUN_10M = "count(up and on(instance) max by (instance) (last_over_time(ddp_rank_info[10m])))"
+_STORM_FROM_PROCESSES = """          max(
+            changes(process_start_time_seconds[15m])
+              and on(instance) max by (instance) (last_over_time(ddp_rank_info[15m]))
+          ) >= 3
+            or on()
+"""
+
 # Each a weaker rule that the unit tests must reject: they test the rules, not only their syntax.
 MUTATIONS = {
     "straggler at 3x the median": ("DDPStraggler", "1.5 * quantile(0.5,", "3 * quantile(0.5,"),
-    # The 30 s floor alone: a job whose steps take over 30 s would page during every step.
+    # The 30 s floor alone: a job whose steps take over 30 s (one slow rank among four) would page at every step.
     "stall without the median": ("DDPTrainingStalled", _STALL_THRESHOLD, " > 30\n"),
     "stall at 100x the median": ("DDPTrainingStalled", "10 * (quantile(0.5,", "100 * (quantile(0.5,"),
-    # Without "no worker answers", every running job below its target would page.
-    "job ended without the workers check": ("DDPJobEndedEarly", "unless on() count(ddp_rank_info) > 0", ""),
+    # A trainer waiting for its first world exports 0: a slow first rendezvous would read as a stall.
+    "stall before the first step": (
+        "DDPTrainingStalled",
+        "max(ddp_last_step_timestamp_seconds > 0)",
+        "max(ddp_last_step_timestamp_seconds)",
+    ),
+    # Without "no worker runs", every running job below its target would page.
+    "job ended without the workers check": ("DDPJobEndedEarly", f"unless on() {_WORKERS_RUN_1H} > 0", ""),
+    # Trainers that answer instead of workers that run: a long re-formation would page.
+    "job ended when no rank answers": ("DDPJobEndedEarly", _WORKERS_RUN_1H, "count(ddp_rank_info)"),
     # At or below the target: a job that finished would page once its workers are gone.
     "job ended at the target": ("DDPJobEndedEarly", "ddp_step[1h])) <", "ddp_step[1h])) <="),
-    # Any target that is down, an exporter that is not a worker included, would page.
-    "rank down for any target": (
+    # Any rank seen lately, not only those of a world of today's size: a planned scale-down would page.
+    "rank down for a rank the world no longer has": (
         "DDPRankDown",
-        "up == 0 and on(instance) max by (instance) (last_over_time(ddp_rank_info[10m]))",
-        "up == 0",
+        "last_over_time(ddp_world_size[1h]) == on() group_left() max(ddp_world_size)",
+        "last_over_time(ddp_world_size[1h])",
     ),
-    # A minute instead of 20 s: a dead rank would page too late.
-    "rank down after a minute": ("DDPRankDown", "for: 20s", "for: 1m"),
+    # Without "finished", ranks that leave a finished job one by one would page.
+    "rank down after the end": (
+        "DDPRankDown",
+        "\n            unless on() max(ddp_step) >= on() (max(ddp_target_steps) > 0)\n",
+        "\n",
+    ),
+    # 0 of 0 steps is no finish: ranks waiting in their first rendezvous would hide a rank that is gone.
+    "rank down hidden by ranks not yet started": (
+        "DDPRankDown",
+        "max(ddp_step) >= on() (max(ddp_target_steps) > 0)",
+        "max(ddp_step) >= on() max(ddp_target_steps)",
+    ),
+    # 20 s: shorter than a re-formation keeps the survivors answering for the old world, which would page.
+    "rank down within a re-formation": ("DDPRankDown", "for: 45s", "for: 20s"),
+    # 90 s: a rank the world still expects would page too late.
+    "rank down after 90 s": ("DDPRankDown", "for: 45s", "for: 90s"),
+    # A short memory: the alert would resolve while the rank is still gone (the old rule's 30 s).
+    "rank down forgets the rank": ("DDPRankDown", "ddp_world_size[1h]", "ddp_world_size[30s]"),
     # At or below: a steady world would page.
     "world shrank on a steady world": ("DDPWorldShrank", "max(ddp_world_size) <", "max(ddp_world_size) <="),
     # Without "finished", every job would page once its workers exit at the end.
     "below minimum after the end": (
         "DDPWorldBelowMinimum",
-        "unless on() max(last_over_time(ddp_step[10m])) >= on() max(last_over_time(ddp_target_steps[10m]))",
+        "unless on() max(last_over_time(ddp_step[10m])) >= on() (max(last_over_time(ddp_target_steps[10m])) > 0)",
         "",
     ),
-    # Four re-formations instead of three: a storm would be noticed one failure later.
-    "storm at four": ("DDPRestartStorm", ">= 3", ">= 4"),
+    # Trainers that answer instead of workers that run: a long re-formation would page.
+    "below minimum when no rank answers": ("DDPWorldBelowMinimum", _WORKERS_RUN_10M, "count(ddp_rank_info)"),
+    # The checkpoint's generation alone: a restart loop that reloads one checkpoint never pages.
+    "storm from the checkpoint only": ("DDPRestartStorm", _STORM_FROM_PROCESSES, ""),
+    # Every process, Prometheus' own included: a scrape of anything that restarts would count.
+    "storm from any process": (
+        "DDPRestartStorm",
+        "\n              and on(instance) max by (instance) (last_over_time(ddp_rank_info[15m]))",
+        "",
+    ),
+    # Four restarts instead of three: a storm would be noticed one failure later.
+    "storm at four restarts": ("DDPRestartStorm", "          ) >= 3\n", "          ) >= 4\n"),
+    "storm at four generations": (
+        "DDPRestartStorm",
+        "ddp_world_generation[15m])) >= 3",
+        "ddp_world_generation[15m])) >= 4",
+    ),
 }
 
 
@@ -98,13 +164,139 @@ def test_alert_unit_tests_can_fail(promtool, tmp_path, mutation):
 def test_scrape_config_and_rules_are_valid(promtool):
     result = _run(promtool, "check", "config", "prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "8 rules found" in result.stdout + result.stderr
+    out = result.stdout + result.stderr
+    assert "alerts.yml\n  SUCCESS: 7 rules found" in out and "recording.yml\n  SUCCESS: 8 rules found" in out, out
+
+
+def test_recording_unit_tests_pass(promtool):
+    result = _run(promtool, "test", "rules", "recording.test.yml")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# Each a wrong recording rule that recording.test.yml must reject.
+RECORDING_MUTATIONS = {
+    "median recorded as the max": (
+        "quantile by (job) (0.5, rank:ddp_own_work_per_step_seconds:rate1m)",
+        "max by (job) (rank:ddp_own_work_per_step_seconds:rate1m)",
+    ),
+    "own work without the exposed wait": (" - rate(ddp_exposed_comm_duration_seconds_sum[1m])", ""),
+    "p50 of the wrong quantile": (
+        "histogram_quantile(0.5, sum by (job, rank, le) (rate(ddp_step_duration_seconds_bucket",
+        "histogram_quantile(0.9, sum by (job, rank, le) (rate(ddp_step_duration_seconds_bucket",
+    ),
+}
+
+
+@pytest.mark.parametrize("mutation", RECORDING_MUTATIONS, ids=list(RECORDING_MUTATIONS))
+def test_recording_unit_tests_can_fail(promtool, tmp_path, mutation):
+    old, new = RECORDING_MUTATIONS[mutation]
+    rules = (PROM_DIR / "recording.yml").read_text()
+    assert rules.count(old) == 1
+    (tmp_path / "recording.yml").write_text(rules.replace(old, new))
+    shutil.copy(PROM_DIR / "recording.test.yml", tmp_path)
+    result = subprocess.run(
+        [promtool, "test", "rules", "recording.test.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode != 0 and "FAILED" in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+def test_recording_rules_read_only_what_the_worker_exports():
+    # A rule over a metric nobody exports records nothing, silently: the dashboard panel on it stays empty.
+    from tests.e2e.cluster_files import exported_metric_names, metric_names
+
+    known = exported_metric_names()
+    for group in yaml.safe_load((PROM_DIR / "recording.yml").read_text())["groups"]:
+        for rule in group["rules"]:
+            assert metric_names(rule["expr"]) <= known, (rule["record"], metric_names(rule["expr"]) - known)
+            known.add(rule["record"])  # later rules may read it
 
 
 def test_communication_share_is_a_dashboard_fact_not_a_page():
     # Over half of every healthy CPU-demo step is exposed communication: true, shown on the dashboard, no incident.
-    import yaml
-
     rules = yaml.safe_load((PROM_DIR / "alerts.yml").read_text())["groups"][0]["rules"]
     exprs = " ".join(r["expr"] for r in rules if r["alert"] != "DDPStraggler")
     assert "ddp_exposed_comm_duration_seconds" not in exprs, "an alert on the communication share pages healthy runs"
+
+
+def test_alertmanager_routes_every_alert_to_the_log(amtool):
+    result = subprocess.run(
+        [amtool, "check-config", "alertmanager.yml"],
+        cwd=ROOT / "docker/alertmanager",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    config = yaml.safe_load((ROOT / "docker/alertmanager/alertmanager.yml").read_text())
+    (receiver,) = config["receivers"]
+    assert config["route"]["receiver"] == receiver["name"] and not config["route"].get("routes")
+    assert receiver["webhook_configs"][0]["url"] == "http://alert-log:9095/"  # the compose service below
+    prometheus = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
+    assert prometheus["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["alertmanager:9093"]
+
+
+@pytest.fixture()
+def alert_log():
+    """docker/alertmanager/alert_log.py on a free port: (its URL, its process)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = ROOT / "docker/alertmanager/alert_log.py"
+    proc = subprocess.Popen(
+        [sys.executable, "-u", str(script), "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert "listening" in proc.stdout.readline()
+        yield f"http://127.0.0.1:{port}/", proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _post(url: str, body: bytes) -> int:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_alert_log_prints_each_alert_in_one_line(alert_log):
+    url, proc = alert_log
+    # Alertmanager's webhook body (version 4), trimmed to what the receiver reads: two ranks gone, one resolved.
+    notification = {
+        "version": "4",
+        "status": "firing",
+        "alerts": [
+            {
+                "status": "firing",
+                "labels": {"alertname": "DDPRankDown", "severity": "critical", "rank": "3", "job": "ddp-worker"},
+                "annotations": {"summary": "Rank 3 is gone; the world of 4 still expects it"},
+            },
+            {
+                "status": "resolved",
+                "labels": {"alertname": "DDPRankDown", "severity": "critical", "rank": "1"},
+                "annotations": {"summary": "Rank 1 is gone; the world of 4 still expects it"},
+            },
+        ],
+    }
+    assert _post(url, json.dumps(notification).encode()) == 200
+    lines = [proc.stdout.readline().rstrip("\n") for _ in range(2)]
+    assert re.fullmatch(
+        r"\S+Z FIRING critical DDPRankDown rank=3: Rank 3 is gone; the world of 4 still expects it", lines[0]
+    )
+    assert " RESOLVED critical DDPRankDown rank=1: " in lines[1]
+
+
+def test_alert_log_rejects_what_is_not_a_notification(alert_log):
+    url, proc = alert_log
+    assert _post(url, b"not json") == 400
+    assert _post(url, b'{"status": "firing"}') == 400
+    proc.kill()
+    out, err = proc.communicate(timeout=10)
+    assert out == "", "nothing printed for a bad body"
+    assert err.count("rejected a POST") == 2 and "not JSON" in err and 'no "alerts" list' in err
