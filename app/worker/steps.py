@@ -25,7 +25,6 @@ A new kind plugs in by adding a class with these members to ``STEP_KINDS`` (and 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -42,7 +41,6 @@ from app.worker.dist import DistContext
 from app.worker.metrics import synchronize_for
 from app.worker.models import MODELS
 
-log = logging.getLogger("app.train")
 MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -189,7 +187,8 @@ class DataParallelStep(DDPStep):
 
 
 def _pipeline_step(*args, **kwargs):
-    from app.worker.pipeline_step import PipelineStep  # torch.distributed.pipelining only when it is used
+    # Imported on use: pipeline_step imports this module (StepOutcome), and a ddp run needs no pipelining engine.
+    from app.worker.pipeline_step import PipelineStep
 
     return PipelineStep(*args, **kwargs)
 
