@@ -9,19 +9,21 @@
     # one process, no torchrun
     python -m app.train --wrapper none --steps 50
 
-The flow is ``main`` (config, signals, metrics endpoint, process group as a pair) → ``Trainer.run`` (app.worker.trainer:
-build, resume, loop) → ``accumulation_step`` (app.parallel.accum). Per rank: the process group from torchrun's
-variables (app.worker.dist), the same seeded parameters everywhere, its share of each global batch
+The flow is ``main`` (config, signals, metrics endpoint, process group as a pair) → ``build_step`` (app.worker.steps:
+the step kind ``parallel`` names: ddp, pipeline or dp) → ``Trainer.run`` (app.worker.trainer: resume, loop) → the
+kind's ``train_step`` (for ddp, ``accumulation_step`` in app.parallel.accum). Per rank: the process group from
+torchrun's variables (app.worker.dist), the same seeded parameters everywhere, its share of each global batch
 (app.worker.data), one ``/metrics`` endpoint (app.worker.metrics), and checkpoints written by rank 0
 (app.worker.checkpoint).
 
 Stopping: SIGTERM (``docker stop``, Kubernetes) or SIGINT finishes the current step; the ranks agree on the step to
 stop at (one tiny all-reduce per step, which also carries the NaN check), rank 0 checkpoints, and the signalled ranks
-exit 0. Ranks that were not
-signalled themselves (a peer was scaled away) exit 75, so an elastic torchrun re-forms the group without it.
+exit 0. Ranks that were not signalled themselves (a peer was scaled away) exit 75, so an elastic torchrun re-forms
+the group without it.
 A NaN/inf loss stops every rank with exit code 1 and no new checkpoint: the last good one stays the newest.
 
-Exit codes: 0 success (or a handled SIGTERM), 2 bad configuration, 75 stopped because a peer was, 1 anything else.
+Exit codes (app.exit_codes): 0 OK (success, or a handled SIGTERM), 2 BAD_CONFIG, 75 PEER_STOPPED (stopped because
+a peer was), 1 FAILED (anything else).
 At the end every rank prints ``FINISHED rank=<r> world_size=<n> step=<s> checksum=<16 hex>``.
 """
 
@@ -29,59 +31,14 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import sys
-import threading
-import time
 
+from app.exit_codes import BAD_CONFIG, FAILED, OK
 from app.worker.config import ConfigError, TrainConfig, WorldEnv, describe, load_config
+from app.worker.control import StopSignal  # torch-free: installed before the seconds-long torch import
 
 log = logging.getLogger("app.train")
-
-
-class StopSignal:
-    """SIGTERM/SIGINT → a flag that the training loop reads at step boundaries.
-
-    A Python signal handler runs only in the main thread between bytecodes, never while it is blocked inside a gloo
-    collective: so the signals are blocked in every thread and one thread waits for them with ``sigwait``.
-    """
-
-    SIGNALS = {signal.SIGTERM, signal.SIGINT}
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.name = ""
-        self.timeout_s = 10.0
-
-    def install(self) -> None:
-        # Must run before any other thread starts: threads inherit the mask, and one with the signal unblocked would
-        # take the default action (terminate) without a checkpoint.
-        signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
-        threading.Thread(target=self._wait, name="stop-signal", daemon=True).start()
-
-    def _wait(self) -> None:
-        while True:
-            signum = signal.sigwait(self.SIGNALS)
-            if self.event.is_set():
-                continue  # Ctrl-C reaches the worker twice (terminal + torchrun): only the timer forces an exit
-            self.name = signal.Signals(signum).name
-            self.event.set()
-            threading.Thread(target=self._force_exit, name="stop-timeout", daemon=True).start()
-
-    def _force_exit(self) -> None:
-        time.sleep(self.timeout_s)
-        print(
-            f"{self.name}: graceful stop did not finish within stop_timeout_seconds={self.timeout_s:g}; "
-            f"exiting without a checkpoint",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(1)
-
-    @property
-    def requested(self) -> bool:
-        return self.event.is_set()
 
 
 def setup_logging(rank: int) -> None:
@@ -110,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         grad_accum_steps = cfg.check_world(world.world_size, world.local_world_size)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return BAD_CONFIG
     stop.timeout_s = cfg.stop_timeout_seconds
     for warning in resolved.warnings:
         log.warning(warning)
@@ -123,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     metrics = start_metrics(cfg, world)
     if metrics is None:
-        return 2
+        return BAD_CONFIG
     log.info(
         "joining a world of %d at %s:%s (rendezvous_timeout_seconds=%g)",
         world.world_size,
@@ -142,23 +99,23 @@ def main(argv: list[str] | None = None) -> int:
     except (RendezvousError, RuntimeError) as e:
         metrics.shutdown()
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
+        return FAILED
     try:
         return train(cfg, resolved.sources, ctx, world, grad_accum_steps, stop, metrics)
     except (ConfigError, CheckpointMismatch) as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return BAD_CONFIG
     except TrainingDiverged as e:
         log.error("%s", e)
-        return 1
+        return FAILED
     except RuntimeError as e:
         cause = lost_peer(e)
         if cause is None:
             raise
         # The launcher re-forms the world (or reports the end): one line here, the traceback for LOGLEVEL=DEBUG.
-        log.error("rank %d left the world: %s during a collective; exit 1", ctx.rank, cause)
+        log.error("rank %d left the world: %s during a collective; exit %d", ctx.rank, cause, FAILED)
         log.debug("the failed collective", exc_info=True)
-        return 1
+        return FAILED
     finally:
         metrics.shutdown()
         cleanup_distributed()
@@ -189,11 +146,12 @@ def start_metrics(cfg: TrainConfig, world: WorldEnv):
 def train(cfg: TrainConfig, sources: dict[str, str], ctx, world: WorldEnv, grad_accum_steps: int, stop, metrics) -> int:
     """Inside the process group: the start-up checks every rank must agree on, then the loop, then the linger."""
     from app.worker.checkpoint import checkpoint_dir_problem
+    from app.worker.steps import build_step
     from app.worker.trainer import Trainer
 
     if stop.requested:
-        log.warning("%s before training started: exit 1", stop.name)
-        return 1
+        log.warning("%s before training started: exit %d", stop.name, FAILED)
+        return FAILED
     problem = cfg.checkpoint_dir and checkpoint_dir_problem(cfg.checkpoint_dir, ctx.is_main)
     if problem:  # found before training, on every rank: none is left waiting for a rank 0 that cannot save
         raise ConfigError(
@@ -201,18 +159,9 @@ def train(cfg: TrainConfig, sources: dict[str, str], ctx, world: WorldEnv, grad_
             f'{problem} on rank 0; choose a writable directory, or "" for no checkpoints'
         )
     announce_endpoints(ctx, cfg, world.node)
-    if cfg.parallel == "pipeline":
-        from app.worker.pipeline_trainer import PipelineTrainer
-
-        trainer = PipelineTrainer(cfg, ctx, world, stop, metrics)
-    elif cfg.parallel == "dp":
-        from app.worker.pipeline_trainer import DataParallelTrainer
-
-        trainer = DataParallelTrainer(cfg, ctx, world, grad_accum_steps, stop, metrics)
-    else:
-        trainer = Trainer(cfg, ctx, world, grad_accum_steps, stop, metrics)
-    code = trainer.run()
-    if code == 0 and not stop.requested and cfg.metrics_port and cfg.metrics_linger_seconds:
+    # The one place the kinds differ (ddp | pipeline | dp): the step object the one Trainer is handed.
+    code = Trainer(cfg, ctx, world, stop, metrics, step=build_step(cfg, ctx, grad_accum_steps, metrics)).run()
+    if code == OK and not stop.requested and cfg.metrics_port and cfg.metrics_linger_seconds:
         log.info("keeping /metrics up for %g s (metrics_linger_seconds)", cfg.metrics_linger_seconds)
         stop.event.wait(cfg.metrics_linger_seconds)  # a SIGTERM cuts the wait short
     return code

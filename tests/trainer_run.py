@@ -7,6 +7,13 @@ When a worker fails a test, its whole output and exit code are kept: attached to
 to ``<pytest's tmp dir>/worker-output/<test>/`` (``keep_output``), so an intermittent failure can be read after
 the fact instead of rerun.
 
+The worker runs the integration tests repeat are declared once, as data: ``RUNS`` names each configuration (as
+torchtitan's integration tests name theirs), ``worker_args(name, steps=20, checkpoint_dir=d)`` turns one into flags
+with a test's own settings added or overriding, and ``run_process`` / ``start_ranks`` / ``torchrun`` launch it::
+
+    procs = start_ranks(*worker_args("until_stopped", checkpoint_dir=tmp_path))
+    outs = finish(procs)          # every process's (stdout, stderr); whatever still runs is killed
+
 Ports (``free_port``) come from below the kernel's ephemeral range and are reserved across processes for a while:
 a port picked by ``bind(0)`` is free only "a moment ago", and with many tests (and other checkouts) running, the
 kernel hands the same range out for every outgoing connection (gloo's mesh, store clients) before the worker, still
@@ -26,7 +33,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,6 +43,63 @@ REPO = Path(__file__).resolve().parents[1]
 HANG_TIMEOUT_S = 300.0
 PYTHON = sys.executable
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+# The worker configurations the integration tests run, by name: TrainConfig field -> value. A test adds what is
+# its own (steps, checkpoint_dir, ...) with worker_args; a setting given there overrides the one here.
+RUNS: dict[str, dict[str, object]] = {
+    # One process without torchrun (a world of one, no wrapper), no metrics endpoint.
+    "one_process": {"wrapper": "none", "metrics_port": 0},
+    # Trains until it is stopped, a progress line every 50 steps, no checkpoint but the stop's: the signal tests.
+    "until_stopped": {"steps": 100000, "checkpoint_every": 100000, "metrics_port": 0, "log_every": 50},
+    # The failure drill: the last rank's loss becomes NaN at step 12, after the checkpoint of step 10.
+    "nan_drill": {"steps": 40, "checkpoint_every": 5, "inject_nan_at_step": 12, "metrics_port": 0},
+    # 2 ranks × micro_batch 32 × grad_accum_steps 2 = 128; 2048 samples make 16 steps an epoch, so a resume at
+    # step 10 lands mid-epoch and 20 steps cross one.
+    "resumable": {
+        "effective_batch": 128,
+        "dataset_size": 2048,
+        "checkpoint_every": 5,
+        "keep_checkpoints": 5,
+        "metrics_port": 0,
+        "log_every": 5,
+    },
+    # A global batch of 50 in micro-batches of <= 8: uneven shares at world 3 and 4, checkpoints to resume on.
+    "fixed_global_batch": {
+        "effective_batch": 50,
+        "micro_batch": 8,
+        "dataset_size": 1000,
+        "checkpoint_every": 4,
+        "keep_checkpoints": 5,
+        "metrics_port": 0,
+        "log_every": 4,
+    },
+    # A 2-stage pipeline of mini_mlp (4 micro-batches of 8), checkpointed every 10 steps.
+    "pipeline": {"parallel": "pipeline", "micro_batch": 32, "checkpoint_every": 10, "log_every": 10, "metrics_port": 0},
+    # What the pipeline is compared with: the same batches in one process.
+    "pipeline_reference": {
+        "wrapper": "none",
+        "micro_batch": 32,
+        "checkpoint_every": 10,
+        "log_every": 10,
+        "metrics_port": 0,
+    },
+    # Serves /metrics (the test gives metrics_port) and keeps it up after FINISHED, for the test to scrape.
+    "scraped": {"metrics_linger_seconds": 60},
+}
+
+
+def worker_args(run: str, **settings: object) -> list[str]:
+    """The flags of ``RUNS[run]`` with ``settings`` (TrainConfig field names) added or overriding, in field order.
+
+    Example::
+
+        worker_args("until_stopped", checkpoint_dir=tmp_path)
+        # ['--steps', '100000', '--checkpoint-every', '100000', '--metrics-port', '0', '--log-every', '50',
+        #  '--checkpoint-dir', '/tmp/...']
+    """
+    merged = {**RUNS[run], **settings}
+    return [part for field, value in merged.items() for part in (f"--{field.replace('_', '-')}", str(value))]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -166,6 +230,34 @@ def torchrun(
     )
 
 
+def run_process(*args: str, timeout: float = HANG_TIMEOUT_S, env: dict[str, str] | None = None, **popen):
+    """The worker as one plain process (``python -m app.train``), to its end: a world of one, or one rank given
+    torchrun's variables in ``env``."""
+    return subprocess.run(
+        [PYTHON, "-m", "app.train", *args],
+        cwd=REPO,
+        env=env or clean_env(),
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=timeout,
+        **popen,
+    )
+
+
+def start_process(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """The worker as one plain process, running: read it with ``wait_for_log`` and ``finish``."""
+    return subprocess.Popen(
+        [PYTHON, "-m", "app.train", *args],
+        cwd=REPO,
+        env=env or clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+    )
+
+
 def start_torchrun(*args: str, nproc: int = 2, env: dict[str, str] | None = None) -> subprocess.Popen:
     cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "-m", "app.train", *args]
     return subprocess.Popen(
@@ -205,6 +297,29 @@ def start_ranks(*args: str, world_size: int = 2, port: int | None = None, **extr
             )
         )
     return procs
+
+
+def finish(procs: Sequence[subprocess.Popen], timeout: float = HANG_TIMEOUT_S) -> list[tuple[str, str]]:
+    """Every process's ``(stdout, stderr)`` once it has exited; any still running after that (or after a failure
+    on the way) is killed, so a test never leaves a worker behind."""
+    try:
+        return [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        kill(procs)
+
+
+def kill(procs: Sequence[subprocess.Popen]) -> None:
+    """Kill whatever in ``procs`` still runs (a frozen one is continued first, so the kill can reap it)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
+
+
+def wait_for_log(proc: subprocess.Popen, text: str, timeout: float = 90) -> None:
+    """Wait for ``text`` in the worker's log (stderr); the rest stays in the pipe for ``finish``/communicate."""
+    wait_for_lines(proc, proc.stderr, text, timeout=timeout)
 
 
 def wait_for_lines(

@@ -207,7 +207,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "train-stop-never-forced",
         "a graceful stop that hangs is never forced after stop_timeout_seconds",
-        "app/train.py",
+        "app/worker/control.py",
         'threading.Thread(target=self._force_exit, name="stop-timeout", daemon=True).start()',
         "pass",
         T("tests/integration/test_train.py::test_a_stop_that_cannot_finish_is_forced_after_stop_timeout_seconds"),
@@ -215,7 +215,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "train-sigint-not-handled",
         "Ctrl-C kills the worker without a checkpoint instead of stopping it like SIGTERM",
-        "app/train.py",
+        "app/worker/control.py",
         "SIGNALS = {signal.SIGTERM, signal.SIGINT}",
         "SIGNALS = {signal.SIGTERM}",
         T("tests/integration/test_train.py::test_sigint_is_handled_as_sigterm"),
@@ -224,16 +224,16 @@ MUTANTS: list[Mutant] = [
         "train-metrics-port-taken-exits-1",
         "a metrics port already taken exits 1 (a crash to restart) instead of 2 (a configuration error)",
         "app/train.py",
-        "if metrics is None:\n        return 2",
-        "if metrics is None:\n        return 1",
+        "if metrics is None:\n        return BAD_CONFIG",
+        "if metrics is None:\n        return FAILED",
         T("tests/integration/test_train.py::test_a_metrics_port_already_taken_is_a_config_error_exit_2"),
     ),
     Mutant(
         "train-config-error-exits-1",
         "a bad flag exits 1 instead of the documented 2",
         "app/train.py",
-        'print(f"config error: {e}", file=sys.stderr, flush=True)\n        return 2\n    stop.timeout_s',
-        'print(f"config error: {e}", file=sys.stderr, flush=True)\n        return 1\n    stop.timeout_s',
+        'print(f"config error: {e}", file=sys.stderr, flush=True)\n        return BAD_CONFIG\n    stop.timeout_s',
+        'print(f"config error: {e}", file=sys.stderr, flush=True)\n        return FAILED\n    stop.timeout_s',
         T("tests/unit/test_config.py::test_bad_input_exits_2_with_one_line"),
     ),
     # -- configuration (app/worker/config.py) --------------------------------------------------------------------------
@@ -248,9 +248,9 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "dtype-ignored",
         "dtype=float64 accepted but the model trains in float32 (the chaos proof would compare float32 runs)",
-        "app/worker/trainer.py",
-        "self.model = MODELS[cfg.model]().to(ctx.device, dtype)",
-        "self.model = MODELS[cfg.model]().to(ctx.device)",
+        "app/worker/steps.py",
+        "self.model = model.to(ctx.device, dtype)",
+        "self.model = model.to(ctx.device)",
         T("tests/integration/test_invariance.py::test_in_float64_the_world_size_changes_nothing_but_the_last_bits"),
     ),
     # -- failures seen from outside ----------------------------------------------------------------------------------

@@ -118,6 +118,9 @@ def grad_accum_steps_for(global_batch: int, world_size: int, micro_batch: int) -
 
 @dataclass
 class StepResult:
+    """What one ``accumulation_step`` computed on this rank (``PipelineStepResult`` is the pipeline's counterpart;
+    the worker's step kinds turn either into a ``StepOutcome``, app.worker.steps)."""
+
     loss: float  # mean loss over the samples of this rank's micro-batches (the unscaled value a user expects)
     samples: int  # samples this rank processed
     syncs: int  # backward passes that synchronised gradients (1 with sync on last, K when syncing every one)

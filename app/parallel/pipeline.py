@@ -12,7 +12,7 @@ micro-batches' activations instead of M, which is why it is the default of large
 
     runner = build_pipeline_stage(model, stage_index=rank, num_stages=world, n_microbatches=4, schedule="1f1b")
     optimizer = torch.optim.SGD(runner.module.parameters(), lr=0.1)   # this stage's parameters only
-    stats = runner.step(x, y)      # x used on the first stage, y on the last; stats.loss on every stage
+    result = runner.forward_backward(x, y)   # x used on the first stage, y on the last; result.loss on every stage
     optimizer.step(); optimizer.zero_grad()
 
 The schedules, the send/recv of activations and gradients, and the shape inference are PyTorch's (``PipelineStage``,
@@ -48,8 +48,9 @@ def theoretical_bubble(num_stages: int, n_microbatches: int) -> float:
     return (num_stages - 1) / (n_microbatches + num_stages - 1)
 
 
-class StepStats(NamedTuple):
-    """One pipeline step as this rank saw it (the fields of the ``ddp_pipeline_*`` metrics).
+class PipelineStepResult(NamedTuple):
+    """What one pipeline forward+backward (``PipelineRunner.forward_backward``) measured on this rank: the fields
+    of the ``ddp_pipeline_*`` metrics. The pipeline's counterpart of ``app.parallel.accum.StepResult``.
 
     loss: mean of the micro-batch losses, i.e. the loss of the whole batch (from the last stage, on every stage)
     compute_seconds: this stage's forward + backward + loss time
@@ -63,6 +64,9 @@ class StepStats(NamedTuple):
     send_recv_seconds: float
     bubble_ratio: float
     activation_bytes: int
+
+
+StepStats = PipelineStepResult  # the former name, kept for callers not yet renamed
 
 
 class TimedStage(PipelineStage):
@@ -121,7 +125,8 @@ class TimedStage(PipelineStage):
 
 
 class PipelineRunner:
-    """This rank's stage of a pipeline: its module, PyTorch's stage and schedule, and a measured ``step``.
+    """This rank's stage of a pipeline: its module, PyTorch's stage and schedule, and a measured
+    ``forward_backward`` (``step`` is its former name, kept as an alias).
 
     Attributes:
         module: this stage's layers (an ``nn.Sequential`` keyed by the model's layer indices): give its
@@ -150,8 +155,8 @@ class PipelineRunner:
                 f"batch a multiple of n_microbatches, or choose n_microbatches dividing {batch_size}"
             )
 
-    def step(self, x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> StepStats:
-        """One training step's forward and backward through the pipeline (no optimizer step).
+    def forward_backward(self, x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> PipelineStepResult:
+        """One training step's forward and backward through the pipeline (no optimizer step: the caller's).
 
         Args:
             x: the input batch (read by the first stage only).
@@ -177,7 +182,11 @@ class PipelineRunner:
         wall = time.perf_counter() - start
         compute = self.stage.compute_seconds - compute0
         blocked = max(0.0, wall - compute)
-        return StepStats(loss, compute, blocked, blocked / wall if wall > 0 else 0.0, self.stage.sent_bytes - bytes0)
+        return PipelineStepResult(
+            loss, compute, blocked, blocked / wall if wall > 0 else 0.0, self.stage.sent_bytes - bytes0
+        )
+
+    step = forward_backward  # the former name (it does no optimizer step), kept for callers not yet renamed
 
     def _share_loss(self, losses: list[torch.Tensor]) -> float:
         # One float from the last stage to the others, so every rank (the worker logs on rank 0) knows the loss.
@@ -307,7 +316,7 @@ def build_pipeline_stage(
     Example::
 
         runner = build_pipeline_stage(DeepMLP(64, 8), stage_index=rank, num_stages=2, n_microbatches=4)
-        stats = runner.step(x, y)  # StepStats(loss, compute_seconds, send_recv_seconds, bubble_ratio, ...)
+        result = runner.forward_backward(x, y)  # PipelineStepResult(loss, compute_seconds, send_recv_seconds, ...)
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")

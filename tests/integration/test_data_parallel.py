@@ -1,5 +1,9 @@
-"""``bench.dp_vs_ddp``: nn.DataParallel vs DDP on the same GPUs. Without 2 GPUs it must refuse in one line (exit 2);
-with them it must measure both and show GPU 0 holding more under DataParallel."""
+"""``parallel=dp`` (``DataParallelStep``) and ``bench.dp_vs_ddp``: nn.DataParallel vs DDP on the same GPUs.
+
+The step kind runs anywhere: without a GPU ``nn.DataParallel`` calls the module itself, so on the CPU it must train
+exactly like the bare model, and (unlike the trainer it replaced) leave no DDP gradient hooks on the parameters.
+The benchmark without 2 GPUs must refuse in one line (exit 2); with them it must measure both and show GPU 0 holding
+more under DataParallel."""
 
 from __future__ import annotations
 
@@ -11,8 +15,35 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.world import run_world
+
 ROOT = Path(__file__).resolve().parents[2]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _train_three_steps(rank: int, world: int, parallel: str, wrapper: str) -> dict:
+    from app.worker.config import TrainConfig
+    from app.worker.dist import DistContext
+    from app.worker.steps import build_step
+
+    cfg = TrainConfig(parallel=parallel, wrapper=wrapper, device="cpu", dataset_size=256, micro_batch=16)
+    ctx = DistContext(rank, rank, world, torch.device("cpu"), "gloo")
+    step = build_step(cfg, ctx, grad_accum_steps=2, metrics=None)
+    losses = [step.train_step(step.batches.next_micro_batches(), lambda bad: bad).loss for _ in range(3)]
+    hooked = [n for n, p in step.model.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)]
+    return {"losses": losses, "params": step.model_state.state_dict(), "hooked": hooked}
+
+
+def test_data_parallel_step_trains_like_the_bare_model_with_no_ddp_hooks_left():
+    # A world of one on the CPU: the DDP wrapper a dp run must not build would still register its hooks here.
+    (dp,) = run_world(_train_three_steps, 1, "dp", "ours")
+    (bare,) = run_world(_train_three_steps, 1, "ddp", "none")
+    assert dp["hooked"] == [], f"parameters with gradient hooks under parallel=dp: {dp['hooked']}"
+    assert dp["losses"] == bare["losses"]
+    assert dp["losses"][-1] < dp["losses"][0]
+    assert sorted(dp["params"]) == sorted(bare["params"])  # the bare model's keys: no "module." prefix
+    for name, tensor in dp["params"].items():
+        assert torch.equal(tensor, bare["params"][name]), name
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:

@@ -13,48 +13,23 @@ unweighted (a plain mean of the ranks' means) makes world 3 and world 4 fail it.
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
 
 from app.worker.checkpoint import checkpoint_path, load_checkpoint
-from tests.trainer_run import PYTHON, REPO, clean_env, describe, finished, torchrun
+from tests.trainer_run import describe, finished, run_process, torchrun, worker_args
 
 # Six runs of the real worker (one to four processes each, each importing torch): minutes on a loaded machine.
 pytestmark = pytest.mark.timeout(1200)
-STEPS, GLOBAL_BATCH, MICRO_BATCH, DATASET = 12, 50, 8, 1000
+STEPS = 12  # checkpoints every 4 (RUNS["fixed_global_batch"]: a global batch of 50 in micro-batches of <= 8)
 TOLERANCE = 1e-5
 FLOAT64_TOLERANCE = 1e-12  # measured 8e-16 after 300 steps of world 4 against world 3 (docs/cluster.md)
-COMMON = (
-    "--effective-batch",
-    str(GLOBAL_BATCH),
-    "--micro-batch",
-    str(MICRO_BATCH),
-    "--dataset-size",
-    str(DATASET),
-    "--checkpoint-every",
-    "4",
-    "--keep-checkpoints",
-    "5",
-    "--metrics-port",
-    "0",
-    "--log-every",
-    "4",
-)
 
 
-def _ranks(directory, steps: int, world: int, *extra: str) -> str:
-    args = ("--steps", str(steps), "--checkpoint-dir", str(directory), *COMMON, *extra)
+def _ranks(directory, steps: int, world: int, **settings) -> str:
+    args = worker_args("fixed_global_batch", steps=steps, checkpoint_dir=directory, **settings)
     if world == 1:
-        result = subprocess.run(
-            [PYTHON, "-m", "app.train", "--wrapper", "none", *args],
-            cwd=REPO,
-            env=clean_env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        result = run_process("--wrapper", "none", *args, timeout=300)
     else:
         result = torchrun(*args, nproc=world, timeout=400)
     assert result.returncode == 0, describe(result)
@@ -77,7 +52,7 @@ def runs(tmp_path_factory) -> dict:
     out["world 2 -> 3 -> 4"] = _params(top / "2-3-4")
     out["logs"] = logs
     for name, world in (("single float64", 1), ("world 3 float64", 3)):
-        _ranks(top / name, STEPS, world, "--dtype", "float64")
+        _ranks(top / name, STEPS, world, dtype="float64")
         out[name] = _params(top / name)
     return out
 

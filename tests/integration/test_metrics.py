@@ -24,7 +24,7 @@ from app.parallel.ddp import DistributedDataParallel
 from app.parallel.probes import CommSample, OursCommProbe, TorchCommProbe
 from app.worker.metrics import TrainMetrics
 from app.worker.models import MiniMLP
-from tests.trainer_run import free_port, start_torchrun, wait_for_lines
+from tests.trainer_run import free_port, start_torchrun, wait_for_lines, worker_args
 from tests.world import run_world
 
 CONTRACT = {  # name in the exposition -> type
@@ -205,28 +205,30 @@ def wait_for_finished(proc, ranks: int, timeout: float = 150) -> None:
     wait_for_lines(proc, proc.stdout, "FINISHED", count=ranks, timeout=timeout)
 
 
-def test_torch_ddp_reports_allreduce_per_bucket():
-    port = free_port(2)
-    proc = start_torchrun(
-        "--wrapper",
-        "torch",
-        "--steps",
-        "30",
-        "--metrics-port",
-        str(port),
-        "--bucket-cap-mb",
-        "0.01",
-        "--metrics-linger-seconds",
-        "30",
-        "--log-every",
-        "30",
-    )
+def scrape_at_the_end(port: int, read=None, ranks: int = 2, **settings) -> tuple[list, str]:
+    """Run 2 ranks under torchrun (``RUNS["scraped"]`` with ``settings``, /metrics on ``port`` + local rank), read
+    every rank's endpoint with ``read(port)`` once all printed FINISHED, then end the linger: (what was read, stderr).
+    """
+    proc = start_torchrun(*worker_args("scraped", metrics_port=port, **settings))
     try:
-        wait_for_finished(proc, 2)
-        bodies = [get(f"http://127.0.0.1:{port + r}/metrics") for r in range(2)]
+        wait_for_finished(proc, ranks)
+        values = [(read or scrape)(port + r) for r in range(ranks)]
     finally:
         proc.terminate()  # ends the linger early: SIGTERM is forwarded, the workers stop waiting
-        proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=60)
+    return values, err
+
+
+def test_torch_ddp_reports_allreduce_per_bucket():
+    port = free_port(2)
+    bodies, _ = scrape_at_the_end(
+        port,
+        read=lambda p: get(f"http://127.0.0.1:{p}/metrics"),
+        wrapper="torch",
+        steps=30,
+        bucket_cap_mb=0.01,
+        log_every=30,
+    )
     for rank, body in enumerate(bodies):
         count = float(re.search(rf'ddp_allreduce_duration_seconds_count{{rank="{rank}"}} (\S+)', body).group(1))
         # MiniMLP's 6 tensors (~19 KB) in 10 KB buckets: several all-reduces per step, each observed on its own.
@@ -246,28 +248,7 @@ def test_metric_values_after_known_steps():
     """What a dashboard shows after 12 steps of micro_batch 16 × grad_accum_steps 3 on 2 ranks: exact counts, the
     loss the log printed, the configured lr."""
     port, steps, micro, k, lr = free_port(2), 12, 16, 3, 0.0042
-    proc = start_torchrun(
-        "--steps",
-        str(steps),
-        "--micro-batch",
-        str(micro),
-        "--grad-accum-steps",
-        str(k),
-        "--lr",
-        str(lr),
-        "--metrics-port",
-        str(port),
-        "--metrics-linger-seconds",
-        "60",
-        "--log-every",
-        "1",
-    )
-    try:
-        wait_for_finished(proc, 2)
-        values = [scrape(port + r) for r in range(2)]
-    finally:
-        proc.terminate()
-        _, err = proc.communicate(timeout=60)
+    values, err = scrape_at_the_end(port, steps=steps, micro_batch=micro, grad_accum_steps=k, lr=lr, log_every=1)
     logged = {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step (\d+)/\d+ \| loss (\S+)", err)}
     for rank, v in enumerate(values):
         r = f'{{rank="{rank}"}}'
@@ -289,18 +270,11 @@ def test_metric_values_after_known_steps():
 def test_a_resumed_world_counts_its_generation_and_the_steps_it_redoes(tmp_path):
     """A world that died after logging step 8 (its newest checkpoint: step 5) is replaced by a new one: generation 2,
     3 steps redone, and the time from that checkpoint to the new world's first step."""
-    common = ("--checkpoint-dir", str(tmp_path), "--checkpoint-every", "5", "--log-every", "1")
-    crashed = start_torchrun("--steps", "20", "--inject-nan-at-step", "9", "--metrics-port", "0", *common)
+    common = {"checkpoint_dir": tmp_path, "checkpoint_every": 5, "log_every": 1}
+    crashed = start_torchrun(*worker_args("nan_drill", steps=20, inject_nan_at_step=9, **common))
     _, err = crashed.communicate(timeout=150)
     assert crashed.returncode != 0 and "loss became NaN/inf at step 9" in err, err[-3000:]
-    port = free_port(2)
-    proc = start_torchrun("--steps", "12", "--metrics-port", str(port), "--metrics-linger-seconds", "60", *common)
-    try:
-        wait_for_finished(proc, 2)
-        values = [scrape(port + r) for r in range(2)]
-    finally:
-        proc.terminate()
-        _, err = proc.communicate(timeout=60)
+    values, err = scrape_at_the_end(free_port(2), steps=12, **common)
     assert "resumed from" in err and "step-00000005.pt" in err, err[-3000:]
     for rank, v in enumerate(values):
         r = f'{{rank="{rank}"}}'

@@ -8,13 +8,12 @@ a truncated newest checkpoint (from the one before) ends identical too.
 from __future__ import annotations
 
 import shutil
-import subprocess
 
 import torch
 
 from app.worker.checkpoint import Checkpointer, checkpoint_path, list_checkpoints, load_checkpoint
 from app.worker.models import MiniMLP, parameter_checksum
-from tests.trainer_run import PYTHON, REPO, clean_env, describe, finished, start_ranks, torchrun
+from tests.trainer_run import describe, finish, finished, run_process, start_ranks, torchrun, worker_args
 from tests.world import run_world
 
 
@@ -22,14 +21,8 @@ def test_unusable_checkpoint_dir_stops_every_rank_before_training(tmp_path):
     """A file where the directory should be: one line naming checkpoint_dir, exit 2 on both ranks, at start-up
     (not a traceback at the first save while the other rank waits in a collective)."""
     (tmp_path / "ckpt").write_text("not a directory")
-    procs = start_ranks("--steps", "100000", "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-port", "0")
-    try:
-        outs = [p.communicate(timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    procs = start_ranks(*worker_args("until_stopped", checkpoint_dir=tmp_path / "ckpt"))
+    outs = finish(procs, timeout=90)
     assert [p.returncode for p in procs] == [2, 2], outs
     for _, err in outs:
         errors = [line for line in err.splitlines() if "error" in line.lower()]
@@ -42,26 +35,8 @@ def test_unusable_checkpoint_dir_stops_every_rank_before_training(tmp_path):
 
 
 def run(tmp_dir, steps: int) -> dict:
-    # effective_batch 128 = micro_batch 32 × 2 ranks × grad_accum_steps 2; a small data set so 20 steps span two
-    # epochs (2048 samples / 128 per step = 16 steps per epoch): the resume lands mid-epoch, then crosses one.
-    result = torchrun(
-        "--steps",
-        str(steps),
-        "--checkpoint-dir",
-        str(tmp_dir),
-        "--checkpoint-every",
-        "5",
-        "--keep-checkpoints",
-        "5",
-        "--effective-batch",
-        "128",
-        "--dataset-size",
-        "2048",
-        "--metrics-port",
-        "0",
-        "--log-every",
-        "5",
-    )
+    # RUNS["resumable"]: 20 steps span two epochs, so the resume at step 10 lands mid-epoch, then crosses one.
+    result = torchrun(*worker_args("resumable", steps=steps, checkpoint_dir=tmp_dir))
     assert result.returncode == 0, describe(result)
     done = finished(result.stdout)
     assert set(done) == {0, 1}, describe(result)
@@ -146,18 +121,10 @@ def test_resume_restores_every_ranks_own_rng_stream(tmp_path):
 
 
 def test_a_checkpoint_dir_of_another_model_is_a_config_error_exit_2(tmp_path):
-    cmd = [PYTHON, "-m", "app.train", "--wrapper", "none", "--metrics-port", "0", "--checkpoint-dir", str(tmp_path)]
-    first = subprocess.run(
-        [*cmd, "--steps", "2"], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120
-    )
+    first = run_process(*worker_args("one_process", checkpoint_dir=tmp_path, steps=2), timeout=120)
     assert first.returncode == 0, describe(first)
-    other = subprocess.run(
-        [*cmd, "--steps", "4", "--model", "tiny_transformer"],
-        cwd=REPO,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
+    other = run_process(
+        *worker_args("one_process", checkpoint_dir=tmp_path, steps=4, model="tiny_transformer"), timeout=120
     )
     assert other.returncode == 2, describe(other)
     assert f"config error: checkpoint_dir='{tmp_path}' holds mini_mlp checkpoints but model=tiny_transformer" in (

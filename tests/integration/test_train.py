@@ -8,26 +8,31 @@ from __future__ import annotations
 
 import signal
 import socket
-import subprocess
 import threading
 import time
 
 import torch
 
-from app.worker.checkpoint import list_checkpoints, load_checkpoint
+from app.worker.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
+from app.worker.models import MiniMLP, parameter_checksum
 from tests.trainer_run import (
-    PYTHON,
-    REPO,
     clean_env,
     describe,
+    finish,
     finished,
     free_port,
+    kill,
     losses,
+    run_process,
+    start_process,
     start_ranks,
     start_torchrun,
     torchrun,
     wait_for_lines,
+    wait_for_log,
+    worker_args,
 )
+from tests.world import run_world
 
 
 def test_two_ranks_train_mini_mlp_with_accumulation():
@@ -45,20 +50,8 @@ def test_two_ranks_train_mini_mlp_with_accumulation():
 
 def test_tiny_transformer_learns_with_torch_ddp():
     result = torchrun(
-        "--model",
-        "tiny_transformer",
-        "--wrapper",
-        "torch",
-        "--steps",
-        "40",
-        "--micro-batch",
-        "16",
-        "--seq-len",
-        "16",
-        "--metrics-port",
-        "0",
-        "--log-every",
-        "20",
+        *("--model", "tiny_transformer", "--wrapper", "torch", "--steps", "40", "--micro-batch", "16"),
+        *("--seq-len", "16", "--metrics-port", "0", "--log-every", "20"),
         timeout=240,
     )
     assert result.returncode == 0, describe(result)
@@ -69,14 +62,7 @@ def test_tiny_transformer_learns_with_torch_ddp():
 
 
 def test_one_process_without_torchrun():
-    result = subprocess.run(
-        [PYTHON, "-m", "app.train", "--wrapper", "none", "--steps", "20", "--metrics-port", "0", "--log-every", "20"],
-        cwd=REPO,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_process(*worker_args("one_process", steps=20, log_every=20), timeout=120)
     assert result.returncode == 0, describe(result)
     assert finished(result.stdout)[0]["world_size"] == "1"
 
@@ -84,67 +70,30 @@ def test_one_process_without_torchrun():
 def test_two_plain_runs_at_once_do_not_clash():
     """Without torchrun a run is a world of one: its store takes a free port, not a fixed default that a second
     run at the same time would find taken."""
-    first = subprocess.Popen(
-        [
-            PYTHON,
-            "-m",
-            "app.train",
-            "--wrapper",
-            "none",
-            "--steps",
-            "5",
-            "--metrics-port",
-            str(free_port()),
-            "--metrics-linger-seconds",
-            "60",
-        ],
-        cwd=REPO,
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    first = start_process(*worker_args("one_process", steps=5, metrics_port=free_port(), metrics_linger_seconds=60))
     try:
         wait_for_lines(first, first.stdout, "FINISHED")  # trained; its process group (and store) live on in the linger
-        second = subprocess.run(
-            [PYTHON, "-m", "app.train", "--wrapper", "none", "--steps", "5", "--metrics-port", "0"],
-            cwd=REPO,
-            env=clean_env(),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        second = run_process(*worker_args("one_process", steps=5), timeout=120)
         assert second.returncode == 0, describe(second)
         first.send_signal(signal.SIGTERM)  # ends the linger
         first.communicate(timeout=30)
     finally:
-        _kill([first])
+        kill([first])
     assert first.returncode == 0
 
 
 def test_sigterm_checkpoints_and_exits_0(tmp_path):
     """Both ranks signalled (docker compose stop, Job deletion): they agree on a step, rank 0 saves, both exit 0."""
-    procs = start_ranks(
-        "--steps",
-        "100000",
-        "--checkpoint-dir",
-        str(tmp_path),
-        "--checkpoint-every",
-        "100000",
-        "--metrics-port",
-        "0",
-        "--log-every",
-        "50",
-    )
+    procs = start_ranks(*worker_args("until_stopped", checkpoint_dir=tmp_path))
     try:
-        _wait_for_line(procs[0], "step 50/")
+        wait_for_log(procs[0], "step 50/")
         sent = time.monotonic()
         for p in procs:
             p.send_signal(signal.SIGTERM)
-        outs = [p.communicate(timeout=30) for p in procs]
+        outs = finish(procs, timeout=30)
         elapsed = time.monotonic() - sent
     finally:
-        _kill(procs)
+        kill(procs)
     assert [p.returncode for p in procs] == [0, 0], outs
     # Exit 0 already proves the graceful stop beat stop_timeout_seconds (10 s; past it the worker force-exits 1).
     # This bound catches a stop that never ends, with room for process exit on a loaded 2-core CI machine.
@@ -158,24 +107,13 @@ def test_sigterm_checkpoints_and_exits_0(tmp_path):
 def test_sigterm_to_one_rank_stops_all_and_only_it_exits_0(tmp_path):
     """One rank scaled away: all stop at the same step with a checkpoint; the unsignalled one exits 75 (a peer's
     stop: a Kubernetes Job does not count it) so that an elastic torchrun re-forms the group and resumes."""
-    procs = start_ranks(
-        "--steps",
-        "100000",
-        "--checkpoint-dir",
-        str(tmp_path),
-        "--checkpoint-every",
-        "100000",
-        "--metrics-port",
-        "0",
-        "--log-every",
-        "50",
-    )
+    procs = start_ranks(*worker_args("until_stopped", checkpoint_dir=tmp_path))
     try:
-        _wait_for_line(procs[0], "step 50/")
+        wait_for_log(procs[0], "step 50/")
         procs[1].send_signal(signal.SIGTERM)
-        outs = [p.communicate(timeout=30) for p in procs]
+        outs = finish(procs, timeout=30)
     finally:
-        _kill(procs)
+        kill(procs)
     assert [p.returncode for p in procs] == [75, 0], outs
     assert "a peer was signalled" in outs[0][1]
     assert len(list_checkpoints(tmp_path)) == 1
@@ -186,24 +124,13 @@ def test_sigterm_to_torchrun_reaches_the_workers(tmp_path):
 
     torchrun itself then exits 1 (it re-raises the signal as an exception); the workers exit 0 after the checkpoint.
     """
-    proc = start_torchrun(
-        "--steps",
-        "100000",
-        "--checkpoint-dir",
-        str(tmp_path),
-        "--checkpoint-every",
-        "100000",
-        "--metrics-port",
-        "0",
-        "--log-every",
-        "50",
-    )
+    proc = start_torchrun(*worker_args("until_stopped", checkpoint_dir=tmp_path))
     try:
-        _wait_for_line(proc, "step 50/")
+        wait_for_log(proc, "step 50/")
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        ((_, err),) = finish([proc], timeout=60)
     finally:
-        _kill([proc])
+        kill([proc])
     assert "[rank 0] WARNING SIGTERM: stopped at step" in err and "[rank 1] WARNING SIGTERM: stopped" in err, err
     ((step, _),) = list_checkpoints(tmp_path)
     # torchrun does not report its workers' exit codes when it is signalled itself: each worker states its own.
@@ -213,22 +140,8 @@ def test_sigterm_to_torchrun_reaches_the_workers(tmp_path):
 
 def test_nan_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(tmp_path):
     # Plain ranks, not torchrun: torchrun turns any failing worker into its own exit 1, hiding the workers' codes.
-    procs = start_ranks(
-        "--steps",
-        "40",
-        "--checkpoint-dir",
-        str(tmp_path),
-        "--checkpoint-every",
-        "5",
-        "--inject-nan-at-step",
-        "12",
-        "--metrics-port",
-        "0",
-    )
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        _kill(procs)
+    procs = start_ranks(*worker_args("nan_drill", checkpoint_dir=tmp_path))
+    outs = finish(procs, timeout=120)
     assert [p.returncode for p in procs] == [1, 1], outs  # the docs promise 1 for a failure, on every rank
     stderr = "".join(err for _, err in outs)
     assert "loss became NaN/inf at step 12 on rank 1" in stderr
@@ -243,14 +156,7 @@ def test_unreachable_rendezvous_fails_within_the_timeout_naming_the_endpoint():
     port = free_port()  # nobody listens here
     env = clean_env(RANK="1", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     start = time.monotonic()
-    result = subprocess.run(
-        [PYTHON, "-m", "app.train", "--rendezvous-timeout-seconds", "5", "--metrics-port", "0"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_process("--rendezvous-timeout-seconds", "5", "--metrics-port", "0", env=env, timeout=60)
     elapsed = time.monotonic() - start
     assert result.returncode == 1, describe(result)
     # The promise is "fails within rendezvous_timeout_seconds (5 s)", after the interpreter has started and
@@ -264,25 +170,14 @@ def test_unreachable_rendezvous_fails_within_the_timeout_naming_the_endpoint():
 
 def test_sigint_is_handled_as_sigterm(tmp_path):
     """Ctrl-C on a terminal: the same graceful stop, a checkpoint and exit 0 on every rank, not a traceback."""
-    procs = start_ranks(
-        "--steps",
-        "100000",
-        "--checkpoint-dir",
-        str(tmp_path),
-        "--checkpoint-every",
-        "100000",
-        "--metrics-port",
-        "0",
-        "--log-every",
-        "50",
-    )
+    procs = start_ranks(*worker_args("until_stopped", checkpoint_dir=tmp_path))
     try:
-        _wait_for_line(procs[0], "step 50/")
+        wait_for_log(procs[0], "step 50/")
         for p in procs:
             p.send_signal(signal.SIGINT)
-        outs = [p.communicate(timeout=30) for p in procs]
+        outs = finish(procs, timeout=30)
     finally:
-        _kill(procs)
+        kill(procs)
     assert [p.returncode for p in procs] == [0, 0], outs
     ((step, _),) = list_checkpoints(tmp_path)
     for _, err in outs:
@@ -295,33 +190,19 @@ def test_a_stop_that_cannot_finish_is_forced_after_stop_timeout_seconds(tmp_path
     finish: rank 0 must give up after stop_timeout_seconds with exit 1, not hang until the collective timeout."""
     timeout = 3.0
     procs = start_ranks(
-        "--steps",
-        "100000",
-        "--checkpoint-dir",
-        str(tmp_path),
-        "--checkpoint-every",
-        "100000",
-        "--stop-timeout-seconds",
-        str(timeout),
-        "--collective-timeout-seconds",
-        "300",
-        "--metrics-port",
-        "0",
-        "--log-every",
-        "50",
+        *worker_args(
+            "until_stopped", checkpoint_dir=tmp_path, stop_timeout_seconds=timeout, collective_timeout_seconds=300
+        )
     )
     try:
-        _wait_for_line(procs[0], "step 50/")
+        wait_for_log(procs[0], "step 50/")
         procs[1].send_signal(signal.SIGSTOP)
         sent = time.monotonic()
         procs[0].send_signal(signal.SIGTERM)
         _, err = procs[0].communicate(timeout=60)
         elapsed = time.monotonic() - sent
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-        _kill(procs)
+        kill(procs)
     assert procs[0].returncode == 1, err
     assert f"graceful stop did not finish within stop_timeout_seconds={timeout:g}; exiting without a checkpoint" in err
     # Not before the timeout (the stop was given its chance), and soon after it: margin for a loaded machine.
@@ -334,28 +215,16 @@ def test_a_hung_peer_is_detected_after_collective_timeout_seconds():
     not after the rendezvous timeout and not never."""
     timeout = 5.0
     procs = start_ranks(
-        "--steps",
-        "100000",
-        "--collective-timeout-seconds",
-        str(timeout),
-        "--rendezvous-timeout-seconds",
-        "120",
-        "--metrics-port",
-        "0",
-        "--log-every",
-        "50",
+        *worker_args("until_stopped", collective_timeout_seconds=timeout, rendezvous_timeout_seconds=120)
     )
     try:
-        _wait_for_line(procs[0], "step 50/")
+        wait_for_log(procs[0], "step 50/")
         procs[1].send_signal(signal.SIGSTOP)
         frozen = time.monotonic()
         _, err = procs[0].communicate(timeout=90)
         elapsed = time.monotonic() - frozen
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-        _kill(procs)
+        kill(procs)
     assert procs[0].returncode == 1, err[-3000:]
     # Lower bound: not before the timeout. Upper: the timeout plus the failing rank's teardown on a loaded machine
     # (12 s measured at load average 30 on 2 cores), far below the 120 s rendezvous timeout it must not wait for.
@@ -367,13 +236,13 @@ def test_a_hung_peer_is_detected_after_collective_timeout_seconds():
 def test_a_killed_peer_is_named_in_one_line_and_exit_1():
     """A peer killed mid-run (docker kill, OOM killer): the survivor says which peer went away, without a traceback,
     and exits 1 for the launcher to re-form the world."""
-    procs = start_ranks("--steps", "100000", "--metrics-port", "0", "--log-every", "50")
+    procs = start_ranks(*worker_args("until_stopped"))
     try:
-        _wait_for_line(procs[0], "step 50/")
+        wait_for_log(procs[0], "step 50/")
         procs[1].kill()
         _, err = procs[0].communicate(timeout=90)
     finally:
-        _kill(procs)
+        kill(procs)
     assert procs[0].returncode == 1, err[-3000:]
     assert "rank 0 left the world: " in err and "went away" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
@@ -384,14 +253,7 @@ def test_a_metrics_port_already_taken_is_a_config_error_exit_2():
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", port))
         taken.listen()
-        result = subprocess.run(
-            [PYTHON, "-m", "app.train", "--wrapper", "none", "--steps", "5", "--metrics-port", str(port)],
-            cwd=REPO,
-            env=clean_env(),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        result = run_process(*worker_args("one_process", steps=5, metrics_port=port), timeout=120)
     assert result.returncode == 2, describe(result)
     errors = [line for line in result.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and errors[0].startswith(f"config error: metrics_port={port}: port {port}"), errors
@@ -403,21 +265,14 @@ def test_rank_0_waits_for_its_peers_no_longer_than_the_rendezvous_timeout():
     measured from its "joining" line (after the imports, which take seconds on a loaded machine)."""
     timeout = 5
     env = clean_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    proc = subprocess.Popen(
-        [PYTHON, "-m", "app.train", "--rendezvous-timeout-seconds", str(timeout), "--metrics-port", "0"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_process("--rendezvous-timeout-seconds", str(timeout), "--metrics-port", "0", env=env)
     try:
-        _wait_for_line(proc, "joining a world of 2")
+        wait_for_log(proc, "joining a world of 2")
         joined = time.monotonic()
-        _, err = proc.communicate(timeout=60)
+        ((_, err),) = finish([proc], timeout=60)
         elapsed = time.monotonic() - joined
     finally:
-        _kill([proc])
+        kill([proc])
     assert proc.returncode == 1, err
     assert "rank 0 could not form the process group of 2" in err and f"within {timeout} s" in err, err
     assert timeout - 0.5 <= elapsed < timeout + 2.5, f"gave up {elapsed:.1f}s after joining"
@@ -445,14 +300,7 @@ def test_a_silent_rendezvous_endpoint_is_given_up_on_within_the_timeout():
 
         threading.Thread(target=accept, daemon=True).start()
         env = clean_env(RANK="1", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        result = subprocess.run(
-            [PYTHON, "-m", "app.train", "--rendezvous-timeout-seconds", str(timeout), "--metrics-port", "0"],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=90,
-        )
+        result = run_process("--rendezvous-timeout-seconds", str(timeout), "--metrics-port", "0", env=env, timeout=90)
         ended = time.monotonic()
         for conn in held:
             conn.close()
@@ -465,13 +313,53 @@ def test_a_silent_rendezvous_endpoint_is_given_up_on_within_the_timeout():
     assert timeout - 0.5 <= elapsed < timeout + 2 + 2.5, f"gave up {elapsed:.1f}s after connecting"
 
 
-def _wait_for_line(proc, text: str, timeout: float = 90) -> None:
-    """Wait for ``text`` on stderr (the worker logs there); the rest stays in the pipe for communicate."""
-    wait_for_lines(proc, proc.stderr, text, timeout=timeout)
+class _OnlyTheProtocol:
+    """A step kind the Trainer has never seen: it exposes the ``TrainStep`` members and nothing else (no ``model``,
+    no ``wrapped``), delegating to a ``DDPStep`` it hides, and counts the steps it was asked for."""
+
+    def __init__(self, hidden):
+        self._hidden, self.calls = hidden, 0
+        self.global_batch, self.batches = hidden.global_batch, hidden.batches
+        self.model_state, self.optimizer_state = hidden.model_state, hidden.optimizer_state
+
+    def train_step(self, micro_batches, agree_nonfinite, inject_nan=False):
+        self.calls += 1
+        return self._hidden.train_step(micro_batches, agree_nonfinite, inject_nan)
+
+    def describe_batch(self) -> str:
+        return self._hidden.describe_batch()
+
+    def before_save(self) -> None:
+        self._hidden.before_save()
+
+    def final_model(self):
+        return self._hidden.final_model()
 
 
-def _kill(procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+def _train_with_a_new_kind(rank: int, world: int, directory: str) -> dict:
+    from app.worker.config import TrainConfig, WorldEnv
+    from app.worker.control import StopSignal
+    from app.worker.dist import DistContext
+    from app.worker.metrics import NoMetrics
+    from app.worker.steps import build_step
+    from app.worker.trainer import Trainer
+
+    cfg = TrainConfig(steps=6, checkpoint_dir=directory, checkpoint_every=3, metrics_port=0, log_every=3)
+    ctx = DistContext(rank, rank, world, torch.device("cpu"), "gloo")
+    step = _OnlyTheProtocol(build_step(cfg, ctx, 1, NoMetrics()))
+    env = WorldEnv(rank=rank, local_rank=rank, world_size=world)
+    code = Trainer(cfg, ctx, env, StopSignal(), NoMetrics(), step=step).run()
+    return {"code": code, "calls": step.calls, "checksum": parameter_checksum(step.final_model())}
+
+
+def test_a_new_step_kind_plugs_into_the_trainer_unchanged(tmp_path):
+    """What the step protocol promises (app.worker.steps): a kind that offers only its members trains, checkpoints
+    and finishes under the one Trainer, which asks nothing else of it."""
+    out = run_world(_train_with_a_new_kind, 2, str(tmp_path), timeout=180)
+    assert [o["code"] for o in out] == [0, 0]
+    assert [o["calls"] for o in out] == [6, 6]
+    assert out[0]["checksum"] == out[1]["checksum"]
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [6, 3]
+    saved = MiniMLP()
+    saved.load_state_dict(load_checkpoint(checkpoint_path(tmp_path, 6))["model"])
+    assert parameter_checksum(saved) == out[0]["checksum"]

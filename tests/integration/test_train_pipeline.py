@@ -17,10 +17,19 @@ import torch
 
 from app.worker.checkpoint import list_checkpoints, load_checkpoint
 from app.worker.models import MiniMLP
-from tests.trainer_run import PYTHON, REPO, clean_env, describe, finished, start_ranks, torchrun, wait_for_lines
+from tests.trainer_run import (
+    describe,
+    finish,
+    finished,
+    kill,
+    run_process,
+    start_ranks,
+    torchrun,
+    wait_for_log,
+    worker_args,
+)
 
 ATOL = 1e-6  # merged pipeline vs single process, max |diff| per parameter (measured 4.5e-8 after 30 steps)
-COMMON = ("--metrics-port", "0", "--checkpoint-every", "10", "--log-every", "10", "--micro-batch", "32")
 
 
 def _model(directory, step: int) -> dict:
@@ -34,21 +43,14 @@ def _max_diff(a: dict, b: dict) -> float:
 
 def _train_alone(tmp_path, steps: int):
     ckpt = tmp_path / "alone"
-    result = subprocess.run(
-        [PYTHON, "-m", "app.train", "--wrapper", "none", "--steps", str(steps), "--checkpoint-dir", str(ckpt), *COMMON],
-        cwd=REPO,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_process(*worker_args("pipeline_reference", steps=steps, checkpoint_dir=ckpt), timeout=300)
     assert result.returncode == 0, describe(result)
     return ckpt
 
 
 def test_pipeline_equals_one_process_and_resumes(tmp_path):
     ckpt = tmp_path / "pipeline"
-    first = torchrun("--parallel", "pipeline", "--steps", "20", "--checkpoint-dir", str(ckpt), *COMMON)
+    first = torchrun(*worker_args("pipeline", steps=20, checkpoint_dir=ckpt))
     assert first.returncode == 0, describe(first)
     done = finished(first.stdout)
     assert sorted(done) == [0, 1] and {d["step"] for d in done.values()} == {"20"}, describe(first)
@@ -61,9 +63,7 @@ def test_pipeline_equals_one_process_and_resumes(tmp_path):
     model = MiniMLP()
     model.load_state_dict(_model(ckpt, 20))  # the merged checkpoint loads into the bare model
 
-    resumed = torchrun(
-        "--parallel", "pipeline", "--pipeline-schedule", "1f1b", "--steps", "30", "--checkpoint-dir", str(ckpt), *COMMON
-    )
+    resumed = torchrun(*worker_args("pipeline", pipeline_schedule="1f1b", steps=30, checkpoint_dir=ckpt))
     assert resumed.returncode == 0, describe(resumed)
     assert "resumed from" in resumed.stderr and "(step 20," in resumed.stderr, describe(resumed)
     assert {d["step"] for d in finished(resumed.stdout).values()} == {"30"}, describe(resumed)
@@ -71,14 +71,7 @@ def test_pipeline_equals_one_process_and_resumes(tmp_path):
     assert _loss(resumed.stderr, "loss_last") < _loss(first.stderr, "loss_first") - 0.1, describe(resumed)
 
     # ... and a data-parallel run refuses the pipeline's checkpoints in one line.
-    ddp = subprocess.run(
-        [PYTHON, "-m", "app.train", "--wrapper", "none", "--steps", "40", "--checkpoint-dir", str(ckpt), *COMMON],
-        cwd=REPO,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    ddp = run_process(*worker_args("pipeline_reference", steps=40, checkpoint_dir=ckpt), timeout=300)
     assert ddp.returncode == 2 and "2-stage pipeline's checkpoints" in ddp.stderr, describe(ddp)
 
 
@@ -100,22 +93,15 @@ def _loss(stderr: str, key: str) -> float:
 def test_bad_input_is_one_line_and_exit_2(args, says):
     if "dp" in args and torch.cuda.device_count() >= 2:
         pytest.skip("this machine has >= 2 GPUs: parallel=dp is valid here")
-    result = subprocess.run(
-        [PYTHON, "-m", "app.train", *args, "--metrics-port", "0"],
-        cwd=REPO,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_process(*args, "--metrics-port", "0", timeout=300)
     assert result.returncode == 2, describe(result)
     assert says in result.stderr and result.stderr.strip().count("\n") == 0, describe(result)
 
 
 def test_a_checkpoint_of_another_layout_is_refused(tmp_path):
     alone = _train_alone(tmp_path, 10)  # a parallel=ddp checkpoint (one process)
-    procs = start_ranks("--parallel", "pipeline", "--steps", "20", "--checkpoint-dir", str(alone), *COMMON)
-    outputs = [p.communicate(timeout=300) for p in procs]
+    procs = start_ranks(*worker_args("pipeline", steps=20, checkpoint_dir=alone))
+    outputs = finish(procs, timeout=300)
     for proc, (out, err) in zip(procs, outputs):
         assert proc.returncode == 2, describe(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
         errors = [line for line in err.splitlines() if "config error" in line]
@@ -126,8 +112,9 @@ def test_two_replicas_of_a_two_stage_pipeline_equal_one_process(tmp_path):
     """Data x pipeline in the worker: 4 ranks, each stage's gradients averaged over its 2 replicas by our DDP wrapper
     over a sub-group; each replica trains on half of the same 32-sample global batch (measured max |diff| 4.5e-8)."""
     ckpt = tmp_path / "pp2x2"
-    args = ("--parallel", "pipeline", "--pipeline-stages", "2", "--steps", "10", "--checkpoint-dir", str(ckpt))
-    result = torchrun(*args, *COMMON[:-1], "16", nproc=4)
+    result = torchrun(
+        *worker_args("pipeline", pipeline_stages=2, steps=10, checkpoint_dir=ckpt, micro_batch=16), nproc=4
+    )
     assert result.returncode == 0, describe(result)
     assert "2 stages x 2 replicas" in result.stderr, describe(result)
     assert len({d["checksum"] for d in finished(result.stdout).values()}) == 1, describe(result)
@@ -135,20 +122,14 @@ def test_two_replicas_of_a_two_stage_pipeline_equal_one_process(tmp_path):
 
 
 def test_sigterm_stops_every_stage_at_one_step_with_a_checkpoint(tmp_path):
-    procs = start_ranks(
-        *("--parallel", "pipeline", "--steps", "100000", "--checkpoint-dir", str(tmp_path), "--metrics-port", "0"),
-        *("--checkpoint-every", "100000", "--log-every", "50"),
-    )
+    procs = start_ranks(*worker_args("until_stopped", parallel="pipeline", checkpoint_dir=tmp_path))
     try:
-        wait_for_lines(procs[0], procs[0].stderr, "step 50/")
+        wait_for_log(procs[0], "step 50/")
         for p in procs:
             p.send_signal(signal.SIGTERM)
-        outs = [p.communicate(timeout=60) for p in procs]
+        outs = finish(procs, timeout=60)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill(procs)
     assert [p.returncode for p in procs] == [0, 0], outs
     ((step, path),) = list_checkpoints(tmp_path)
     for rank, (_, err) in enumerate(outs):

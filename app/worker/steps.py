@@ -1,0 +1,212 @@
+"""Step kinds: what differs between plain DDP, pipeline and DataParallel training, handed to the one ``Trainer``.
+
+The ``Trainer`` (app.worker.trainer) runs the same loop for every kind: load a step's micro-batches, call
+``step.train_step(...)``, maybe checkpoint, log. A step kind is the one object that knows how the ranks share the
+work; each builds what it needs from ``(cfg, ctx, model, loss_fn)`` and exposes (the ``TrainStep`` protocol):
+
+- ``train_step(micro_batches, agree_nonfinite, inject_nan=False) -> StepOutcome``: one optimizer step;
+- ``model_state`` / ``optimizer_state``: the two ``Stateful``s (``state_dict``/``load_state_dict``) the
+  ``Checkpointer`` saves and restores: always the *whole, bare* model's state, so every checkpoint loads into
+  ``MODELS[name]()`` without a wrapper;
+- ``batches`` (this rank's share of each global batch), ``global_batch``, ``describe_batch()`` for the start line;
+- ``before_save()`` (collective: whatever must be gathered first) and ``final_model()`` (the module FINISHED
+  checksums, the same on every rank).
+
+The kinds (``STEP_KINDS``, chosen by ``cfg.parallel`` in ``build_step``):
+
+- ``DDPStep`` (``parallel=ddp``): ``accumulation_step`` (app.parallel.accum) through ``wrap_model`` (ours, torch
+  or none);
+- ``DataParallelStep`` (``parallel=dp``): the same step through ``nn.DataParallel``; no DDP wrapper is built;
+- ``PipelineStep`` (``parallel=pipeline``, app.worker.pipeline_step): one stage per rank, replicas all-reduced.
+
+A new kind plugs in by adding a class with these members to ``STEP_KINDS`` (and its name to the config's
+``parallel`` choices): the ``Trainer`` does not change. Try one: ``python -m app.train --wrapper none --steps 20``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from app.parallel import wrap_model
+from app.parallel.accum import StepResult, accumulation_step
+from app.parallel.probes import CommSample, comm_probe
+from app.worker.config import TrainConfig
+from app.worker.data import GlobalBatches, build_dataset, loss_function
+from app.worker.dist import DistContext
+from app.worker.metrics import synchronize_for
+from app.worker.models import MODELS
+
+MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class StepOutcome:
+    """What one step kind's ``train_step`` measured on this rank (the Trainer adds the step index and wall time)."""
+
+    loss: float  # this rank's mean loss over the step's samples
+    samples: int  # samples this rank processed
+    syncs: int  # gradient synchronisations (all-reduces of the whole gradient) in the step
+    forward_seconds: float
+    backward_seconds: float
+    optimizer_seconds: float
+    comm: CommSample  # the wrapper's buckets, for ddp_allreduce_* (empty when not measurable)
+    comm_seconds: float  # what the progress line shows as "comm"
+    exposed_seconds: float | None  # communication backward waited for; None when not measurable
+    lr: float  # the learning rate the optimizer stepped with
+
+
+class Stateful(Protocol):
+    """What ``torch.distributed.checkpoint.stateful.Stateful`` names: an object the Checkpointer saves."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state_dict: dict) -> None: ...
+
+
+class TrainStep(Protocol):
+    """The members the Trainer uses; every kind in ``STEP_KINDS`` has them (see the module docstring)."""
+
+    global_batch: int
+    batches: GlobalBatches
+    model_state: Stateful
+    optimizer_state: Stateful
+
+    def train_step(
+        self, micro_batches: MicroBatches, agree_nonfinite: Callable[[bool], bool], inject_nan: bool = False
+    ) -> StepOutcome: ...
+
+    def describe_batch(self) -> str: ...
+
+    def before_save(self) -> None: ...
+
+    def final_model(self) -> nn.Module: ...
+
+
+def nan_loss(loss_fn: Callable) -> Callable:
+    """``loss_fn`` made NaN: the failure drill of ``inject_nan_at_step``."""
+    return lambda out, y: loss_fn(out, y) * float("nan")
+
+
+class DDPStep:
+    """``parallel=ddp``: every rank holds the whole model; ``accumulation_step`` over its micro-batches, gradients
+    averaged by the wrapper (``cfg.wrapper``: ours, torch, or none for one process).
+
+    Example::
+
+        step = DDPStep(cfg, ctx, model, loss_function(cfg.model), grad_accum_steps=2)
+        outcome = step.train_step(step.batches.next_micro_batches(), agree_nonfinite=lambda bad: bad)
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        ctx: DistContext,
+        model: nn.Module,
+        loss_fn: Callable,
+        *,
+        grad_accum_steps: int,
+        metrics=None,  # unused: every series of this kind is the Trainer's
+    ):
+        self.cfg, self.ctx, self.loss_fn = cfg, ctx, loss_fn
+        self.global_batch = cfg.global_batch(ctx.world_size, grad_accum_steps)
+        dtype = getattr(torch, cfg.dtype)
+        self.model = model.to(ctx.device, dtype)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
+        dataset = build_dataset(cfg.model, cfg.dataset_size, cfg.seed, cfg.seq_len)
+        self.batches = GlobalBatches(
+            dataset, self.global_batch, cfg.micro_batch, ctx.rank, ctx.world_size, cfg.seed, ctx.device, dtype
+        )
+        # The bare model and its optimizer are Stateful as they are: checkpoints never hold the wrapper.
+        self.model_state, self.optimizer_state = self.model, self.optimizer
+        self.wrapped = self.wrap(self.model)
+        self.probe = comm_probe(self.wrapped)
+        self.synchronize = synchronize_for(ctx.device)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The data-parallel wrapper the step runs through (broadcasts rank 0's parameters once)."""
+        return wrap_model(model, self.cfg.wrapper, bucket_cap_mb=self.cfg.bucket_cap_mb)
+
+    def train_step(
+        self, micro_batches: MicroBatches, agree_nonfinite: Callable[[bool], bool], inject_nan: bool = False
+    ) -> StepOutcome:
+        """One optimizer step; raises ``NonFiniteLossError`` on every rank when any rank's loss is NaN/inf."""
+        result: StepResult = accumulation_step(
+            self.wrapped,
+            self.optimizer,
+            micro_batches,
+            nan_loss(self.loss_fn) if inject_nan else self.loss_fn,
+            synchronize=self.synchronize,
+            grad_scale=self.batches.grad_scale,
+            agree_nonfinite=agree_nonfinite,
+        )
+        comm = self.probe.take()
+        return StepOutcome(
+            loss=result.loss,
+            samples=result.samples,
+            syncs=result.syncs,
+            forward_seconds=result.forward_seconds,
+            backward_seconds=result.backward_seconds,
+            optimizer_seconds=result.optimizer_seconds,
+            comm=comm,
+            comm_seconds=comm.seconds,
+            exposed_seconds=comm.wait_seconds,
+            lr=self.optimizer.param_groups[0]["lr"],
+        )
+
+    def describe_batch(self) -> str:
+        b, world, g = self.batches, self.ctx.world_size, self.global_batch
+        if len(b.sizes) * b.micro_batch * world == g and len(set(b.sizes)) == 1:
+            return f"micro_batch {self.cfg.micro_batch} × grad_accum_steps {len(b.sizes)} × world_size {world}"
+        return (
+            f"global batch split over world_size {world} ({g // world}-{-(-g // world)} per rank), "
+            f"grad_accum_steps {len(b.sizes)} of micro_batch <= {self.cfg.micro_batch}"
+        )
+
+    def before_save(self) -> None:
+        pass  # every rank holds the whole model and its optimizer: nothing to gather
+
+    def final_model(self) -> nn.Module:
+        return self.model
+
+
+class DataParallelStep(DDPStep):
+    """``parallel=dp``: one process, the model replicated on every visible GPU by ``nn.DataParallel`` each forward.
+
+    ``DDPStep`` with the wrapper swapped (no DDP wrapper is built, so no gradient hooks are left on the
+    parameters): the batch is scattered over the GPUs, the outputs gathered on ``cuda:0`` (which therefore holds
+    more memory), the gradients summed back onto ``cuda:0``'s module. Checkpoints save the bare model, as for DDP.
+    """
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return nn.DataParallel(model)  # model (on cuda:0) stays the bare module; comm_probe finds nothing to time
+
+
+def _pipeline_step(*args, **kwargs):
+    # Imported on use: pipeline_step imports this module (StepOutcome), and a ddp run needs no pipelining engine.
+    from app.worker.pipeline_step import PipelineStep
+
+    return PipelineStep(*args, **kwargs)
+
+
+STEP_KINDS: dict[str, Callable[..., TrainStep]] = {
+    "ddp": DDPStep,
+    "dp": DataParallelStep,
+    "pipeline": _pipeline_step,
+}
+
+
+def build_step(cfg: TrainConfig, ctx: DistContext, grad_accum_steps: int, metrics) -> TrainStep:
+    """The step kind ``cfg.parallel`` names, over the model built from ``cfg.seed`` (the same on every rank).
+
+    Every kind is called alike: ``kind(cfg, ctx, model, loss_fn, grad_accum_steps=..., metrics=...)``;
+    ``metrics`` serves the kinds that report series of their own (the pipeline's ``ddp_pipeline_*``).
+    """
+    torch.manual_seed(cfg.seed)  # identical parameters on every rank, before any wrapper broadcasts them
+    model = MODELS[cfg.model]()
+    kind = STEP_KINDS[cfg.parallel]
+    return kind(cfg, ctx, model, loss_function(cfg.model), grad_accum_steps=grad_accum_steps, metrics=metrics)
