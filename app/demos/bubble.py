@@ -75,7 +75,7 @@ def measure_on_rank(rank: int, world: int, cfg: dict) -> list[dict]:
                     if step == 1:
                         dist.barrier()  # measured steps start together, then run back to back as in training
                     start = time.perf_counter()
-                    s = runner.step(x, y)
+                    s = runner.forward_backward(x, y)
                     wall = time.perf_counter() - start
                     if step > 0:
                         stats.append((s, wall))

@@ -105,7 +105,7 @@ def pipeline_on_rank(rank: int, world: int, cfg: dict) -> dict:
             x, y = batch(step, b * replicas)
             mine = slice(replica * b, (replica + 1) * b)
             opt.zero_grad(set_to_none=True)
-            stats = runner.step(x[mine], y[mine])
+            stats = runner.forward_backward(x[mine], y[mine])
             opt.step()
             ref_opt.zero_grad(set_to_none=True)
             ref_loss = F.mse_loss(reference(x), y)

@@ -66,7 +66,6 @@ class PipelineStepResult(NamedTuple):
     activation_bytes: int
 
 
-StepStats = PipelineStepResult  # the former name, kept for callers not yet renamed
 
 
 class TimedStage(PipelineStage):
@@ -126,7 +125,7 @@ class TimedStage(PipelineStage):
 
 class PipelineRunner:
     """This rank's stage of a pipeline: its module, PyTorch's stage and schedule, and a measured
-    ``forward_backward`` (``step`` is its former name, kept as an alias).
+    ``forward_backward``.
 
     Attributes:
         module: this stage's layers (an ``nn.Sequential`` keyed by the model's layer indices): give its
@@ -186,7 +185,6 @@ class PipelineRunner:
             loss, compute, blocked, blocked / wall if wall > 0 else 0.0, self.stage.sent_bytes - bytes0
         )
 
-    step = forward_backward  # the former name (it does no optimizer step), kept for callers not yet renamed
 
     def _share_loss(self, losses: list[torch.Tensor]) -> float:
         # One float from the last stage to the others, so every rank (the worker logs on rank 0) knows the loss.

@@ -49,7 +49,7 @@ def train_and_compare(rank: int, world: int, schedule: str, stages: int, micro: 
         x, y = batch(step, BATCH * replicas)
         share = slice(replica * BATCH, (replica + 1) * BATCH)  # each replica trains on its slice of the batch
         opt.zero_grad(set_to_none=True)
-        stats = runner.step(x[share], y[share])
+        stats = runner.forward_backward(x[share], y[share])
         opt.step()
         ref_opt.zero_grad(set_to_none=True)
         ref_loss = F.mse_loss(reference(x), y)
@@ -109,7 +109,7 @@ def merged_state_dict(rank: int, world: int) -> dict:
     )
     opt = torch.optim.SGD(runner.module.parameters(), lr=LR)
     x, y = batch(0, BATCH)
-    runner.step(x, y)
+    runner.forward_backward(x, y)
     opt.step()
     gathered: list = [None] * world
     dist.all_gather_object(gathered, runner.state_dict())
@@ -162,7 +162,7 @@ def bad_inputs(rank: int, world: int) -> list[str]:
     runner = build_pipeline_stage(DeepMLP(width=WIDTH, depth=DEPTH), stage_index=rank, num_stages=2, n_microbatches=4)
     x, y = batch(0, 10)
     return [
-        message(lambda: runner.step(x, y)),
+        message(lambda: runner.forward_backward(x, y)),
         message(lambda: build_pipeline_stage(MiniMLP(), stage_index=rank, num_stages=1, n_microbatches=2)),
         message(
             lambda: build_pipeline_stage(MiniMLP(), stage_index=rank, num_stages=2, n_microbatches=1, schedule="1f1b")
