@@ -66,8 +66,6 @@ class PipelineStepResult(NamedTuple):
     activation_bytes: int
 
 
-
-
 class TimedStage(PipelineStage):
     """PyTorch's ``PipelineStage``, timing its compute, counting the bytes it sends, and driving our DDP wrapper.
 
@@ -184,7 +182,6 @@ class PipelineRunner:
         return PipelineStepResult(
             loss, compute, blocked, blocked / wall if wall > 0 else 0.0, self.stage.sent_bytes - bytes0
         )
-
 
     def _share_loss(self, losses: list[torch.Tensor]) -> float:
         # One float from the last stage to the others, so every rank (the worker logs on rank 0) knows the loss.
