@@ -58,11 +58,8 @@ pipeline-bubble: venv ## pipeline idle share per stage vs (S-1)/(M+S-1), S=2,4 M
 	$(PY) -m bench.pipeline_bubble
 
 .PHONY: docs-config
-docs-config: venv ## rewrite docs/training.md's configuration table from TrainConfig (app/worker/config.py)
-	$(PY) -c "import pathlib; from app.worker.config import config_table_markdown as table; \
-	p = pathlib.Path('docs/training.md'); s = p.read_text(); \
-	b, e = '<!-- config-table:begin -->', '<!-- config-table:end -->'; i, j = s.index(b) + len(b), s.index(e); \
-	p.write_text(s[:i] + '\n' + table() + s[j:])"
+docs-config: venv ## rewrite docs/training.md's configuration table from TrainConfig (app/worker/config/schema.py)
+	$(PY) -m tools.config_table
 
 # -- the training worker on this machine (app/train.py; README section "training") ---------------------------------
 # `make run STEPS=100` works too: STEPS is the demo's (20) unless given on the command line or in the environment.

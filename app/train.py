@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 
+from app.cli import setup_logging
 from app.worker.config import ConfigError, TrainConfig, WorldEnv, describe, load_config
 
 log = logging.getLogger("app.train")
@@ -84,26 +85,14 @@ class StopSignal:
         return self.event.is_set()
 
 
-def setup_logging(rank: int) -> None:
-    # INFO from rank 0 only (N copies of every line help nobody); warnings from every rank, marked with its rank.
-    # LOGLEVEL=DEBUG (as app.cluster.launch reads it): everything from every rank, tracebacks included.
-    debug = os.environ.get("LOGLEVEL", "").upper() == "DEBUG"
-    logging.basicConfig(
-        level=logging.DEBUG if debug else logging.INFO if rank == 0 else logging.WARNING,
-        stream=sys.stderr,
-        force=True,
-        format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     """Config, signals, metrics endpoint, process group (set up and torn down as a pair), the loop; the exit code."""
     stop = StopSignal()
     stop.install()
     # torchrun's variables, read once: the config checks, the metrics and the process group all use this.
     world = WorldEnv.from_environ()
-    setup_logging(world.rank)
+    # INFO from rank 0 only (N copies of every line help nobody); warnings from every rank, marked with its rank.
+    setup_logging(f"rank {world.rank}", quiet=world.rank != 0)
     try:
         resolved = load_config(argv)
         cfg = resolved.config

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from app.worker.dist import free_port
+from app.net import free_port
 from tests.e2e.cluster_files import (
     COMPOSE,
     ROOT,
