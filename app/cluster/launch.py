@@ -102,12 +102,21 @@ def check_trainer_config(args) -> int | None:
     """
     if not (args.module and args.training_script == "app.train"):
         return None
-    from app.worker.config import ConfigError, load_config
+    from app.worker.config import ConfigError, digest, load_config
 
     try:
-        return load_config(list(args.training_script_args)).config.steps
+        resolved = load_config(list(args.training_script_args))
     except ConfigError as e:
         raise LaunchError(f"config error: {e}", BAD_CONFIG) from None
+    # One line per container (rank 0's trainer logs the whole table): equal digests, equal settings everywhere.
+    from_env = sum(source.startswith("env ") for source in resolved.sources.values())
+    log.info(
+        "trainer settings: %d of %d from the environment, digest %s",
+        from_env,
+        len(resolved.sources),
+        digest(resolved.config),
+    )
+    return resolved.config.steps
 
 
 def store_address(args) -> tuple[str, int] | None:
