@@ -14,15 +14,21 @@ module adds what a person reading ``docker compose ps`` and ``docker compose log
   trainer exited 0 after checkpointing; 2 bad configuration (torchrun's ``--nnodes``, the trainer's settings,
   ``WORKERS``, more containers than the world's maximum); 1 anything else. Plain torchrun re-raises a stop signal
   (exit 1 after a clean stop) and reports a trainer's exit 2 as a ``ChildFailedError`` (exit 1).
+- **No retry of what a retry cannot fix** (``app.cluster.job_state``, under ``LAUNCH_STATE_DIR``): Docker's
+  ``restart: on-failure`` restarts an exit 2 like a crash; the restarted launcher finds its refusal recorded, says
+  so in one line and exits 0 within a second (before importing torch). Likewise a container started again after
+  its job has finished: it forms no new world and prints no second FINISHED.
 - **Checks before the agent starts**, each one line within a bounded time: the trainer's settings (app.worker.config),
   ``WORKERS`` against the ``--nnodes`` range, the rendezvous store answering (``LAUNCH_STORE_WAIT_SECONDS``).
 - **One line per event** instead of torch's multi-line reports and tracebacks: this container joining a world
   (its rank, the members, which containers left or came since the last world), its trainer failing (rank, exit
-  code or signal), leaving a world and why, the reason the launcher gives up.
+  code or signal), leaving a world and why, the reason the launcher gives up. What it reads of torch's private
+  elastic internals for that lives in ``app.cluster.elastic``.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import socket
@@ -195,16 +201,30 @@ def explain(e: Exception, store: tuple[str, int] | None, run_id: str) -> str:
     return f"{type(e).__name__}: {first}"
 
 
+def job_state(argv: list[str]) -> JobState:
+    """This container's records for the job named by ``--rdzv-id``, read before the seconds-long torch import.
+
+    --standalone draws a new id per run: nothing to find then (and nothing is kept).
+    """
+    light = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    light.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default="none")
+    light.add_argument("--standalone", action="store_true")
+    known, _ = light.parse_known_args(argv)
+    environ = {} if known.standalone else os.environ
+    return JobState.from_environ(known.rdzv_id, socket.gethostname(), fingerprint(argv, os.environ), environ)
+
+
 def launch(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    job = job_state(argv)
+    if (code := ending_already_known(job)) is not None:
+        return code  # a restart with nothing to do ends here, in a second: before torch is imported
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)  # torchrun's own parser (usage + exit 2 on errors)
-    job = JobState.from_environ(args.rdzv_id, socket.gethostname(), fingerprint(argv, os.environ))
-    if code := ending_already_known(job):
-        return code
     job.arrived()
     try:
         _, high = nnodes_range(args.nnodes)
