@@ -262,6 +262,7 @@ def cluster() -> ClusterRun:
         run.second_logs = compose("logs", "--no-color", "--timestamps", "--since", since, "worker").stdout
     finally:
         compose("down", "-v", "--remove-orphans", "--timeout", "20", timeout=180, check=False)
+        remove_image(compose.project)
         label = f"label=com.docker.compose.project={project}"
         for kind, cmd in {
             "containers": ["docker", "ps", "-aq", "--filter", label],
@@ -487,6 +488,11 @@ def small_project(name: str, **env: str) -> Compose:
     return compose
 
 
+def remove_image(project: str) -> None:
+    """The project's own image tag (compose.yaml names the image after the project); its layers stay cached."""
+    subprocess.run(["docker", "image", "rm", f"{project}:latest"], capture_output=True, timeout=120)
+
+
 def worker_rows(compose: Compose) -> list[dict]:
     return [c for c in compose.containers() if c["Service"] == "worker"]
 
@@ -534,6 +540,7 @@ def settings_run() -> dict:
         return {"first": first, "logs": logs, "second": second, "again": again, "again_logs": again_logs}
     finally:
         compose("down", "-v", "--remove-orphans", "--timeout", "20", timeout=180, check=False)
+        remove_image(compose.project)
 
 
 def test_every_setting_reaches_every_worker(settings_run):
@@ -571,6 +578,7 @@ def typo_run() -> dict:
         return {"once": once, "settled": settled, "logs": {s["Id"]: container_logs(s["Id"]) for s in settled}}
     finally:
         compose("down", "-v", "--remove-orphans", "--timeout", "20", timeout=180, check=False)
+        remove_image(compose.project)
 
 
 TYPO = "config error: DDP_STESP: no such setting (did you mean DDP_STEPS?)"
@@ -611,6 +619,7 @@ def spare_run() -> dict:
         return {"settled": settled, "logs": {s["Id"]: container_logs(s["Id"]) for s in settled}}
     finally:
         compose("down", "-v", "--remove-orphans", "--timeout", "20", timeout=180, check=False)
+        remove_image(compose.project)
 
 
 def test_one_container_too_many_is_refused_once_and_the_job_ends_once(spare_run):
