@@ -608,9 +608,9 @@ def spare_run() -> dict:
         "spare",
         MAX_WORKERS="2",
         LAUNCH_REDUNDANT_GRACE_SECONDS="5",
-        DDP_STEPS="3000",
+        DDP_STEPS="1500",  # long enough for the spare's grace (5 s) on a busy machine (20-60 ms a step)
         DDP_LOG_EVERY="500",
-        DDP_CHECKPOINT_EVERY="1000",
+        DDP_CHECKPOINT_EVERY="500",
         DDP_METRICS_LINGER_SECONDS="0",
     )
     try:
@@ -632,7 +632,57 @@ def test_one_container_too_many_is_refused_once_and_the_job_ends_once(spare_run)
     assert logs[spares[0]].count("refused before, with these same settings") == 1, logs[spares[0]][-3000:]
     # One job, one ending: two FINISHED lines (ranks 0 and 1 of the world of 2), no world of 1 ever.
     finished = sorted((int(r), int(ws), int(s)) for r, ws, s, _ in FINISHED.findall(everything))
-    assert finished == [(0, 2, 3000), (1, 2, 3000)], everything[-4000:]
+    assert finished == [(0, 2, 1500), (1, 2, 1500)], everything[-4000:]
     assert "joined a world of 1" not in everything and "AttributeError" not in everything, everything[-4000:]
     others = [s for s in spare_run["settled"] if s["Id"] != spares[0]]
     assert {(s["RestartCount"], s["State"]["ExitCode"]) for s in others} == {(0, 0)}
+
+
+def kill_process(container: str, needle: str) -> None:
+    """SIGKILL the process whose command line holds ``needle`` inside ``container``: a crash, not `docker kill`
+    (which Docker counts as a stop on request, and no restart policy undoes)."""
+    code = (
+        "import os, signal\n"
+        "for p in filter(str.isdigit, os.listdir('/proc')):\n"
+        f"    if {needle.encode()!r} in open(f'/proc/{{p}}/cmdline', 'rb').read() and int(p) != os.getpid():\n"
+        "        os.kill(int(p), signal.SIGKILL)\n"
+    )
+    subprocess.run(["docker", "exec", container, "python", "-c", code], check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def store_kill_run() -> dict:
+    compose = small_project(
+        "storekill", DDP_STEPS="2000", DDP_LOG_EVERY="100", DDP_CHECKPOINT_EVERY="200", DDP_METRICS_LINGER_SECONDS="0"
+    )
+    try:
+        compose("up", "-d", "--no-build", "--scale", "worker=2", "worker", timeout=180)
+        store = next(c["ID"] for c in compose.containers() if c["Service"] == "rendezvous")
+        deadline = time.monotonic() + RUN_DEADLINE_S
+        while "INFO step 100/" not in compose("logs", "worker").stdout:
+            assert time.monotonic() < deadline, "no training step in time"
+            time.sleep(1)
+        kill_process(store, "app.cluster.rendezvous_store")
+        while inspect(store)[0]["State"].get("Health", {}).get("Status") != "healthy":
+            assert time.monotonic() < deadline, "the store did not come back healthy"
+            time.sleep(1)
+        store_restarts = inspect(store)[0]["RestartCount"]
+        # Then a worker crashes: both must meet again at the new, empty store and train on from the checkpoint.
+        victim = worker_rows(compose)[0]["ID"]
+        kill_process(victim, "-m app.train")
+        settled = wait_until_settled(compose, 2, RUN_DEADLINE_S)
+        logs = compose("logs", "--no-color", "--timestamps", "worker").stdout
+        return {"store_restarts": store_restarts, "settled": settled, "logs": logs}
+    finally:
+        compose("down", "-v", "--remove-orphans", "--timeout", "20", timeout=180, check=False)
+        remove_image(compose.project)
+
+
+def test_the_store_comes_back_after_a_crash_and_the_workers_meet_there_again(store_kill_run):
+    logs = store_kill_run["logs"]
+    assert store_kill_run["store_restarts"] >= 1
+    worlds = re.findall(r"joined a world of (\d+)", logs)
+    assert len(worlds) >= 4 and set(worlds) == {"2"}, logs[-4000:]  # each container twice: before and after
+    finished = finished_lines(logs)
+    assert sorted(finished) == [0, 1] and {(ws, s) for _, ws, s, _ in finished.values()} == {(2, 2000)}, logs[-4000:]
+    assert {s["State"]["ExitCode"] for s in store_kill_run["settled"]} == {0}, logs[-4000:]
