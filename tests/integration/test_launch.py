@@ -153,3 +153,15 @@ def test_a_container_started_again_after_its_job_finished_does_not_train_again(t
     assert again.returncode == 0, again.stderr[-3000:]
     assert "FINISHED" not in again.stdout and "joined a world" not in again.stderr, again.stderr[-3000:]
     assert "job finished (step 3) while this container was part of it" in again.stderr, again.stderr[-3000:]
+
+
+def test_a_peers_planned_departure_is_info_a_failure_a_warning(caplog):
+    from types import SimpleNamespace
+
+    from app.cluster.elastic import Reporter
+
+    reporter = Reporter(store=None, run_id="t", workers=None)
+    with caplog.at_level("INFO", logger="app.cluster.launch"):
+        reporter.workers_failed({0: SimpleNamespace(exitcode=75), 1: SimpleNamespace(exitcode=1)})
+    levels = {r.getMessage().split(") ", 1)[1]: r.levelname for r in caplog.records}
+    assert levels == {"exited 75 (stopped with a departing peer, checkpointed)": "INFO", "exited 1 (failed)": "WARNING"}
