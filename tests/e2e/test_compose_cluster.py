@@ -686,3 +686,14 @@ def test_the_store_comes_back_after_a_crash_and_the_workers_meet_there_again(sto
     finished = finished_lines(logs)
     assert sorted(finished) == [0, 1] and {(ws, s) for _, ws, s, _ in finished.values()} == {(2, 2000)}, logs[-4000:]
     assert {s["State"]["ExitCode"] for s in store_kill_run["settled"]} == {0}, logs[-4000:]
+
+
+def test_the_first_world_forms_once_every_replica_is_in_not_a_last_call_later(cluster):
+    # torch's rendezvous waits last_call_timeout (RDZV_LAST_CALL_SECONDS, 15 s) after its MIN-th member unless
+    # the world is full at MAX; every replica ready means nobody else is coming (app/cluster/elastic.py): under
+    # 15 s, which the last call alone would have taken.
+    joining = [stamp(line) for line in cluster.logs.splitlines() if "INFO joining a world of job" in line]
+    joined = [stamp(line) for line in cluster.logs.splitlines() if f"INFO joined a world of {WORKERS} " in line]
+    assert len(joining) >= WORKERS and joined, cluster.logs[-4000:]
+    wait = min(joined) - min(joining)
+    assert wait < 15, f"the first world formed {wait:.1f} s after the first container joined"
