@@ -58,11 +58,8 @@ pipeline-bubble: venv ## pipeline idle share per stage vs (S-1)/(M+S-1), S=2,4 M
 	$(PY) -m bench.pipeline_bubble
 
 .PHONY: docs-config
-docs-config: venv ## rewrite docs/training.md's configuration table from TrainConfig (app/worker/config.py)
-	$(PY) -c "import pathlib; from app.worker.config import config_table_markdown as table; \
-	p = pathlib.Path('docs/training.md'); s = p.read_text(); \
-	b, e = '<!-- config-table:begin -->', '<!-- config-table:end -->'; i, j = s.index(b) + len(b), s.index(e); \
-	p.write_text(s[:i] + '\n' + table() + s[j:])"
+docs-config: venv ## rewrite docs/training.md's configuration table from TrainConfig (app/worker/config/schema.py)
+	$(PY) -m tools.config_table
 
 # -- the training worker on this machine (app/train.py; README section "training") ---------------------------------
 # `make run STEPS=100` works too: STEPS is the demo's (20) unless given on the command line or in the environment.
@@ -130,14 +127,18 @@ docker-setup: ## Docker engine + Compose v2 (+ local base image and docker/wheel
 	elif docker compose version >/dev/null 2>&1; then echo "docker-setup: docker and compose are there"; \
 	else echo "docker-setup: install Docker with the Compose v2 plugin (docs.docker.com/engine/install)" >&2; exit 2; fi
 
-image: ## build the worker image ddp-cluster:IMAGE_TAG (latest; BASE_IMAGE=..., TORCH_VARIANT=cpu|cuda|cu128)
+image: ## build the worker image <project>:IMAGE_TAG (ddp-cluster:latest; BASE_IMAGE=..., TORCH_VARIANT=cpu|cuda|cu128)
 	TORCH_VARIANT=$(TORCH_VARIANT) IMAGE_TAG=$(or $(strip $(IMAGE_TAG)),latest) docker compose build worker
 
 MAX_WORKERS ?= 8    # the elastic world's maximum (torchrun --nnodes=1:MAX_WORKERS in compose.yaml)
-export MAX_WORKERS
-up: ## start the cluster: WORKERS containers (1..MAX_WORKERS), one rank each, + Prometheus (:9090) and Grafana (:3000)
+# Every DDP_* variable of this shell goes to every worker through this file (app/cluster/compose_env.py): a setting
+# compose.yaml does not name still arrives, and one that is no setting stops the workers with "did you mean".
+CLUSTER_ENV_FILE ?= .cluster.env
+export MAX_WORKERS CLUSTER_ENV_FILE
+up: ## start the cluster: WORKERS containers (1..MAX_WORKERS), one rank each, + Prometheus (:9090) and Grafana (:3000); DDP_*=... settings
 	@if ! [ "$(strip $(WORKERS))" -ge 1 -a "$(strip $(WORKERS))" -le "$(strip $(MAX_WORKERS))" ] 2>/dev/null; then \
 	  echo "WORKERS=$(strip $(WORKERS)): give 1..$(strip $(MAX_WORKERS)) worker containers (or raise MAX_WORKERS)" >&2; exit 2; fi
+	$(PYTHON) -m app.cluster.compose_env
 	WORKERS=$(strip $(WORKERS)) docker compose up -d --scale worker=$(strip $(WORKERS))
 	@echo "Grafana http://127.0.0.1:3000, Prometheus http://127.0.0.1:9090; make logs to follow, make down to stop"
 

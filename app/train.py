@@ -34,24 +34,12 @@ import os
 import socket
 import sys
 
+from app.cli import setup_logging
 from app.exit_codes import BAD_CONFIG, FAILED, OK
 from app.worker.config import ConfigError, TrainConfig, WorldEnv, describe, load_config
 from app.worker.control import StopSignal  # torch-free: installed before the seconds-long torch import
 
 log = logging.getLogger("app.train")
-
-
-def setup_logging(rank: int) -> None:
-    # INFO from rank 0 only (N copies of every line help nobody); warnings from every rank, marked with its rank.
-    # LOGLEVEL=DEBUG (as app.cluster.launch reads it): everything from every rank, tracebacks included.
-    debug = os.environ.get("LOGLEVEL", "").upper() == "DEBUG"
-    logging.basicConfig(
-        level=logging.DEBUG if debug else logging.INFO if rank == 0 else logging.WARNING,
-        stream=sys.stderr,
-        force=True,
-        format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     stop.install()
     # torchrun's variables, read once: the config checks, the metrics and the process group all use this.
     world = WorldEnv.from_environ()
-    setup_logging(world.rank)
+    # INFO from rank 0 only (N copies of every line help nobody); warnings from every rank, marked with its rank.
+    setup_logging(f"rank {world.rank}", quiet=world.rank != 0)
     try:
         resolved = load_config(argv)
         cfg = resolved.config

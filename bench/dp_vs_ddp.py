@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from app.cli import OneLineParser
+
 SCHEMA = "dp-vs-ddp.v1"
 
 
@@ -88,10 +90,6 @@ def gpu0_extra_share(peaks: list[float]) -> float:
 
 
 def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    class OneLineParser(argparse.ArgumentParser):
-        def error(self, message: str):
-            self.exit(2, f"{self.prog}: {message}\n")
-
     p = OneLineParser(prog="bench.dp_vs_ddp", description=__doc__.splitlines()[0])
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
     p.add_argument("--width", type=int, default=2048, help="DeepMLP width (default 2048)")

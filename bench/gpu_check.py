@@ -26,7 +26,6 @@ import copy
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,16 +34,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+from app.net import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "gpu-check.json"
 OVERHEAD_TARGET = 1.02
 DELAY_S = 0.05  # the GPU delay queued before an all-reduce: far above any real latency at world size 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_nccl():

@@ -32,6 +32,7 @@ import json
 import sys
 from pathlib import Path
 
+from app.cli import OneLineParser
 from app.demos.bubble import measure, render
 
 SCHEMA = "pipeline-bubble.v1"
@@ -119,11 +120,6 @@ def choice_list(allowed: tuple[str, ...]):
         return values
 
     return parse
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, not usage + line: the house rule for bad input
-        self.exit(2, f"{self.prog}: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -236,11 +236,11 @@ MUTANTS: list[Mutant] = [
         'print(f"config error: {e}", file=sys.stderr, flush=True)\n        return FAILED\n    stop.timeout_s',
         T("tests/unit/test_config.py::test_bad_input_exits_2_with_one_line"),
     ),
-    # -- configuration (app/worker/config.py) --------------------------------------------------------------------------
+    # -- configuration (app/worker/config/schema.py) ---------------------------------------------------------------
     Mutant(
         "config-no-positive-check",
         "a zero or negative setting (steps, batch, lr, ...) is accepted instead of a one-line error",
-        "app/worker/config.py",
+        "app/worker/config/schema.py",
         'raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")',
         "pass",
         T("tests/unit/test_config.py::test_validation_names_the_field"),

@@ -41,10 +41,13 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import determine_local_world_size, parse_args, run
 
+from app.cli import setup_logging
+from app.exit_codes import BAD_CONFIG, FAILED, OK, PEER_STOPPED, STOPPED_BY_SIGNAL
+
 log = logging.getLogger("app.cluster.k8s_launch")
 
-EXIT_PEER = 75  # sysexits' EX_TEMPFAIL: not this pod's fault, try again
-EXIT_STOPPED = 143  # 128 + SIGTERM, what a container stopped by its signal reports
+EXIT_PEER = PEER_STOPPED  # not this pod's fault, try again (the names k8s/ and the tests know)
+EXIT_STOPPED = STOPPED_BY_SIGNAL
 _TERMINATED_BY_TORCHRUN = -15  # torchrun ends a pod's other ranks with SIGTERM once one has failed
 JOINED_KEY = "k8s_launch/joined/{node_rank}"
 
@@ -120,12 +123,12 @@ def pod_exit_code(failed_ranks: dict[int, int]) -> int:
     """
     codes = set(failed_ranks.values())
     if not codes:
-        return 0
-    if 2 in codes:
-        return 2
+        return OK
+    if BAD_CONFIG in codes:
+        return BAD_CONFIG
     if EXIT_PEER in codes and codes <= {EXIT_PEER, _TERMINATED_BY_TORCHRUN}:
         return EXIT_PEER
-    return 1
+    return FAILED
 
 
 def _rendezvous_timeout(rdzv_conf: str) -> float:
@@ -134,7 +137,7 @@ def _rendezvous_timeout(rdzv_conf: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s k8s_launch %(levelname)s %(message)s")
+    setup_logging("k8s_launch")
     args = parse_args(argv)  # torchrun's own parser: bad arguments exit 2 here
     if args.rdzv_backend == "static":
         try:
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         except TimeoutError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
-            return 1
+            return FAILED
     set_omp_threads(args.nproc_per_node)
     try:
         run(args)
@@ -155,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         code = pod_exit_code(failed)
         log.warning("ranks failed with exit codes %s; exit %d", failed, code)
         return code
-    return 0
+    return OK
 
 
 if __name__ == "__main__":

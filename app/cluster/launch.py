@@ -14,32 +14,43 @@ module adds what a person reading ``docker compose ps`` and ``docker compose log
   trainer exited 0 after checkpointing; 2 bad configuration (torchrun's ``--nnodes``, the trainer's settings,
   ``WORKERS``, more containers than the world's maximum); 1 anything else. Plain torchrun re-raises a stop signal
   (exit 1 after a clean stop) and reports a trainer's exit 2 as a ``ChildFailedError`` (exit 1).
+- **No retry of what a retry cannot fix** (``app.cluster.job_state``, under ``LAUNCH_STATE_DIR``): Docker's
+  ``restart: on-failure`` restarts an exit 2 like a crash; the restarted launcher finds its refusal recorded, says
+  so in one line and exits 0 within a second (before importing torch). Likewise a container started again after
+  its job has finished: it forms no new world and prints no second FINISHED.
 - **Checks before the agent starts**, each one line within a bounded time: the trainer's settings (app.worker.config),
   ``WORKERS`` against the ``--nnodes`` range, the rendezvous store answering (``LAUNCH_STORE_WAIT_SECONDS``).
 - **One line per event** instead of torch's multi-line reports and tracebacks: this container joining a world
   (its rank, the members, which containers left or came since the last world), its trainer failing (rank, exit
-  code or signal), leaving a world and why, the reason the launcher gives up.
+  code or signal), leaving a world and why, the reason the launcher gives up. What it reads of torch's private
+  elastic internals for that lives in ``app.cluster.elastic``.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
-import pickle
-import signal
 import socket
 import sys
 import threading
-import time
 
-OK, FAILED, BAD_CONFIG = 0, 1, 2
+from app.cli import setup_logging
+from app.cluster.elastic import (
+    Reporter,
+    SpareAtTheEnd,
+    complete_first_world_when_full,
+    describe_exit,
+    fresh_node_identity,
+    install_agent,
+    short,
+)
+from app.cluster.job_state import JobState, fingerprint
+from app.exit_codes import BAD_CONFIG, FAILED, OK
+from app.net import TcpUnreachable, wait_for_tcp
+
 STORE_WAIT_SECONDS = float(os.environ.get("LAUNCH_STORE_WAIT_SECONDS", "30"))
-# The DNS name of every replica (compose: the service's name): the job's first world waits for all of them.
-PEERS = os.environ.get("LAUNCH_PEERS", "")
-PEERS_WAIT_SECONDS = float(os.environ.get("LAUNCH_PEERS_WAIT_SECONDS", "90"))
-# A container can sit in the full world's redundancy list for a moment while a lost member's keep-alive expires;
-# longer than this, it is one container too many.
-REDUNDANT_GRACE_SECONDS = float(os.environ.get("LAUNCH_REDUNDANT_GRACE_SECONDS", "20"))
+
 
 log = logging.getLogger("app.cluster.launch")
 
@@ -90,16 +101,28 @@ def expected_workers(high: int, environ=os.environ) -> int | None:
     return n
 
 
-def check_trainer_config(args) -> None:
-    """The trainer's settings, checked once here rather than failing (and being restarted) in every attempt."""
+def check_trainer_config(args) -> int | None:
+    """The trainer's settings, checked once here rather than failing (and being restarted) in every attempt.
+
+    Returns the run's last step (``steps``), or None when the script is not app.train.
+    """
     if not (args.module and args.training_script == "app.train"):
-        return
-    from app.worker.config import ConfigError, load_config
+        return None
+    from app.worker.config import ConfigError, digest, load_config
 
     try:
-        load_config(list(args.training_script_args))
+        resolved = load_config(list(args.training_script_args))
     except ConfigError as e:
         raise LaunchError(f"config error: {e}", BAD_CONFIG) from None
+    # One line per container (rank 0's trainer logs the whole table): equal digests, equal settings everywhere.
+    from_env = sum(source.startswith("env ") for source in resolved.sources.values())
+    log.info(
+        "trainer settings: %d of %d from the environment, digest %s",
+        from_env,
+        len(resolved.sources),
+        digest(resolved.config),
+    )
+    return resolved.config.steps
 
 
 def store_address(args) -> tuple[str, int] | None:
@@ -117,251 +140,17 @@ def store_address(args) -> tuple[str, int] | None:
 
 def wait_for_store(host: str, port: int, timeout_s: float) -> None:
     """Poll until the store accepts a TCP connection (its name may not resolve yet either), or raise (exit 1)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=2.0):
-                return
-        except OSError as e:
-            why = e.strerror or type(e).__name__
-        if time.monotonic() >= deadline:
-            raise LaunchError(
-                f"rendezvous store {host}:{port} unreachable for {timeout_s:g} s ({why}): is the store service "
-                f"up (docker compose ps rendezvous)? LAUNCH_STORE_WAIT_SECONDS sets this wait",
-                FAILED,
-            )
-        time.sleep(0.5)
-
-
-# -- what happened, one line each ---------------------------------------------------------------------------------
-def short(addr: str) -> str:
-    """A node's address as `docker ps` shows the container: its hostname, the 12-hex container id."""
-    return addr.split(".", 1)[0][:12]
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    meaning = {0: "finished", 1: "failed", 2: "bad configuration"}.get(code, "failed")
-    return f"exited {code} ({meaning})"
-
-
-class Reporter:
-    """Reads the rendezvous state at the store (torch's own c10d backend) to say who is in each world."""
-
-    def __init__(self, store: tuple[str, int] | None, run_id: str, workers: int | None):
-        self.store, self.run_id, self.workers = store, run_id, workers
-        self.me = socket.getfqdn()
-        self.backend = None
-        self._client = None
-        self.members: dict[str, int] = {}  # container -> rank in the last world this container joined
-        self.world = 0  # worlds this container has joined
-        self.exit_codes: dict[int, int | None] = {}  # local rank -> trainer exit code, after a shutdown
-        self.leave_reason = "new containers are waiting to join"
-        self.succeeded = False
-        self.local_id = 0  # this agent's rendezvous node id (fresh_node_identity)
-        self.first_of_job = False  # this agent came before the job's first world (not to a running job)
-
-    def state(self):
-        """torch's private ``_RendezvousState`` (participants, wait and redundancy lists), or None."""
-        if self.store is None:
-            return None
-        try:
-            if self.backend is None:
-                from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-
-                self.backend = C10dRendezvousBackend(self.client(), self.run_id)
-            found = self.backend.get_state()
-            return pickle.loads(found[0]) if found else None
-        except Exception:  # noqa: BLE001 - the report is a courtesy: never let it break the agent
-            log.debug("cannot read the rendezvous state", exc_info=True)
-            return None
-
-    def client(self):
-        """A TCPStore client of the rendezvous store, opened once."""
-        if self._client is None:
-            import datetime
-
-            import torch.distributed as dist
-
-            self._client = dist.TCPStore(*self.store, is_master=False, timeout=datetime.timedelta(seconds=10))
-        return self._client
-
-    def job_started(self) -> bool:
-        state = self.state()
-        return state is not None and bool(state.participants or state.complete or state.round > 0)
-
-    def wait_for_peers(self, peers: str, timeout_s: float) -> None:
-        """Before a job's first world: wait until the launcher of every running replica is ready to join.
-
-        torch's c10d rendezvous completes ``last_call_timeout`` after its MIN-th member arrives and later arrivals
-        do not extend it: with MIN=1 and containers whose start (``import torch``) takes from 5 to 40 s on a busy
-        machine, the first world would hold the fastest few and re-form as each of the others arrives. ``peers``
-        is a DNS name with one address per running replica (Docker's name of the compose service).
-        """
-        if self.job_started():
-            return  # a world exists or is forming: join it now
-        self.first_of_job = True
-        if self.store is None:
-            return
-        log.info("waiting until every replica of %r is ready to form the first world", peers)
-        prefix = f"app.cluster.launch/{self.run_id}/ready/"
-        self.client().set(prefix + socket.gethostbyname(socket.gethostname()), "1")
-        deadline, ips = time.monotonic() + timeout_s, set()
-        while time.monotonic() < deadline:
-            try:
-                ips = {a[4][0] for a in socket.getaddrinfo(peers, None, socket.AF_INET)}
-            except OSError:
-                ips = set()
-            if (ips and self.client().check([prefix + ip for ip in ips])) or self.job_started():
-                log.debug("%d replicas of %r ready", len(ips), peers)
-                return
-            time.sleep(0.5)
-        log.warning("not every one of the %d replicas of %r was ready in %g s: joining now", len(ips), peers, timeout_s)
-
-    def is_me(self, node) -> bool:
-        return node.addr == self.me and node.pid == os.getpid() and node.local_id == self.local_id
-
-    def world_formed(self, group) -> None:
-        self.world += 1
-        state = self.state()
-        if state is not None and not (state.complete and len(state.participants) == group.group_world_size):
-            state = None  # the next round is already forming: its member list is not this world's
-        members = {short(n.addr): r for n, r in state.participants.items()} if state else {}
-        ranks = [w.global_rank for w in group.workers]
-        line = f"joined a world of {group.group_world_size} as rank {','.join(map(str, ranks))}"
-        if state:
-            line += f" (round {state.round}; " + " ".join(
-                f"{r}={c}" for c, r in sorted(members.items(), key=lambda m: m[1])
-            )
-            gone = [f"{c} (was rank {r})" for c, r in self.members.items() if c not in members]
-            came = [c for c in members if self.members and c not in self.members]
-            line += (f"; left: {', '.join(gone)}" if gone else "") + (f"; new: {', '.join(came)}" if came else "") + ")"
-        log.info("%s", line)
-        if self.world == 1 and self.first_of_job and self.workers and group.group_world_size != self.workers:
-            log.warning(
-                "the world formed with %d workers, not WORKERS=%d: the world follows the running containers "
-                "(docker compose up --scale worker=N wins); WORKERS only sets how many containers `up` starts",
-                group.group_world_size,
-                self.workers,
-            )
-        self.members = members
-
-    def workers_failed(self, failures) -> None:
-        for rank, failure in sorted(failures.items()):
-            log.warning(
-                "rank %d (this container, %s) %s", rank, short(socket.gethostname()), describe_exit(failure.exitcode)
-            )
-        self.leave_reason = "its trainer stopped (above)"
-
-    def leaving(self, remaining: int, budget: int) -> None:
-        log.info("leaving the world to re-form it: %s; restarts left %d of %d", self.leave_reason, remaining, budget)
-        self.leave_reason = "new containers are waiting to join"
-
-    def watch_redundancy(self, high: int) -> None:
-        """Exit 2 once this container has been one too many (the world full at MAX) for the grace period."""
-        since = None
-        while True:
-            time.sleep(2.0)
-            state = self.state()
-            extra = state is not None and any(self.is_me(n) for n in state.redundancy_list)
-            since = (since or time.monotonic()) if extra else None
-            if since is not None and time.monotonic() - since > REDUNDANT_GRACE_SECONDS:
-                log.error(
-                    "this container is one more than the world's maximum of %d workers (MAX_WORKERS): it would "
-                    "wait idle; scale to at most %d (docker compose up -d --scale worker=%d --no-recreate)",
-                    high,
-                    high,
-                    high,
-                )
-                logging.shutdown()
-                os._exit(BAD_CONFIG)  # no trainer of ours runs: nothing to stop or save
-
-
-def fresh_node_identity(reporter: Reporter) -> None:
-    """Give this agent a rendezvous identity its predecessor in the same container never had.
-
-    torch names a node (hostname, pid, local id). A container that Docker restarts keeps its hostname and, in a fresh
-    pid namespace, gets the same pid: its new agent would be taken for the dead one still listed in the rendezvous
-    state (a participant of a finished round), and wait for a round it is not part of until join_timeout. The local
-    id counts rendezvous handlers within a process; starting it from the clock makes each incarnation distinct.
-    """
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
-
-    reporter.local_id = int(time.time() * 1000) % 2**31
-    DynamicRendezvousHandler._node_desc_generator._local_id = reporter.local_id
-
-
-def install_agent(reporter: Reporter) -> None:
-    """Make ``elastic_launch`` build torch's LocalElasticAgent with the reporting hooks below."""
-    import torch.distributed.launcher.api as launcher_api
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
-    class ReportingAgent(LocalElasticAgent):
-        def __init__(self, spec, *args, **kwargs):
-            super().__init__(spec, *args, **kwargs)
-            close = spec.rdzv_handler.shutdown
-
-            def close_only_when_done() -> bool:
-                # launch_agent closes the job's rendezvous for good whenever this agent ends other than by a
-                # signal; one container giving up (restart budget spent, store lost) must not end the job for the
-                # others: only a finished job is closed.
-                return close() if reporter.succeeded else False
-
-            spec.rdzv_handler.shutdown = close_only_when_done
-            join = spec.rdzv_handler.next_rendezvous
-
-            def join_with_peers():
-                # Here, not earlier: the agent's own start-up (seconds on a busy machine) is behind every
-                # container, so they all join within a moment of each other.
-                if PEERS and reporter.world == 0:
-                    reporter.wait_for_peers(PEERS, PEERS_WAIT_SECONDS)
-                if reporter.store:
-                    log.info("joining a world of job %r at %s:%d", reporter.run_id, *reporter.store)
-                return join()
-
-            spec.rdzv_handler.next_rendezvous = join_with_peers
-
-        def _rendezvous(self, worker_group):
-            super()._rendezvous(worker_group)
-            reporter.world_formed(worker_group)
-
-        def _monitor_workers(self, worker_group):
-            result = super()._monitor_workers(worker_group)
-            if result.is_failed():
-                reporter.workers_failed(result.failures)
-            reporter.succeeded = result.state.name == "SUCCEEDED"
-            return result
-
-        def _restart_workers(self, worker_group):
-            reporter.leaving(self._remaining_restarts, worker_group.spec.max_restarts)
-            super()._restart_workers(worker_group)
-
-        def _shutdown(self, death_sig=signal.SIGTERM, timeout=30):
-            super()._shutdown(death_sig, timeout)
-            handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
-            reporter.exit_codes = {r: h.proc.poll() for r, h in handlers.items()}
-
-    launcher_api.LocalElasticAgent = ReportingAgent  # launch_agent looks the class up by this name at each call
+    try:
+        wait_for_tcp(host, port, timeout_s, poll_s=0.5)
+    except TcpUnreachable as e:
+        raise LaunchError(
+            f"rendezvous store {host}:{port} unreachable for {timeout_s:g} s ({e.why}): is the store service "
+            f"up (docker compose ps rendezvous)? LAUNCH_STORE_WAIT_SECONDS sets this wait",
+            FAILED,
+        ) from None
 
 
 # -- the run ------------------------------------------------------------------------------------------------------
-def setup_logging(debug: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        logging.Formatter(f"%(asctime)s [launch {short(socket.gethostname())}] %(levelname)s %(message)s", "%H:%M:%S")
-    )
-    if not debug:
-        handler.addFilter(_one_line)
-    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, handlers=[handler], force=True)
-    # torch's loggers carry a handler of their own (torch._logging's format): route the agent's through ours.
-    elastic = logging.getLogger("torch.distributed.elastic")
-    elastic.handlers, elastic.propagate = [handler], False
-
-
 def _one_line(record: logging.LogRecord) -> bool:
     """torch's multi-line reports and tracebacks, cut to their first line (LOGLEVEL=DEBUG keeps them whole)."""
     text = record.getMessage()
@@ -412,43 +201,92 @@ def explain(e: Exception, store: tuple[str, int] | None, run_id: str) -> str:
     return f"{type(e).__name__}: {first}"
 
 
+def job_state(argv: list[str]) -> JobState:
+    """This container's records for the job named by ``--rdzv-id``, read before the seconds-long torch import.
+
+    --standalone draws a new id per run: nothing to find then (and nothing is kept).
+    """
+    light = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    light.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default="none")
+    light.add_argument("--standalone", action="store_true")
+    known, _ = light.parse_known_args(argv)
+    environ = {} if known.standalone else os.environ
+    return JobState.from_environ(known.rdzv_id, socket.gethostname(), fingerprint(argv, os.environ), environ)
+
+
 def launch(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    job = job_state(argv)
+    if (code := ending_already_known(job)) is not None:
+        return code  # a restart with nothing to do ends here, in a second: before torch is imported
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)  # torchrun's own parser (usage + exit 2 on errors)
+    args = parse_args(argv)  # torchrun's own parser (usage + exit 2 on errors)
+    job.arrived()
     try:
         _, high = nnodes_range(args.nnodes)
         workers = expected_workers(high)
-        check_trainer_config(args)
+        last_step = check_trainer_config(args)
         store = store_address(args)
         if store:
             wait_for_store(*store, STORE_WAIT_SECONDS)
     except LaunchError as e:
         log.error("%s", e)
+        if e.code == BAD_CONFIG:
+            job.refuse(str(e))
         return e.code
     reporter = Reporter(store, args.rdzv_id, workers)
     fresh_node_identity(reporter)
+    complete_first_world_when_full(reporter)
     install_agent(reporter)
     if store:
-        threading.Thread(target=reporter.watch_redundancy, args=(high,), name="redundancy", daemon=True).start()
+        watch = threading.Thread(target=reporter.watch_redundancy, args=(high, job.refuse), name="redundancy")
+        watch.daemon = True
+        watch.start()
     try:
         run(args)  # torch.distributed.run.run: elastic_launch with the agent above
     except SignalException as e:
         return outcome_of_stop(reporter, e.sigval.name)
+    except SpareAtTheEnd:
+        log.info("the job ended while this container waited as a spare (the world was full): exit 0")
+        return OK
     except ChildFailedError as e:
-        return outcome_of_failure(e.failures, high)
+        code = outcome_of_failure(e.failures, high)
+        if code == BAD_CONFIG:
+            job.refuse("the trainer refused its configuration (its line names the setting)")
+        return code
     except Exception as e:  # noqa: BLE001 - one line names the cause; LOGLEVEL=DEBUG shows the traceback
         log.debug("the agent failed", exc_info=True)
         log.error("%s: exit 1", explain(e, store, args.rdzv_id))
         return FAILED
+    job.finish(last_step)
     log.info("the workers finished: exit 0")
     return OK
 
 
+def ending_already_known(job: JobState) -> int | None:
+    """OK when a restart of this container has nothing to do (refused before, or its job has finished); else None.
+
+    Docker restarts a container that exited 2 as if it had crashed; this ends the retry at once, in one line.
+    """
+    if reason := job.refused_before():
+        log.error("refused before, with these same settings: %s; not retrying (exit 0): fix it, then up again", reason)
+        return OK
+    if finished := job.finished_since_arrival():
+        log.info(
+            "job finished (step %s) while this container was part of it: nothing left to do; exit 0",
+            finished.get("step"),
+        )
+        return OK
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    setup_logging(os.environ.get("LOGLEVEL", "").upper() == "DEBUG")
+    # torch's loggers carry a handler of their own (torch._logging's format): the agent's go through ours.
+    setup_logging(f"launch {short(socket.gethostname())}", line_filter=_one_line, route=["torch.distributed.elastic"])
     return launch(argv)
 
 

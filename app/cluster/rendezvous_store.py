@@ -20,13 +20,15 @@ reset: the old job's per-round keys (its master address, its barriers) would mis
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
-import socket
 import sys
 import threading
 import time
+
+from app.cli import OneLineParser, setup_logging
+from app.exit_codes import BAD_CONFIG, FAILED, OK
+from app.net import tcp_problem
 
 DEFAULT_PORT = 29400
 
@@ -37,9 +39,8 @@ def check(address: str, timeout_s: float = 2.0) -> bool:
     """True when something accepts TCP connections at HOST:PORT (the health check; no torch import, so cheap)."""
     host, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
-            return True
-    except OSError:
+        return tcp_problem(host or "127.0.0.1", int(port), timeout_s) is None
+    except ValueError:  # not a port number: nothing answers there
         return False
 
 
@@ -67,18 +68,14 @@ def watch_job(
     Says so once if no worker has come to the rendezvous within ``alone_s`` (``--scale worker=0``, or workers that
     cannot reach the store): otherwise an empty cluster would wait without a word.
     """
-    import pickle
+    from app.cluster.elastic import state_reader  # torch's private rendezvous state: read in one place
 
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-
-    backend = C10dRendezvousBackend(store, run_id)  # torchrun's own reader of the state it keeps here
+    read_state = state_reader(store, run_id)
     started, warned = time.monotonic(), False
     while not stop.wait(poll_s):
         try:
-            found = backend.get_state()
-            # The state is torch's private pickled _RendezvousState; its `closed` flag has been there since
-            # torchrun's c10d backend exists. If it ever moves, stop watching rather than guess.
-            state = pickle.loads(found[0]) if found is not None else None
+            # If torch ever moves the state's `closed` flag, stop watching rather than guess.
+            state = read_state()
             closed = state is not None and bool(state.closed)
             seen = state is not None and bool(state.participants or state.wait_list or state.redundancy_list)
         except Exception as exc:  # noqa: BLE001 - any failure here must leave the store serving
@@ -107,7 +104,7 @@ def watch_job(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m app.cluster.rendezvous_store", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m app.cluster.rendezvous_store", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})")
     parser.add_argument(
@@ -125,12 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.check:
-        return 0 if check(args.check) else 1
+        return OK if check(args.check) else FAILED
     if not 0 < args.port < 65536:
         print(f"error: --port {args.port} is not a TCP port; give 1-65535", file=sys.stderr)
-        return 2
+        return BAD_CONFIG
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s rendezvous_store %(levelname)s %(message)s")
+    setup_logging("rendezvous_store")
     stop = threading.Event()
     # As PID 1 of a container, a process that installs no handler ignores SIGTERM: `docker stop` would wait
     # its full grace period and then kill. Stop at once instead.
@@ -140,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         serve(args.host, args.port, stop, args.restart_after_job)
     except RuntimeError as exc:  # port taken, address not ours: one line, not a traceback
         print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        return FAILED
+    return OK
 
 
 if __name__ == "__main__":

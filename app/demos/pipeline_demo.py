@@ -28,6 +28,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from app.cli import OneLineParser
 from app.demos.world import spawn_world
 
 # Measured on CPU: the pipeline's loss (mean of M micro-batch means) differs from the batch mean by ~1e-7, its
@@ -189,11 +190,6 @@ def print_data_x_pipeline(results: list[dict], cfg: dict) -> tuple[float, float,
     one_sync = syncs == [cfg["steps"]] * len(results)
     print(f"  DDP all-reduces per rank: {syncs} for {cfg['steps']} steps (one per step, not one per micro-batch)")
     return worst_loss, worst_param, one_sync
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, not usage + line: the house rule for bad input
-        self.exit(2, f"{self.prog}: {message}\n")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

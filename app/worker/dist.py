@@ -1,7 +1,7 @@
 """Process-group setup and teardown, as a pair, from the variables torchrun sets.
 
 torchrun exports RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT and
-TORCHELASTIC_RESTART_COUNT for every process it starts; ``WorldEnv.from_environ()`` (in app.worker.config, torch-free,
+TORCHELASTIC_RESTART_COUNT for every process it starts; ``WorldEnv.from_environ()`` (app.worker.config, torch-free,
 used here) reads them, once, for the whole worker. The device and backend follow from the hardware: CUDA → NCCL with one
 GPU per local rank; CPU → gloo.
 
@@ -20,7 +20,6 @@ import contextlib
 import datetime
 import os
 import re
-import socket
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from app.net import TcpUnreachable, free_port, wait_for_tcp
 from app.worker.config import WorldEnv  # torchrun's variables, read without torch (config errors stay fast)
 
 # How long past the rendezvous deadline c10d may take to report its own timeout before the worker gives up for it:
@@ -76,28 +76,14 @@ def wait_for_endpoint(host: str, port: int, timeout_s: float) -> None:
 
     c10d would find out too, but reports it as a multi-line C++ trace, and retries for about twice the timeout.
     """
-    deadline = time.monotonic() + timeout_s
-    last = ""
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=max(min(2.0, deadline - time.monotonic()), 0.1)):
-                return
-        except OSError as e:
-            last = e.strerror or type(e).__name__
-        if time.monotonic() >= deadline:
-            raise RendezvousError(
-                f"cannot reach the rendezvous at {host}:{port} (MASTER_ADDR:MASTER_PORT) within "
-                f"{timeout_s:g} s ({last}); check that rank 0 / the rendezvous is up and the "
-                f"address is right, or raise rendezvous_timeout_seconds"
-            )
-        time.sleep(min(0.25, max(deadline - time.monotonic(), 0.0)))
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (the OS picks it: bind to port 0, read it, close)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    try:
+        wait_for_tcp(host, port, timeout_s)
+    except TcpUnreachable as e:
+        raise RendezvousError(
+            f"cannot reach the rendezvous at {host}:{port} (MASTER_ADDR:MASTER_PORT) within "
+            f"{timeout_s:g} s ({e.why}); check that rank 0 / the rendezvous is up and the "
+            f"address is right, or raise rendezvous_timeout_seconds"
+        ) from None
 
 
 @contextlib.contextmanager

@@ -38,6 +38,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.cluster.compose_env import with_env_file
+
 ROOT = Path(__file__).resolve().parents[2]
 STEP = re.compile(r"\[rank 0\] INFO step (\d+)/\d+ \| loss ([-\d.naif]+)")
 WORLD = re.compile(r"\[rank 0\] INFO training .* world_size (\d+)")
@@ -65,10 +67,11 @@ class Project:
     log: list[str] = field(default_factory=list)
 
     def compose(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+        settings = Path(tempfile.gettempdir()) / f"{self.name}.cluster.env"  # DDP_* reach the workers through it
         out = subprocess.run(
             ["docker", "compose", "-p", self.name, *args],
             cwd=ROOT,
-            env=self.env,
+            env=with_env_file(self.env, settings),
             capture_output=True,
             text=True,
             timeout=timeout,

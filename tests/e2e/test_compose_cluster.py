@@ -33,14 +33,17 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
-from app.worker.dist import free_port
+from app.cluster.compose_env import with_env_file
+from app.net import free_port
 from tests.e2e.cluster_files import (
     COMPOSE,
     ROOT,
@@ -104,10 +107,12 @@ class Compose:
     def __call__(
         self, *args: str, timeout: float = 120, check: bool = True, env: dict[str, str] | None = None
     ) -> subprocess.CompletedProcess:
+        # The DDP_* settings reach the workers through an env file, as `make up` writes it (app/cluster/compose_env.py).
+        settings = Path(tempfile.gettempdir()) / f"{self.project}.cluster.env"
         result = subprocess.run(
             ["docker", "compose", "-p", self.project, *args],
             cwd=ROOT,
-            env={**self.env, **(env or {})},
+            env=with_env_file({**self.env, **(env or {})}, settings),
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -258,6 +263,7 @@ def cluster() -> ClusterRun:
         run.second_logs = compose("logs", "--no-color", "--timestamps", "--since", since, "worker").stdout
     finally:
         compose("down", "-v", "--remove-orphans", "--timeout", "20", timeout=180, check=False)
+        remove_image(compose.project)
         label = f"label=com.docker.compose.project={project}"
         for kind, cmd in {
             "containers": ["docker", "ps", "-aq", "--filter", label],
@@ -428,3 +434,274 @@ def test_grafana_loads_the_provisioning():
         assert len(dash["panels"]) >= 15
     finally:
         subprocess.run(["docker", "rm", "-f", name], capture_output=True, timeout=60)
+
+
+# -- every setting reaches every worker, no retries of what cannot be fixed, one finished job one ending ----------
+# Each fixture below is a small project of its own (only the worker service and its store: no Prometheus), so one
+# failing says which promise broke.
+
+# A value for every TrainConfig field, none the compose default where the run allows it: each must reach both
+# workers through compose's environment (the env file `make up` writes), none through a list in compose.yaml.
+EVERY_SETTING = {
+    "model": "mini_mlp",
+    "steps": "6",
+    "micro_batch": "8",
+    "grad_accum_steps": "2",
+    "effective_batch": "",  # unset: configs/compose.yaml's 128 must give way to the environment's "unset"
+    "lr": "0.0042",
+    "dtype": "float64",
+    "seed": "7",
+    "dataset_size": "4096",
+    "seq_len": "16",
+    "wrapper": "torch",
+    "bucket_cap_mb": "1.5",
+    "parallel": "ddp",
+    "pipeline_stages": "0",
+    "pipeline_microbatches": "2",
+    "pipeline_schedule": "1f1b",
+    "device": "cpu",
+    "rendezvous_timeout_seconds": "90",
+    "collective_timeout_seconds": "45",
+    "checkpoint_dir": "/checkpoints",
+    "checkpoint_every": "3",
+    "keep_checkpoints": "2",
+    "metrics_port": "9411",
+    "metrics_linger_seconds": "0",
+    "log_every": "1",
+    "stop_timeout_seconds": "12",
+    "inject_nan_at_step": "0",
+}
+
+
+def small_project(name: str, **env: str) -> Compose:
+    """A project of its own with the worker settings ``env`` (DDP_*, MAX_WORKERS, ...), its image built."""
+    if shutil.which("docker") is None or subprocess.run(["docker", "info"], capture_output=True).returncode:
+        unavailable("no Docker engine answers: make docker-setup")
+    base_image, compose_file = build_settings()
+    project = f"ddp-e2e-{name}-{os.getpid()}"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DDP_") and k != "WORKERS"}
+    compose = Compose(
+        project,
+        {**base, "BASE_IMAGE": base_image, "COMPOSE_FILE": compose_file, "COMPOSE_BAKE": "false", "RUN_ID": project}
+        | env,
+    )
+    compose("build", "worker", timeout=900)
+    return compose
+
+
+def remove_image(project: str) -> None:
+    """The project's own image tag (compose.yaml names the image after the project); its layers stay cached."""
+    subprocess.run(["docker", "image", "rm", f"{project}:latest"], capture_output=True, timeout=120)
+
+
+def worker_rows(compose: Compose) -> list[dict]:
+    return [c for c in compose.containers() if c["Service"] == "worker"]
+
+
+def wait_until_settled(compose: Compose, count: int, deadline_s: float, settle_s: float = 8.0) -> list[dict]:
+    """The worker containers once ``count`` of them have exited and none has changed for ``settle_s``
+    (a restart policy may bring an exited one back a moment later)."""
+    deadline, last, since = time.monotonic() + deadline_s, None, time.monotonic()
+    while time.monotonic() < deadline:
+        ids = [c["ID"] for c in worker_rows(compose)]
+        states = [(s["Id"], s["State"]["Status"], s["RestartCount"], s["State"]["ExitCode"]) for s in inspect(*ids)]
+        if states != last:
+            last, since = states, time.monotonic()
+        elif (
+            len(states) == count
+            and all(st == "exited" for _, st, _, _ in states)
+            and time.monotonic() - since >= settle_s
+        ):
+            return inspect(*ids)
+        time.sleep(1)
+    raise AssertionError(f"workers not settled in {deadline_s} s: {last}")
+
+
+def container_logs(container_id: str, since: float | None = None) -> str:
+    after = ["--since", f"{since:.3f}"] if since is not None else []
+    out = subprocess.run(
+        ["docker", "logs", "--timestamps", *after, container_id], capture_output=True, text=True, timeout=60
+    )
+    return out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def settings_run() -> dict:
+    env = {f"DDP_{name.upper()}": value for name, value in EVERY_SETTING.items()}
+    compose = small_project("settings", **env)
+    try:
+        compose("up", "-d", "--no-build", "--scale", "worker=2", "worker", timeout=180)
+        first = wait_until_settled(compose, 2, RUN_DEADLINE_S)
+        logs = {s["Id"]: container_logs(s["Id"]) for s in first}
+        # Start one worker again after its job has finished: it must not train (nor form a world) a second time.
+        again, started = first[0]["Id"], time.time()
+        subprocess.run(["docker", "start", again], check=True, capture_output=True, timeout=60)
+        second = wait_until_settled(compose, 2, 120)
+        again_logs = container_logs(again, since=started)
+        return {"first": first, "logs": logs, "second": second, "again": again, "again_logs": again_logs}
+    finally:
+        compose("down", "-v", "--remove-orphans", "--timeout", "20", timeout=180, check=False)
+        remove_image(compose.project)
+
+
+def test_every_setting_reaches_every_worker(settings_run):
+    from app.worker.config import FIELDS, TrainConfig, convert, digest
+
+    assert set(EVERY_SETTING) == set(FIELDS), "give the new field a value above: it must reach the workers too"
+    expected = TrainConfig(**{name: convert(name, raw, "test") for name, raw in EVERY_SETTING.items()})
+    line = f"trainer settings: {len(FIELDS)} of {len(FIELDS)} from the environment, digest {digest(expected)}"
+    for cid, text in settings_run["logs"].items():
+        assert text.count(line) == 1, f"{cid[:12]}: no line {line!r}:\n{text[-3000:]}"
+    table = "\n".join(settings_run["logs"].values())  # rank 0's trainer logs the resolved table, with sources
+    for name in FIELDS:
+        assert re.search(rf"\b{name} +=.*\(env DDP_{name.upper()}\)", table), f"{name} not from the environment"
+    finished = FINISHED.findall(table)
+    assert sorted((int(r), int(ws), int(s)) for r, ws, s, _ in finished) == [(0, 2, 6), (1, 2, 6)], table[-3000:]
+    assert {(s["State"]["ExitCode"], s["RestartCount"]) for s in settings_run["first"]} == {(0, 0)}
+
+
+def test_a_worker_started_after_its_job_finished_neither_trains_nor_forms_a_world(settings_run):
+    text = settings_run["again_logs"]
+    assert "job finished (step 6) while this container was part of it: nothing left to do; exit 0" in text, text
+    assert "joined a world" not in text and "FINISHED" not in text, text
+    again = next(s for s in settings_run["second"] if s["Id"] == settings_run["again"])
+    assert again["State"]["ExitCode"] == 0
+
+
+@pytest.fixture(scope="module")
+def typo_run() -> dict:
+    compose = small_project("typo", DDP_STESP="10", DDP_STEPS="5")
+    try:
+        # `run` applies no restart policy: the launcher's own exit code, as docker compose ps would show it at first.
+        once = compose("run", "--rm", "--no-deps", "worker", check=False, timeout=300)
+        compose("up", "-d", "--no-build", "--scale", "worker=2", "worker", timeout=180)
+        settled = wait_until_settled(compose, 2, 240)
+        return {"once": once, "settled": settled, "logs": {s["Id"]: container_logs(s["Id"]) for s in settled}}
+    finally:
+        compose("down", "-v", "--remove-orphans", "--timeout", "20", timeout=180, check=False)
+        remove_image(compose.project)
+
+
+TYPO = "config error: DDP_STESP: no such setting (did you mean DDP_STEPS?)"
+
+
+def test_an_unknown_setting_exits_2_naming_the_nearest(typo_run):
+    once = typo_run["once"]
+    assert once.returncode == 2, once.stdout[-2000:] + once.stderr[-2000:]
+    errors = [line for line in (once.stdout + once.stderr).splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and TYPO in errors[0], once.stdout[-2000:] + once.stderr[-2000:]
+
+
+def test_a_bad_configuration_is_not_retried(typo_run):
+    # restart: on-failure:3 restarts the exit 2 once; that restart ends at once, 0, without a second error.
+    for s in typo_run["settled"]:
+        text = typo_run["logs"][s["Id"]]
+        assert (s["RestartCount"], s["State"]["ExitCode"]) == (1, 0), (s["RestartCount"], text[-3000:])
+        assert text.count(TYPO) == 2, text[-3000:]  # the error, then its mention in the one line of the restart
+        assert text.count("refused before, with these same settings") == 1, text[-3000:]
+        assert "joining a world" not in text and "Traceback" not in text, text[-3000:]
+
+
+@pytest.fixture(scope="module")
+def spare_run() -> dict:
+    # A world of at most 2 and 3 containers: one is a spare, one too many (the brief's 9th of 8, smaller).
+    compose = small_project(
+        "spare",
+        MAX_WORKERS="2",
+        LAUNCH_REDUNDANT_GRACE_SECONDS="5",
+        DDP_STEPS="1500",  # long enough for the spare's grace (5 s) on a busy machine (20-60 ms a step)
+        DDP_LOG_EVERY="500",
+        DDP_CHECKPOINT_EVERY="500",
+        DDP_METRICS_LINGER_SECONDS="0",
+    )
+    try:
+        compose("up", "-d", "--no-build", "--scale", "worker=3", "worker", timeout=180)
+        settled = wait_until_settled(compose, 3, RUN_DEADLINE_S)
+        return {"settled": settled, "logs": {s["Id"]: container_logs(s["Id"]) for s in settled}}
+    finally:
+        compose("down", "-v", "--remove-orphans", "--timeout", "20", timeout=180, check=False)
+        remove_image(compose.project)
+
+
+def test_one_container_too_many_is_refused_once_and_the_job_ends_once(spare_run):
+    logs = spare_run["logs"]
+    everything = "\n".join(logs.values())
+    spares = [cid for cid, text in logs.items() if "one more than the world's maximum of 2" in text]
+    assert len(spares) == 1, everything[-4000:]
+    spare = next(s for s in spare_run["settled"] if s["Id"] == spares[0])
+    assert (spare["RestartCount"], spare["State"]["ExitCode"]) == (1, 0), logs[spares[0]][-3000:]
+    assert logs[spares[0]].count("refused before, with these same settings") == 1, logs[spares[0]][-3000:]
+    # One job, one ending: two FINISHED lines (ranks 0 and 1 of the world of 2), no world of 1 ever.
+    finished = sorted((int(r), int(ws), int(s)) for r, ws, s, _ in FINISHED.findall(everything))
+    assert finished == [(0, 2, 1500), (1, 2, 1500)], everything[-4000:]
+    assert "joined a world of 1" not in everything and "AttributeError" not in everything, everything[-4000:]
+    others = [s for s in spare_run["settled"] if s["Id"] != spares[0]]
+    assert {(s["RestartCount"], s["State"]["ExitCode"]) for s in others} == {(0, 0)}
+
+
+def kill_process(container: str, needle: str, deadline_s: float = 120) -> None:
+    """SIGKILL the process whose command line holds ``needle`` inside ``container``: a crash, not `docker kill`
+    (which Docker counts as a stop on request, and no restart policy undoes)."""
+    code = (
+        "import os, signal\n"
+        "for p in filter(str.isdigit, os.listdir('/proc')):\n"
+        f"    if {needle.encode()!r} in open(f'/proc/{{p}}/cmdline', 'rb').read() and int(p) != os.getpid():\n"
+        "        os.kill(int(p), signal.SIGKILL)\n"
+    )
+    deadline = time.monotonic() + deadline_s
+    # A container that Docker is restarting refuses `exec` for a moment: try again until it runs.
+    command = ["docker", "exec", container, "python", "-c", code]
+    while subprocess.run(command, capture_output=True, timeout=60).returncode:
+        assert time.monotonic() < deadline, f"cannot exec in {container[:12]} for {deadline_s} s"
+        time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def store_kill_run() -> dict:
+    compose = small_project(
+        "storekill", DDP_STEPS="2000", DDP_LOG_EVERY="100", DDP_CHECKPOINT_EVERY="200", DDP_METRICS_LINGER_SECONDS="0"
+    )
+    try:
+        compose("up", "-d", "--no-build", "--scale", "worker=2", "worker", timeout=180)
+        store = next(c["ID"] for c in compose.containers() if c["Service"] == "rendezvous")
+        deadline = time.monotonic() + RUN_DEADLINE_S
+        while "INFO step 100/" not in compose("logs", "worker").stdout:
+            assert time.monotonic() < deadline, "no training step in time"
+            time.sleep(1)
+        kill_process(store, "app.cluster.rendezvous_store")
+        while inspect(store)[0]["State"].get("Health", {}).get("Status") != "healthy":
+            assert time.monotonic() < deadline, "the store did not come back healthy"
+            time.sleep(1)
+        store_restarts = inspect(store)[0]["RestartCount"]
+        # The agents do not outlive their store (RendezvousConnectionError, exit 1): Docker restarts each worker
+        # once, and they meet again at the new, empty store, resuming from the checkpoint. Then a worker crashes:
+        # the world must form again there too.
+        victim = worker_rows(compose)[0]["ID"]
+        kill_process(victim, "-m app.train")
+        settled = wait_until_settled(compose, 2, RUN_DEADLINE_S)
+        logs = compose("logs", "--no-color", "--timestamps", "worker").stdout
+        return {"store_restarts": store_restarts, "settled": settled, "logs": logs}
+    finally:
+        compose("down", "-v", "--remove-orphans", "--timeout", "20", timeout=180, check=False)
+        remove_image(compose.project)
+
+
+def test_the_store_comes_back_after_a_crash_and_the_workers_meet_there_again(store_kill_run):
+    logs = store_kill_run["logs"]
+    assert store_kill_run["store_restarts"] >= 1
+    worlds = re.findall(r"joined a world of (\d+)", logs)
+    assert len(worlds) >= 4 and set(worlds) == {"2"}, logs[-4000:]  # each container twice: before and after
+    finished = finished_lines(logs)
+    assert sorted(finished) == [0, 1] and {(ws, s) for _, ws, s, _ in finished.values()} == {(2, 2000)}, logs[-4000:]
+    assert {s["State"]["ExitCode"] for s in store_kill_run["settled"]} == {0}, logs[-4000:]
+
+
+def test_the_first_world_forms_once_every_replica_is_in_not_a_last_call_later(cluster):
+    # torch's rendezvous waits last_call_timeout (RDZV_LAST_CALL_SECONDS, 15 s) after its MIN-th member unless
+    # the world is full at MAX; every replica ready means nobody else is coming (app/cluster/elastic.py): under
+    # 15 s, which the last call alone would have taken.
+    joining = [stamp(line) for line in cluster.logs.splitlines() if "INFO joining a world of job" in line]
+    joined = [stamp(line) for line in cluster.logs.splitlines() if f"INFO joined a world of {WORKERS} " in line]
+    assert len(joining) >= WORKERS and joined, cluster.logs[-4000:]
+    wait = min(joined) - min(joining)
+    assert wait < 15, f"the first world formed {wait:.1f} s after the first container joined"

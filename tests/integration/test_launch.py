@@ -103,3 +103,65 @@ def test_a_stop_on_request_that_checkpointed_exits_zero(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     assert "stopped on request (SIGTERM): the trainer checkpointed; exit 0" in err
     assert list(tmp_path.glob("step-*.pt")), "no checkpoint written on the stop"
+
+
+# -- what a restart finds (app/cluster/job_state.py): Docker restarts an exit 2 as if it had crashed ---------------
+def c10d_args(port: int, *trainer: str) -> list[str]:
+    """The compose workers' flags (a fixed --rdzv-id: --standalone would draw a new one each time)."""
+    return [
+        "--nnodes=1",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=job-state-test",
+        "-m",
+        "app.train",
+        "--metrics-port",
+        "0",
+        *trainer,
+    ]
+
+
+def test_a_refused_container_started_again_exits_zero_in_one_line(tmp_path):
+    # The config is checked before the store is dialled: no store needed (nothing listens on this port).
+    args = c10d_args(free_port(), "--steps", "3")
+    first = launch(*args, LAUNCH_STATE_DIR=str(tmp_path), DDP_STESP="10")
+    assert first.returncode == 2, first.stderr[-3000:]
+    assert "DDP_STESP: no such setting (did you mean DDP_STEPS?)" in first.stderr
+    again = launch(*args, LAUNCH_STATE_DIR=str(tmp_path), DDP_STESP="10")
+    assert again.returncode == 0, again.stderr[-3000:]
+    lines = [line for line in again.stderr.splitlines() if "[launch" in line]
+    assert len(lines) == 1 and "refused before, with these same settings" in lines[0], again.stderr[-3000:]
+    # Fixed settings are a new launch, not a repeat of the refusal: it gets as far as the (absent) store.
+    fixed = launch(*args, LAUNCH_STATE_DIR=str(tmp_path), DDP_STEPS="10", LAUNCH_STORE_WAIT_SECONDS="1")
+    assert fixed.returncode == 1 and "unreachable for 1 s" in fixed.stderr, fixed.stderr[-3000:]
+
+
+def test_a_container_started_again_after_its_job_finished_does_not_train_again(tmp_path):
+    from tests.integration.test_rendezvous_store import start_store
+
+    port = free_port()
+    store = start_store(port)
+    try:
+        args = c10d_args(port, "--steps", "3", "--checkpoint-dir", str(tmp_path / "ckpt"))
+        first = launch(*args, LAUNCH_STATE_DIR=str(tmp_path / "state"))
+        assert first.returncode == 0 and first.stdout.count("FINISHED") == 1, first.stderr[-3000:]
+        again = launch(*args, LAUNCH_STATE_DIR=str(tmp_path / "state"))
+    finally:
+        store.terminate()
+        store.wait(30)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "FINISHED" not in again.stdout and "joined a world" not in again.stderr, again.stderr[-3000:]
+    assert "job finished (step 3) while this container was part of it" in again.stderr, again.stderr[-3000:]
+
+
+def test_a_peers_planned_departure_is_info_a_failure_a_warning(caplog):
+    from types import SimpleNamespace
+
+    from app.cluster.elastic import Reporter
+
+    reporter = Reporter(store=None, run_id="t", workers=None)
+    with caplog.at_level("INFO", logger="app.cluster.launch"):
+        reporter.workers_failed({0: SimpleNamespace(exitcode=75), 1: SimpleNamespace(exitcode=1)})
+    levels = {r.getMessage().split(") ", 1)[1]: r.levelname for r in caplog.records}
+    assert levels == {"exited 75 (stopped with a departing peer, checkpointed)": "INFO", "exited 1 (failed)": "WARNING"}

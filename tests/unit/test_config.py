@@ -75,10 +75,13 @@ def test_world_checks_name_the_fields():
     assert TrainConfig(metrics_port=0).check_world(1, local_world_size=4) == 1  # 0 = no metrics: no port at all
 
 
-def test_unknown_env_setting_is_a_warning_not_silence():
-    resolved = load_config([], {"DDP_STPES": "5"})
-    assert resolved.config.steps == 200
-    assert any("DDP_STPES" in w for w in resolved.warnings)
+def test_unknown_env_setting_is_an_error_with_the_nearest_name():
+    # A typo must not train at the default: DDP_STPES=5 once ran all 200 steps with a warning few would read.
+    with pytest.raises(ConfigError, match=r"^DDP_STPES: no such setting \(did you mean DDP_STEPS\?\)"):
+        load_config([], {"DDP_STPES": "5"})
+    with pytest.raises(ConfigError, match=r"^DDP_ZZZZZZZZ: no such setting"):
+        load_config([], {"DDP_ZZZZZZZZ": "1", "DDP_STEPS": "5"})
+    assert load_config([], {"DDP_CONFIG": "", "DDP_STEPS": "5", "OTHER": "x"}).config.steps == 5
 
 
 @pytest.mark.parametrize(
@@ -116,6 +119,8 @@ BAD = {
     "bad yaml key": (["--config", "@bad.yaml"], {}, "unknown setting 'stpes'"),
     "wrapper none with 2 ranks": (["--wrapper", "none"], {"WORLD_SIZE": "2"}, "wrapper=none with world_size=2"),
     "unknown flag": (["--stpes", "5"], {}, "--stpes"),
+    "unknown env setting": ([], {"DDP_STESP": "10"}, "DDP_STESP: no such setting (did you mean DDP_STEPS?)"),
+    "env value of the wrong type": ([], {"DDP_LR": "abc"}, "lr='abc' (from env DDP_LR): must be a float"),
     "data set smaller than one micro-batch": (
         ["--dataset-size", "16", "--micro-batch", "32"],
         {},

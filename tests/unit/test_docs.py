@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from app.worker.config import config_table_markdown
+from tools.config_table import config_table_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 200

@@ -1,38 +1,22 @@
-"""The trainer's configuration: one documented dataclass, filled from defaults, a YAML file, the environment, flags.
+"""The trainer's settings: ``TrainConfig``, one documented dataclass validated on construction, and ``ConfigError``.
 
-Precedence, highest first::
+Each field has a one-line doc with its unit (it becomes the flag's ``--help`` and the docs' table); ``__post_init__``
+checks what a value alone can break, ``check_world`` what needs the world size or this machine (it imports torch,
+only then). A bad value raises ``ConfigError``, one line naming the field and the fix; ``app.train`` prints it and
+exits 2. Where the values come from (file, environment, flags) is ``app.worker.config.load``'s job.
 
-    CLI flag --field-name   >   env DDP_FIELD_NAME   >   YAML file (--config PATH or env DDP_CONFIG)   >   default
-
-So ``DDP_STEPS=100 torchrun ... -m app.train --config configs/example.yaml --lr 0.01`` takes ``lr`` from the flag,
-``steps`` from the environment and the rest from the file or the defaults. The names are flat (``micro_batch``,
-not ``train.micro_batch``) because the environment and the flags are flat: one name per setting everywhere.
-
-A bad value raises ``ConfigError``, whose message is one line naming the field, where the value came from and the
-fix; ``app.train`` prints it and exits with code 2. This module does not import torch, so a bad flag fails fast.
-
-Run ``python -m app.train --help`` for the flags with their documentation.
+    >>> TrainConfig(steps=0)
+    Traceback (most recent call last):
+    ...
+    app.worker.config.schema.ConfigError: steps=0: must be an integer >= 1
 """
 
 from __future__ import annotations
 
-import argparse
-import difflib
-import os
-import sys
-import types
-import typing
-from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, field, fields
-from pathlib import Path
+from dataclasses import MISSING, asdict, dataclass, field
 from typing import Any
 
-import yaml
-
 from app.parallel import WRAPPERS
-
-ENV_PREFIX = "DDP_"
-CONFIG_ENV = ENV_PREFIX + "CONFIG"  # the YAML file's path, when not given with --config
 
 MODEL_CHOICES = ("mini_mlp", "tiny_transformer")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -85,7 +69,7 @@ class TrainConfig:
     bucket_cap_mb: float = _doc("DDP bucket size in MiB", 25.0)
     parallel: str = _doc(
         "how the ranks share the work: ddp (data parallel) | pipeline (one model stage per rank, "
-        "app.worker.pipeline_trainer) | dp (nn.DataParallel: one process, >= 2 GPUs)",
+        "app.worker.pipeline_step) | dp (nn.DataParallel: one process, >= 2 GPUs)",
         "ddp",
     )
     pipeline_stages: int = _doc(
@@ -326,266 +310,3 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 def _at_least(name: str, value: int, low: int) -> None:
     if value < low:
         raise ConfigError(f"{name}={value}: must be an integer >= {low}")
-
-
-@dataclass(frozen=True)
-class WorldEnv:
-    """Where this process sits, as torchrun (or nothing: a world of one) describes it.
-
-    ``min_world_size``/``max_world_size`` are the elastic range: torchrun's ``--nnodes MIN:MAX`` times the processes
-    per node (both the world size when the world is static). ``restart_count`` is TORCHELASTIC_RESTART_COUNT: how
-    often this rank's agent has restarted its workers.
-    """
-
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    local_world_size: int = 1
-    node: str = "0"
-    restart_count: int = 0
-    min_world_size: int = 1
-    max_world_size: int = 1
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorldEnv:
-        """Read torchrun's variables.
-
-        Example::
-
-            >>> WorldEnv.from_environ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
-            WorldEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, node='0', restart_count=0, ...)
-        """
-        environ = os.environ if environ is None else environ
-        rank = int(environ.get("RANK", "0"))
-        local_rank = int(environ.get("LOCAL_RANK", "0"))
-        world_size = int(environ.get("WORLD_SIZE", "1"))
-        local_world_size = max(int(environ.get("LOCAL_WORLD_SIZE", "1")), local_rank + 1)
-        low, high = _elastic_range(environ, world_size, local_world_size)
-        return cls(
-            rank=rank,
-            local_rank=local_rank,
-            world_size=world_size,
-            local_world_size=local_world_size,
-            node=environ.get("GROUP_RANK", "0"),
-            restart_count=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            min_world_size=low,
-            max_world_size=high,
-        )
-
-
-def _elastic_range(environ: Mapping[str, str], world_size: int, local_world_size: int) -> tuple[int, int]:
-    # torchrun does not pass --nnodes on to its workers. It reads it from PET_NNODES when given that way (which the
-    # workers inherit), else from its own command line: the worker's parent process.
-    nnodes = environ.get("PET_NNODES")
-    if not nnodes and "TORCHELASTIC_RUN_ID" in environ:
-        nnodes = _parent_flag("--nnodes") or "1"  # torchrun's default
-    if not nnodes:
-        return world_size, world_size
-    low, _, high = nnodes.partition(":")
-    try:
-        return int(low) * local_world_size, int(high or low) * local_world_size
-    except ValueError:
-        return world_size, world_size
-
-
-def _parent_flag(flag: str) -> str | None:
-    try:
-        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
-            argv = f.read().decode(errors="replace").split("\0")
-    except OSError:
-        return None
-    for i, arg in enumerate(argv):
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-        if arg == flag and i + 1 < len(argv):
-            return argv[i + 1]
-    return None
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Loading: file < env < flags
-# ----------------------------------------------------------------------------------------------------------------
-FIELDS = {f.name: f for f in fields(TrainConfig)}
-
-
-def env_name(name: str) -> str:
-    return ENV_PREFIX + name.upper()
-
-
-def flag_name(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _base_type(name: str) -> type:
-    """int / float / str for a field, unwrapping ``X | None``."""
-    hint = typing.get_type_hints(TrainConfig)[name]
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint
-
-
-def _optional(name: str) -> bool:
-    return FIELDS[name].default is None
-
-
-def convert(name: str, raw: Any, source: str) -> Any:
-    """Turn a raw value (a string from env/flags, or a YAML scalar) into the field's type."""
-    kind = _base_type(name)
-    if raw is None or (isinstance(raw, str) and raw.strip() == "" and kind is not str):
-        if _optional(name):
-            return None
-        raise ConfigError(f"{name} (from {source}) is empty: give a {kind.__name__}")
-    try:
-        if kind is int:
-            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
-                raise ValueError
-            return int(raw) if not isinstance(raw, str) else int(raw.strip())
-        if kind is float:
-            if isinstance(raw, bool):
-                raise ValueError
-            return float(raw)
-        if isinstance(raw, (dict, list)):
-            raise ValueError
-        return str(raw)
-    except ValueError:
-        raise ConfigError(
-            f"{name}={raw!r} (from {source}): must be {'an' if kind is int else 'a'} {kind.__name__}"
-        ) from None
-
-
-def _unknown(name: str, source: str) -> ConfigError:
-    close = difflib.get_close_matches(name, FIELDS, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(FIELDS)}"
-    return ConfigError(f"unknown setting {name!r} in {source}{hint}")
-
-
-def read_yaml(path: str) -> dict[str, Any]:
-    source = f"config file {path}"
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise ConfigError(f"config={path}: cannot read it ({e.strerror}); pass an existing YAML file") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        where = getattr(e, "problem_mark", None)
-        line = f" line {where.line + 1}" if where is not None else ""
-        raise ConfigError(f"config={path}: not valid YAML{line} ({getattr(e, 'problem', e)})") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config={path}: must be a mapping of setting: value, got a {type(data).__name__}")
-    for key in data:
-        if key not in FIELDS:
-            raise _unknown(str(key), source)
-    return {key: convert(key, value, source) for key, value in data.items()}
-
-
-def read_env(environ: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
-    """Values from ``DDP_*`` variables, and the names of ``DDP_*`` variables that match no field (typos)."""
-    values: dict[str, Any] = {}
-    unknown = []
-    for key, raw in environ.items():
-        if not key.startswith(ENV_PREFIX) or key == CONFIG_ENV:
-            continue
-        name = key[len(ENV_PREFIX) :].lower()
-        if name in FIELDS:
-            values[name] = convert(name, raw, f"env {key}")
-        else:
-            unknown.append(key)
-    return values, unknown
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> typing.NoReturn:  # argparse prints usage + message; we want one line
-        raise ConfigError(f"{message}; run with --help for the flags")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(
-        prog="python -m app.train",
-        description="Data-parallel training worker (run it "
-        "under torchrun). Every flag also reads env DDP_<NAME> and the YAML file.",
-        argument_default=argparse.SUPPRESS,
-    )  # absent flags stay absent: precedence needs it
-    parser.add_argument("--config", help=f"YAML file of settings (or env {CONFIG_ENV})")
-    for f in fields(TrainConfig):
-        default = "unset" if f.default is None else repr(f.default)
-        parser.add_argument(
-            flag_name(f.name),
-            dest=f.name,
-            metavar=_base_type(f.name).__name__.upper(),
-            help=f"{f.metadata['doc']} [env {env_name(f.name)}; default {default}]",
-        )
-    return parser
-
-
-@dataclass
-class Resolved:
-    config: TrainConfig
-    sources: dict[str, str]  # field -> "default" | "config file X" | "env DDP_X" | "flag --x"
-    warnings: list[str]
-
-
-def load_config(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> Resolved:
-    """Resolve the configuration from flags (``argv``), ``environ`` and the YAML file; raise ConfigError."""
-    environ = os.environ if environ is None else environ
-    args = vars(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
-    config_path = args.pop("config", None) or environ.get(CONFIG_ENV) or None
-
-    values: dict[str, Any] = {}
-    sources: dict[str, str] = {name: "default" for name in FIELDS}
-    if config_path:
-        for name, value in read_yaml(config_path).items():
-            values[name], sources[name] = value, f"config file {config_path}"
-    env_values, unknown = read_env(environ)
-    for name, value in env_values.items():
-        values[name], sources[name] = value, f"env {env_name(name)}"
-    for name, raw in args.items():
-        values[name], sources[name] = convert(name, raw, f"flag {flag_name(name)}"), f"flag {flag_name(name)}"
-
-    try:
-        config = TrainConfig(**values)
-    except ConfigError as e:
-        # Say where the bad value came from: the field name starts the message.
-        name = str(e).split("=", 1)[0].split(" ", 1)[0]
-        if name in sources and sources[name] != "default":
-            raise ConfigError(f"{e} (set by {sources[name]})") from None
-        raise
-    warnings = [f"ignoring {key}: no setting {key[len(ENV_PREFIX) :].lower()!r} (typo?)" for key in unknown]
-    return Resolved(config, sources, warnings)
-
-
-def describe(resolved: Resolved) -> str:
-    """The resolved configuration, one field per line with its source, for rank 0's start-up log."""
-    width = max(map(len, FIELDS))
-    lines = [
-        f"  {name:<{width}} = {value!r:<12} ({resolved.sources[name]})"
-        for name, value in resolved.config.as_dict().items()
-    ]
-    return "configuration:\n" + "\n".join(lines)
-
-
-def config_table_markdown() -> str:
-    """The configuration table of docs/training.md, one row per ``TrainConfig`` field, from the fields themselves.
-
-    ``make docs-config`` writes it into the docs; ``tests/unit/test_docs.py`` fails when the docs hold another one,
-    so a field added here cannot be missing there.
-
-    Example::
-
-        >>> print(config_table_markdown().splitlines()[2])
-        | `model` | `DDP_MODEL` | `--model` | `mini_mlp` | model to train: mini_mlp \\| tiny_transformer |
-    """
-
-    def cell(text: str) -> str:
-        return text.replace("|", "\\|")  # a bare | would end the Markdown cell
-
-    rows = ["| field | env | flag | default | meaning |", "|---|---|---|---|---|"]
-    for f in fields(TrainConfig):
-        value = f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
-        default = "unset" if value is None else f"`{value!r}`" if value == "" else f"`{value}`"
-        rows.append(
-            f"| `{f.name}` | `{env_name(f.name)}` | `{flag_name(f.name)}` | {default} | {cell(f.metadata['doc'])} |"
-        )
-    return "\n".join(rows) + "\n"

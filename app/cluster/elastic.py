@@ -1,0 +1,315 @@
+"""The one home of torch's private elastic internals that the cluster's launcher relies on.
+
+torchrun's public surface says nothing about who is in a world or why it re-forms; the launcher
+(``app.cluster.launch``) and the store (``app.cluster.rendezvous_store``) learn it here, from parts of
+``torch.distributed.elastic`` that are not a public API:
+
+- ``state_reader``: torch's pickled ``_RendezvousState`` at the c10d store (participants, wait and redundancy
+  lists, ``closed``), read with torch's own ``C10dRendezvousBackend``;
+- ``Reporter``: one line per event (a world formed and who is in it, a trainer failed, leaving a world), from
+  that state and the agent's hooks;
+- ``install_agent``: a ``LocalElasticAgent`` subclass that ``elastic_launch`` builds in place of torch's, with the
+  hooks, and the patches of the rendezvous handler (close only a finished job; join once every replica is ready);
+- ``fresh_node_identity``: a patch of the handler's node-id generator for containers that Docker restarts.
+
+When torch changes one of these, this file is the one to fix (tests/integration/test_launch.py runs them for real).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import socket
+import time
+
+from app.exit_codes import BAD_CONFIG, FAILED, OK, PEER_STOPPED
+
+# The DNS name of every replica (compose: the service's name): the job's first world waits for all of them.
+PEERS = os.environ.get("LAUNCH_PEERS", "")
+PEERS_WAIT_SECONDS = float(os.environ.get("LAUNCH_PEERS_WAIT_SECONDS", "90"))
+# A container can sit in the full world's redundancy list for a moment while a lost member's keep-alive expires;
+# longer than this, it is one container too many.
+REDUNDANT_GRACE_SECONDS = float(os.environ.get("LAUNCH_REDUNDANT_GRACE_SECONDS", "20"))
+
+log = logging.getLogger("app.cluster.launch")
+
+
+class SpareAtTheEnd(Exception):
+    """The job ended while this container waited as a spare (the world full at its maximum): nothing to do."""
+
+
+def state_reader(store, run_id: str):
+    """A function returning rendezvous ``run_id``'s state at ``store`` (a TCPStore), or None before the first round.
+
+    The state is torch's private pickled ``_RendezvousState``, written by torchrun's c10d backend; its fields
+    (``round``, ``complete``, ``closed``, ``participants``, ``wait_list``, ``redundancy_list``) have been there since
+    that backend exists. It raises whatever the store or the unpickling raise: callers decide what a failure means.
+    """
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    backend = C10dRendezvousBackend(store, run_id)
+
+    def read():
+        found = backend.get_state()
+        return pickle.loads(found[0]) if found else None
+
+    return read
+
+
+def short(addr: str) -> str:
+    """A node's address as `docker ps` shows the container: its hostname, the 12-hex container id."""
+    return addr.split(".", 1)[0][:12]
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    meaning = {
+        OK: "finished",
+        FAILED: "failed",
+        BAD_CONFIG: "bad configuration",
+        PEER_STOPPED: "stopped with a departing peer, checkpointed",
+    }.get(code, "failed")
+    return f"exited {code} ({meaning})"
+
+
+class Reporter:
+    """Reads the rendezvous state at the store (torch's own c10d backend) to say who is in each world."""
+
+    def __init__(self, store: tuple[str, int] | None, run_id: str, workers: int | None):
+        self.store, self.run_id, self.workers = store, run_id, workers
+        self.me = socket.getfqdn()
+        self._read = None  # state_reader, once the store is reached
+        self._client = None
+        self.members: dict[str, int] = {}  # container -> rank in the last world this container joined
+        self.world = 0  # worlds this container has joined
+        self.exit_codes: dict[int, int | None] = {}  # local rank -> trainer exit code, after a shutdown
+        self.leave_reason = "new containers are waiting to join"
+        self.succeeded = False
+        self.local_id = 0  # this agent's rendezvous node id (fresh_node_identity)
+        self.first_of_job = False  # this agent came before the job's first world (not to a running job)
+        self.expected = 0  # the first world's size once every replica is ready (wait_for_peers); 0 = not known
+
+    def state(self):
+        """torch's private ``_RendezvousState`` (participants, wait and redundancy lists), or None."""
+        if self.store is None:
+            return None
+        try:
+            if self._read is None:
+                self._read = state_reader(self.client(), self.run_id)
+            return self._read()
+        except Exception:  # noqa: BLE001 - the report is a courtesy: never let it break the agent
+            log.debug("cannot read the rendezvous state", exc_info=True)
+            return None
+
+    def client(self):
+        """A TCPStore client of the rendezvous store, opened once."""
+        if self._client is None:
+            import datetime
+
+            import torch.distributed as dist
+
+            self._client = dist.TCPStore(*self.store, is_master=False, timeout=datetime.timedelta(seconds=10))
+        return self._client
+
+    def job_started(self) -> bool:
+        state = self.state()
+        return state is not None and bool(state.participants or state.complete or state.round > 0)
+
+    def wait_for_peers(self, peers: str, timeout_s: float) -> None:
+        """Before a job's first world: wait until the launcher of every running replica is ready to join.
+
+        torch's c10d rendezvous completes ``last_call_timeout`` after its MIN-th member arrives and later arrivals
+        do not extend it: with MIN=1 and containers whose start (``import torch``) takes from 5 to 40 s on a busy
+        machine, the first world would hold the fastest few and re-form as each of the others arrives. ``peers``
+        is a DNS name with one address per running replica (Docker's name of the compose service).
+        """
+        if self.job_started():
+            return  # a world exists or is forming: join it now
+        self.first_of_job = True
+        if self.store is None:
+            return
+        log.info("waiting until every replica of %r is ready to form the first world", peers)
+        prefix = f"app.cluster.launch/{self.run_id}/ready/"
+        self.client().set(prefix + socket.gethostbyname(socket.gethostname()), "1")
+        deadline, ips = time.monotonic() + timeout_s, set()
+        while time.monotonic() < deadline:
+            try:
+                ips = {a[4][0] for a in socket.getaddrinfo(peers, None, socket.AF_INET)}
+            except OSError:
+                ips = set()
+            if self.job_started():
+                return
+            if ips and self.client().check([prefix + ip for ip in ips]):
+                log.debug("%d replicas of %r ready", len(ips), peers)
+                self.expected = len(ips)  # every one of them joins now: the world is full when they are in
+                return
+            time.sleep(0.5)
+        log.warning("not every one of the %d replicas of %r was ready in %g s: joining now", len(ips), peers, timeout_s)
+
+    def is_me(self, node) -> bool:
+        return node.addr == self.me and node.pid == os.getpid() and node.local_id == self.local_id
+
+    def world_formed(self, group) -> None:
+        self.world += 1
+        state = self.state()
+        if state is not None and not (state.complete and len(state.participants) == group.group_world_size):
+            state = None  # the next round is already forming: its member list is not this world's
+        members = {short(n.addr): r for n, r in state.participants.items()} if state else {}
+        ranks = [w.global_rank for w in group.workers]
+        line = f"joined a world of {group.group_world_size} as rank {','.join(map(str, ranks))}"
+        if state:
+            line += f" (round {state.round}; " + " ".join(
+                f"{r}={c}" for c, r in sorted(members.items(), key=lambda m: m[1])
+            )
+            gone = [f"{c} (was rank {r})" for c, r in self.members.items() if c not in members]
+            came = [c for c in members if self.members and c not in self.members]
+            line += (f"; left: {', '.join(gone)}" if gone else "") + (f"; new: {', '.join(came)}" if came else "") + ")"
+        log.info("%s", line)
+        if self.world == 1 and self.first_of_job and self.workers and group.group_world_size != self.workers:
+            log.warning(
+                "the world formed with %d workers, not WORKERS=%d: the world follows the running containers "
+                "(docker compose up --scale worker=N wins); WORKERS only sets how many containers `up` starts",
+                group.group_world_size,
+                self.workers,
+            )
+        self.members = members
+
+    def workers_failed(self, failures) -> None:
+        for rank, failure in sorted(failures.items()):
+            # A peer's planned departure (scale down, docker stop) ends this rank with 75 on purpose: the world
+            # re-forms without the peer. That is the design working, not a warning.
+            level = logging.INFO if failure.exitcode == PEER_STOPPED else logging.WARNING
+            me = short(socket.gethostname())
+            log.log(level, "rank %d (this container, %s) %s", rank, me, describe_exit(failure.exitcode))
+        self.leave_reason = "its trainer stopped (above)"
+
+    def leaving(self, remaining: int, budget: int) -> None:
+        log.info("leaving the world to re-form it: %s; restarts left %d of %d", self.leave_reason, remaining, budget)
+        self.leave_reason = "new containers are waiting to join"
+
+    def watch_redundancy(self, high: int, refuse=lambda reason: None) -> None:
+        """Exit 2 once this container has been one too many (the world full at MAX) for the grace period.
+
+        ``refuse(reason)`` records it first (``JobState.refuse``), so that Docker's restart of it ends at once.
+        """
+        since = None
+        while True:
+            time.sleep(2.0)
+            state = self.state()
+            extra = state is not None and any(self.is_me(n) for n in state.redundancy_list)
+            since = (since or time.monotonic()) if extra else None
+            if since is not None and time.monotonic() - since > REDUNDANT_GRACE_SECONDS:
+                log.error(
+                    "this container is one more than the world's maximum of %d workers (MAX_WORKERS): it would "
+                    "wait idle; scale to at most %d (docker compose up -d --scale worker=%d --no-recreate)",
+                    high,
+                    high,
+                    high,
+                )
+                refuse(f"one container more than the world's maximum of {high} workers (MAX_WORKERS)")
+                logging.shutdown()
+                os._exit(BAD_CONFIG)  # no trainer of ours runs: nothing to stop or save
+
+
+def fresh_node_identity(reporter: Reporter) -> None:
+    """Give this agent a rendezvous identity its predecessor in the same container never had.
+
+    torch names a node (hostname, pid, local id). A container that Docker restarts keeps its hostname and, in a fresh
+    pid namespace, gets the same pid: its new agent would be taken for the dead one still listed in the rendezvous
+    state (a participant of a finished round), and wait for a round it is not part of until join_timeout. The local
+    id counts rendezvous handlers within a process; starting it from the clock makes each incarnation distinct.
+    """
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    reporter.local_id = int(time.time() * 1000) % 2**31
+    DynamicRendezvousHandler._node_desc_generator._local_id = reporter.local_id
+
+
+def complete_first_world_when_full(reporter: Reporter) -> None:
+    """Form the job's first world as soon as every replica is in it, not ``last_call_timeout`` later.
+
+    torch's c10d rendezvous completes at once only with MAX members; with fewer it waits ``last_call_timeout``
+    after the MIN-th, for members that may still come. Before the first world, ``wait_for_peers`` knows how many
+    will come (every replica is ready): when that many are in, nobody else is coming. Later worlds (a container
+    gone or come) keep the last call: there, the world may still be growing.
+    """
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _DistributedRendezvousOpExecutor as Executor
+
+    add = Executor._add_to_participants
+
+    def add_then_maybe_complete(self) -> None:
+        add(self)
+        state = self._state
+        full = reporter.expected and len(state.participants) >= reporter.expected
+        if full and reporter.world == 0 and reporter.first_of_job and not state.complete:
+            log.debug("all %d expected replicas are in: forming the first world now", reporter.expected)
+            self._mark_rendezvous_complete()
+
+    Executor._add_to_participants = add_then_maybe_complete
+
+
+def install_agent(reporter: Reporter) -> None:
+    """Make ``elastic_launch`` build torch's LocalElasticAgent with the reporting hooks below."""
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class ReportingAgent(LocalElasticAgent):
+        def __init__(self, spec, *args, **kwargs):
+            super().__init__(spec, *args, **kwargs)
+            close = spec.rdzv_handler.shutdown
+
+            def close_only_when_done() -> bool:
+                # launch_agent closes the job's rendezvous for good whenever this agent ends other than by a
+                # signal; one container giving up (restart budget spent, store lost) must not end the job for the
+                # others: only a finished job is closed.
+                return close() if reporter.succeeded else False
+
+            spec.rdzv_handler.shutdown = close_only_when_done
+            join = spec.rdzv_handler.next_rendezvous
+
+            def join_with_peers():
+                # Here, not earlier: the agent's own start-up (seconds on a busy machine) is behind every
+                # container, so they all join within a moment of each other.
+                if PEERS and reporter.world == 0:
+                    reporter.wait_for_peers(PEERS, PEERS_WAIT_SECONDS)
+                if reporter.store:
+                    log.info("joining a world of job %r at %s:%d", reporter.run_id, *reporter.store)
+                return join()
+
+            spec.rdzv_handler.next_rendezvous = join_with_peers
+
+        def run(self, *args, **kwargs):
+            result = super().run(*args, **kwargs)
+            if result is None:
+                # torch's agent returns None when the job's rendezvous closed while this node waited in the
+                # redundancy list (RendezvousGracefulExitError); launch_agent would then fail on result.is_failed().
+                raise SpareAtTheEnd()
+            return result
+
+        def _rendezvous(self, worker_group):
+            super()._rendezvous(worker_group)
+            reporter.world_formed(worker_group)
+
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.is_failed():
+                reporter.workers_failed(result.failures)
+            reporter.succeeded = result.state.name == "SUCCEEDED"
+            return result
+
+        def _restart_workers(self, worker_group):
+            reporter.leaving(self._remaining_restarts, worker_group.spec.max_restarts)
+            super()._restart_workers(worker_group)
+
+        def _shutdown(self, death_sig=signal.SIGTERM, timeout=30):
+            super()._shutdown(death_sig, timeout)
+            handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+            reporter.exit_codes = {r: h.proc.poll() for r, h in handlers.items()}
+
+    launcher_api.LocalElasticAgent = ReportingAgent  # launch_agent looks the class up by this name at each call
