@@ -450,6 +450,32 @@ def render_drills(doc: dict) -> list[str]:
     return lines
 
 
+def render_metrics_budget(doc: dict) -> list[str]:
+    t, ranks = doc["totals"], doc["ranks"]
+    lines = [
+        f"| metric family | type | series per rank | at {ranks:,} ranks |",
+        "|---|---|---:|---:|",
+    ]
+    for name, f in sorted(doc["families"].items(), key=lambda kv: (-kv[1]["series"], kv[0])):
+        only = " (pipeline only)" if f["pipeline_only"] else ""
+        lines.append(f"| `{name}`{only} | {f['type']} | {f['series']} | {f['series'] * ranks:,} |")
+    lines += [
+        f"| **a data-parallel rank, with Prometheus' own per-target series** | | **{t['per_rank']}** | "
+        f"**{t['job']:,}** |",
+        f"| a pipeline rank | | {t['per_rank_pipeline']} | {t['job_pipeline']:,} |",
+        "",
+        f"Histogram buckets are {t['histogram_share']:.0%} of the series; at a {doc['scrape_interval_s']:g} s scrape "
+        f"the job ingests {t['samples_per_second']:,.0f} samples/s. The recording rules add {t['recording']:,} "
+        "series and spare each dashboard query the raw ones:",
+        "",
+        "| recording rule | series it writes | raw series a panel reads without it |",
+        "|---|---:|---:|",
+    ]
+    for r in doc["recording"]:
+        lines.append(f"| `{r['record']}` | {r['writes_series']:,} | {r['raw_series_read_without_it']:,} |")
+    return lines
+
+
 RENDERERS = {
     "drills": render_drills,
     "chaos": render_chaos,
@@ -460,6 +486,7 @@ RENDERERS = {
     "pipeline-bubble": render_pipeline_bubble,
     "metrics-overhead": render_metrics_overhead,
     "mutants": render_mutants,
+    "metrics-budget": render_metrics_budget,
 }
 
 
