@@ -1,0 +1,252 @@
+"""The scaling model's arithmetic, apart from any measurement: the alpha-beta cost of each collective, its
+least-squares fit, DDP's step time with and without overlap, the pipeline bubble with its send/recv term, the plot,
+and the docs page rendered from ``bench/results/scaling.json``. ``bench/scaling.py`` measures and calls these.
+
+The alpha-beta (latency-bandwidth) model: a collective on ``n`` ranks over ``S`` bytes takes
+``a(n) * alpha + b(n) * S / beta``, with the standard algorithm terms below (ring all-reduce = reduce-scatter then
+all-gather). ``b(n)`` is nccl-tests' bus-bandwidth factor (NVIDIA/nccl-tests doc/PERFORMANCE.md), so ``beta`` here is
+what nccl-tests calls *busbw*, and a published busbw can be used as ``beta`` unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# collective -> (a(n): latency terms, b(n): bandwidth factor); S = the whole buffer (all-gather: the output).
+TERMS = {
+    "all_reduce": (lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n),
+    "reduce_scatter": (lambda n: n - 1, lambda n: (n - 1) / n),
+    "all_gather": (lambda n: n - 1, lambda n: (n - 1) / n),
+    "send_recv": (lambda n: 1, lambda n: 1.0),
+}
+
+
+def predict(collective: str, n: int, nbytes: float, alpha: float, beta: float) -> float:
+    """Seconds for one ``collective`` of ``nbytes`` on ``n`` ranks: a(n)·alpha + b(n)·S/beta."""
+    a, b = TERMS[collective]
+    return a(n) * alpha + b(n) * nbytes / beta
+
+
+def fit(collective: str, points: list[tuple[int, float, float]]) -> dict:
+    """Least-squares alpha (s) and beta (bytes/s) from ``(n, bytes, seconds)`` points.
+
+    The residuals are *relative* (each row divided by its measured time): a 4 KiB point of 0.3 ms and a 64 MiB point
+    of 300 ms weigh the same, so the fit aims at the per-point error the model is judged by rather than at the
+    largest messages only. A negative alpha (noise at the small sizes) is clamped to 0 and beta refitted alone.
+    """
+    a, b = TERMS[collective]
+    t = np.array([s for _, _, s in points])
+    rows = np.array([[a(n), b(n) * nbytes] for n, nbytes, _ in points]) / t[:, None]
+    (alpha, inv_beta), *_ = np.linalg.lstsq(rows, np.ones(len(points)), rcond=None)
+    if alpha < 0:
+        alpha, inv_beta = 0.0, float(np.linalg.lstsq(rows[:, 1:], np.ones(len(points)), rcond=None)[0][0])
+    if inv_beta <= 0:
+        raise ValueError(f"{collective}: no positive bandwidth fits these points (times do not grow with size)")
+    errors = [predict(collective, n, nbytes, alpha, 1 / inv_beta) / s - 1 for n, nbytes, s in points]
+    return {"alpha_s": float(alpha), "beta_bytes_per_s": float(1 / inv_beta), "errors": errors}
+
+
+def ddp_comm(bucket_bytes: list[int], n: int, alpha: float, beta: float) -> tuple[float, float]:
+    """(all buckets' all-reduce seconds, the last-launched bucket's): one ring all-reduce per bucket."""
+    times = [predict("all_reduce", n, size, alpha, beta) for size in bucket_bytes]
+    return sum(times), times[-1]
+
+
+def ddp_step(compute: dict, bucket_bytes: list[int], n: int, alpha: float, beta: float) -> dict:
+    """Predicted step seconds of bucketed DDP, without and with overlap, and communication's share of each.
+
+    ``compute``: seconds of ``forward``, ``backward``, ``optimizer`` for one rank's batch. Without overlap the
+    all-reduces follow backward. With overlap a bucket is all-reduced while backward computes earlier layers, so
+    backward hides up to its own duration, but never the last bucket: it is only full when backward ends.
+    """
+    comm, last = ddp_comm(bucket_bytes, n, alpha, beta)
+    work = compute["forward"] + compute["backward"] + compute["optimizer"]
+    exposed = max(comm - compute["backward"], last)
+    return {
+        "comm_s": comm,
+        "step_s": work + comm,
+        "share": comm / (work + comm),
+        "step_overlap_s": work + exposed,
+        "share_overlap": exposed / (work + exposed),
+    }
+
+
+def bubble_with_comm(stages: int, micro: int, compute_s: float, sent_bytes: float, alpha: float, beta: float):
+    """A stage's idle share when each micro-batch's transfer is on the critical path; returns (idle, transfer s).
+
+    GPipe's (S−1)/(M+S−1) assumes free communication: M+S−1 slots of one micro-batch's work ``compute_s / M``.
+    Here every slot also carries one send/recv of the micro-batch's activation (forward) and one of its gradient
+    (backward), ``sent_bytes / M`` each: step = (M+S−1)·(compute/M + 2·transfer), idle = 1 − compute / step.
+    """
+    transfer = predict("send_recv", 2, sent_bytes / micro, alpha, beta)
+    step = (micro + stages - 1) * (compute_s / micro + 2 * transfer)
+    return 1 - compute_s / step, transfer
+
+
+def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line: per-step overhead and per-sample seconds."""
+    slope, intercept = np.polyfit(np.array(xs, dtype=float), np.array(ys, dtype=float), 1)
+    return float(intercept), float(slope)
+
+
+def plot(doc: dict, path) -> None:
+    """The PNG: predicted step time vs ranks per model, gloo vs NCCL, with and without overlap; measured dots."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers and CI
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in doc["predictions"]))
+    fig, axes = plt.subplots(1, len(models), figsize=(13, 4.2), sharey=False)
+    for ax, name in zip(axes, models):
+        rows = [r for r in doc["predictions"] if r["model"] == name]
+        ranks = [r["ranks"] for r in rows]
+        for net, color in (("gloo", "tab:blue"), ("nccl", "tab:green")):
+            ax.plot(ranks, [r[net]["step_s"] * 1e3 for r in rows], "-", color=color, label=f"{net}, no overlap")
+            ax.plot(ranks, [r[net]["step_overlap_s"] * 1e3 for r in rows], "--", color=color, label=f"{net}, overlap")
+        checks = [r for r in doc["ddp_check"] if r["model"] == name]
+        ax.plot([r["world_size"] for r in checks], [r["measured_step_s"] * 1e3 for r in checks], "ko", label="measured")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{name} (global batch {doc['settings']['global_batch']})", fontsize=9)
+        ax.set_xlabel("ranks")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("step time, ms (measured: check batch)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Predicted DDP step time: gloo (fitted here) vs NCCL (assumed); CPU compute", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- the docs page ----------------------------------------------------------------------------------------------------
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3g}" if s < 1 else f"{s * 1e3:.0f}"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def render_fit(doc: dict) -> list[str]:
+    lines = [
+        "| collective | alpha (µs) | beta = busbw (MB/s) | points | within 15% | median \\|error\\| "
+        "| max \\|error\\| |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, f in doc["fit"].items():
+        errs = [abs(p["error"]) for p in doc["collectives"] if p["collective"] == name]
+        within = sum(e <= 0.15 for e in errs)
+        lines.append(
+            f"| {name} | {f['alpha_s'] * 1e6:.0f} | {f['beta_bytes_per_s'] / 1e6:.0f} | {len(errs)} | {within} "
+            f"| {np.median(errs):.0%} | {max(errs):.0%} |"
+        )
+    worlds = sorted({p["world_size"] for p in doc["collectives"]})
+    lines += ["", "Every point: measured ms (model's error), per world size.", ""]
+    lines += [
+        "| collective | size | " + " | ".join(f"n={n}" for n in worlds) + " |",
+        "|---|---:|" + "---:|" * len(worlds),
+    ]
+    index = {(p["collective"], p["bytes"], p["world_size"]): p for p in doc["collectives"]}
+    for name in doc["fit"]:
+        for nbytes in sorted({p["bytes"] for p in doc["collectives"]}):
+            cells = [index.get((name, nbytes, n)) for n in worlds]
+            text = [f"{_ms(c['measured_s'])} ({c['error']:+.0%})" if c else "—" for c in cells]
+            lines.append(f"| {name} | {_size(nbytes)} | " + " | ".join(text) + " |")
+    return lines
+
+
+def render_check(doc: dict) -> list[str]:
+    lines = [
+        "| model | n | per-rank batch | compute ms | measured step ms | model, no overlap | model, overlap |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["ddp_check"]:
+        lines.append(
+            f"| {r['model']} | {r['world_size']} | {r['per_rank_batch']} | {_ms(r['compute_s'])} | "
+            f"{_ms(r['measured_step_s'])} | {_ms(r['predicted_step_s'])} ({r['error']:+.0%}) | "
+            f"{_ms(r['predicted_step_overlap_s'])} ({r['error_overlap']:+.0%}) |"
+        )
+    return lines
+
+
+def render_predictions(doc: dict) -> list[str]:
+    lines = [
+        "| model | ranks | per-rank batch | gloo step ms | gloo comm share | gloo overlapped | NCCL step ms "
+        "| NCCL comm share | NCCL overlapped |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["predictions"]:
+        g, c = r["gloo"], r["nccl"]
+        lines.append(
+            f"| {r['model']} | {r['ranks']} | {r['per_rank_batch']:g} | {_ms(g['step_s'])} | {g['share']:.0%} | "
+            f"{_ms(g['step_overlap_s'])} ({g['share_overlap']:.0%}) | {_ms(c['step_s'])} | {c['share']:.0%} | "
+            f"{_ms(c['step_overlap_s'])} ({c['share_overlap']:.0%}) |"
+        )
+    return lines
+
+
+def render_bubble(doc: dict) -> list[str]:
+    lines = [
+        "| schedule | S | M | (S−1)/(M+S−1) | + send/recv term | measured (emulated) | formula's error "
+        "| model's error |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["bubble"]["rows"]:
+        lines.append(
+            f"| {r['schedule']} | {r['stages']} | {r['micro_batches']} | {r['formula']:.3f} | {r['with_comm']:.3f} | "
+            f"{r['measured']:.3f} | {r['formula'] - r['measured']:+.3f} | {r['with_comm'] - r['measured']:+.3f} |"
+        )
+    return lines
+
+
+def render(doc: dict) -> str:
+    """The generated block of docs/scaling.md: where the numbers come from, then every table."""
+    from tools.report import provenance_line
+
+    m = doc["machine"]
+    nccl = doc["nccl_assumption"]
+    summary = doc["summary"]
+    lines = [
+        provenance_line(doc),
+        "",
+        f"Load average while measuring: {m['load_average_before']} before, {m['load_average_after']} after (1, 5, "
+        f"15 min) on {m['cores']} cores: other jobs shared the machine, so every figure below is noisy.",
+        "",
+        "### Fitted alpha and beta (gloo, CPU, one host, processes)",
+        "",
+        *render_fit(doc),
+        "",
+        f"Points within 15%: {summary['within_15pct']} of {summary['points']} (worst {summary['max_abs_error']:.0%}).",
+        "",
+        "### Check: DDP step time at the measured world sizes",
+        "",
+        *render_check(doc),
+        "",
+        f"### Predictions (global batch {doc['settings']['global_batch']}, compute = this CPU's, see above)",
+        "",
+        f"NCCL, assumed (not measured): alpha = {nccl['alpha_s'] * 1e6:g} µs, busbw = "
+        f"{nccl['beta_bytes_per_s'] / 1e9:g} GB/s ({nccl['source']}).",
+        "",
+        *render_predictions(doc),
+        "",
+        "### Pipeline bubble with the send/recv term",
+        "",
+        *render_bubble(doc),
+        "",
+        f"Mean |error| over these rows: formula {doc['bubble']['mean_abs_error_formula']:.3f}, with the send/recv "
+        f"term {doc['bubble']['mean_abs_error_with_comm']:.3f} (idle share points).",
+    ]
+    return "\n".join(lines)
+
+
+BEGIN, END = "<!-- bench-report:scaling -->", "<!-- /bench-report:scaling -->"
+
+
+def rendered_page(page: str, doc: dict) -> str:
+    """``page`` with the block between the markers replaced by ``render(doc)``."""
+    head, found, rest = page.partition(BEGIN)
+    _, found_end, tail = rest.partition(END)
+    if not (found and found_end):
+        raise ValueError(f"docs/scaling.md has no {BEGIN} ... {END} block")
+    return f"{head}{BEGIN}\n{render(doc)}\n{END}{tail}"
