@@ -1,14 +1,15 @@
 """A scaling model fitted from measured collectives: what step time to expect past this machine's 2-4 ranks.
 
     make scaling                                            # measure, fit, predict, check: ~5-8 minutes on 2 cores
-    .venv/bin/python -m bench.scaling --worlds 2 --max-size 1M --repeats 3   # a quick trial (writes runs/)
+    .venv/bin/python -m bench.scaling --worlds 2 --sizes 4K..1M --containers no   # a quick trial (runs/)
     .venv/bin/python -m bench.scaling --render-docs         # rewrite docs/scaling.md's block from the JSON
 
 1. Measure: all-reduce, reduce-scatter, all-gather and send/recv (gloo, CPU) over 4 KiB-64 MiB on fresh local
    worlds of 2, 3 and 4 processes (``app.demos.world.spawn_world``). Repeats are interleaved (every size and
-   collective once per round), a barrier precedes each timed call, a point is the slowest rank's time (send/recv:
-   half a ping-pong between ranks 0 and 1), median over the rounds. In the same worlds: DDP steps of the project's
-   models (``app.parallel.wrap_model``, ours, default buckets), synced and under ``no_sync()``, interleaved.
+   collective once per round, shuffled; more rounds below 4 MiB), a barrier precedes each timed call, a point is
+   the slowest rank's time (send/recv: half a ping-pong between ranks 0 and 1), median over the rounds. In the same
+   worlds: DDP steps of the project's models (``app.parallel.wrap_model``, ours, default buckets), synced and under
+   ``no_sync()``, interleaved.
 2. Fit alpha and beta per collective by least squares (``bench/scaling_fit.py``) and report every point's error.
 3. Predict DDP step time and communication share at 8-1024 ranks for a fixed global batch, with this machine's
    per-sample compute (one process, per-rank batches 8/32/128, a line per phase) and two networks: gloo as fitted
@@ -16,14 +17,20 @@
    compared with ``bench/results/pipeline-bubble.json``'s emulated rows.
 4. Check the model on every point measured here; write ``bench/results/scaling.json`` (+ provenance) and ``.png``.
 
-Docker containers are not measured (processes only); docs/scaling.md says so. Exit status 2 on a bad flag.
+With Docker up and the image built (``make image``), the collectives are measured again between containers: one
+``docker run`` of ``ddp-cluster:latest`` per rank on a user-defined bridge network, this bench mounted read-only,
+fitted on their own (``--containers no`` skips them). Exit status 2 on a bad flag.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,9 +43,11 @@ from bench.provenance import REPO, RESULTS, describe_output, load_average, outpu
 
 SCHEMA = "scaling.v1"
 MODELS = ("mini_mlp", "deep_mlp", "tiny_transformer")
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "send_recv")
 RANKS = (8, 16, 32, 64, 128, 256, 512, 1024)
 COMPUTE_BATCHES = (8, 32, 128)
+SMALL = 4 << 20  # bytes: below this a collective point gets --small-repeats rounds
+IMAGE = "ddp-cluster:latest"
+RESULT_TAG = "SCALING_RESULT "  # a container rank's one line of results on stdout
 DOC = REPO / "docs" / "scaling.md"
 BUBBLE = REPO / "bench" / "results" / "pipeline-bubble.json"
 # NCCL's figures are assumptions, not measurements (no GPU here): one 200 Gb/s InfiniBand HDR NIC per GPU, as in a
@@ -102,8 +111,15 @@ def time_collectives(rank: int, world: int, cfg: dict) -> dict:
         ops[("all_gather", nbytes)] = lambda f=full, p=part: dist.all_gather_single(f, p)
         ops[("send_recv", nbytes)] = lambda f=full: ping_pong(rank, f)
     times: dict = {key: [] for key in ops}
-    for round_ in range(cfg["repeats"] + 1):  # round 0 warms up: connections, allocations
-        for key, op in ops.items():
+    # Small messages are cheap and, on a loaded machine, the noisiest: they get more rounds (still interleaved).
+    rounds = {key: cfg["small_repeats"] if key[1] < SMALL else cfg["repeats"] for key in ops}
+    for round_ in range(max(rounds.values()) + 1):  # round 0 warms up: connections, allocations
+        # A new order each round, the same on every rank (seeded by the round): no point always follows the same one
+        # (a 4 KiB all-reduce right after a 64 MiB transfer measured slower, every round, in a fixed order).
+        order = list(ops)
+        random.Random(round_).shuffle(order)
+        for key in (k for k in order if round_ <= rounds[k]):
+            op = ops[key]
             dist.barrier()
             start = time.perf_counter()
             op()
@@ -162,59 +178,6 @@ def compute_sweep(rank: int, world: int, cfg: dict) -> dict:
     return out
 
 
-def collective_points(per_world: dict) -> list[dict]:
-    """Median over rounds of the slowest rank (send/recv: rank 0's half round trip)."""
-    points = []
-    for world, ranks in per_world.items():
-        for (name, nbytes), _ in ranks[0]["collectives"].items():
-            rounds = [r["collectives"][(name, nbytes)] for r in ranks]
-            per_round = rounds[0] if name == "send_recv" else [max(t) for t in zip(*rounds)]
-            points.append(
-                {"collective": name, "world_size": world, "bytes": nbytes, "measured_s": statistics.median(per_round)}
-            )
-    return points
-
-
-def fit_all(points: list[dict]) -> dict:
-    fits = {}
-    for name in COLLECTIVES:
-        mine = [p for p in points if p["collective"] == name]
-        f = model.fit(name, [(p["world_size"], p["bytes"], p["measured_s"]) for p in mine])
-        for p, err in zip(mine, f.pop("errors")):
-            p["predicted_s"], p["error"] = p["measured_s"] * (1 + err), err
-        fits[name] = f
-    return fits
-
-
-def ddp_check(per_world: dict, fits: dict) -> tuple[list[dict], dict]:
-    """The model against each measured DDP step: compute from the same world's no_sync steps, comm from the fit."""
-    ar = fits["all_reduce"]
-    rows, buckets = [], {}
-    for world, ranks in per_world.items():
-        for name in ranks[0]["ddp"]:
-            per_rank = [r["ddp"][name] for r in ranks]
-            measured = statistics.median(max(s) for s in zip(*(r["synced"] for r in per_rank)))
-            # The slowest rank's phases, median over steps: the synced step waits for the slowest rank too.
-            local = [max(phases, key=sum) for phases in zip(*(r["local"] for r in per_rank))]
-            compute = dict(zip(("forward", "backward", "optimizer"), (statistics.median(p) for p in zip(*local))))
-            buckets[name] = per_rank[0]["buckets"]
-            pred = model.ddp_step(compute, buckets[name], world, ar["alpha_s"], ar["beta_bytes_per_s"])
-            rows.append(
-                {
-                    "model": name,
-                    "world_size": world,
-                    "per_rank_batch": ranks[0]["check_batch"] // world,
-                    "compute_s": sum(compute.values()),
-                    "measured_step_s": measured,
-                    "predicted_step_s": pred["step_s"],
-                    "predicted_step_overlap_s": pred["step_overlap_s"],
-                    "error": pred["step_s"] / measured - 1,
-                    "error_overlap": pred["step_overlap_s"] / measured - 1,
-                }
-            )
-    return rows, buckets
-
-
 def predictions(sweep: dict, buckets: dict, fits: dict, global_batch: int) -> tuple[list[dict], dict]:
     """Step time and comm share per model and rank count: per-sample compute lines, gloo's fit, NCCL's assumption."""
     lines, rows = {}, []
@@ -234,40 +197,13 @@ def predictions(sweep: dict, buckets: dict, fits: dict, global_batch: int) -> tu
     return rows, lines
 
 
-def bubble_rows(fits: dict) -> dict:
-    """pipeline-bubble.json's emulated rows: GPipe's formula and the formula + fitted send/recv term vs measured."""
-    doc = json.loads(BUBBLE.read_text())
-    sr = fits["send_recv"]
-    rows = []
-    for r in (r for r in doc["rows"] if r["compute"] == "emulated"):
-        compute = statistics.fmean(r["compute_ms_per_stage"]) / 1e3
-        sent = min(r["activation_bytes_per_stage"])  # an end stage: one direction, one boundary
-        idle, transfer = model.bubble_with_comm(
-            r["stages"], r["micro_batches"], compute, sent, sr["alpha_s"], sr["beta_bytes_per_s"]
-        )
-        rows.append(
-            {
-                **{k: r[k] for k in ("schedule", "stages", "micro_batches")},
-                "formula": r["theory"],
-                "with_comm": idle,
-                "transfer_s": transfer,
-                "measured": r["measured_mean"],
-            }
-        )
-    return {
-        "source": f"bench/results/pipeline-bubble.json (commit {doc['commit'][:10]}, {doc['date']})",
-        "rows": rows,
-        "mean_abs_error_formula": statistics.fmean(abs(r["formula"] - r["measured"]) for r in rows),
-        "mean_abs_error_with_comm": statistics.fmean(abs(r["with_comm"] - r["measured"]) for r in rows),
-    }
-
-
 def measure(args) -> dict:
     from app.demos.world import spawn_world
 
     cfg = {
         "sizes": args.sizes,
         "repeats": args.repeats,
+        "small_repeats": args.small_repeats,
         "steps": args.steps,
         "models": list(MODELS),
         "check_batch": args.check_batch,
@@ -278,9 +214,10 @@ def measure(args) -> dict:
         per_world[world] = [{**r, "check_batch": args.check_batch} for r in spawn_world(on_rank, world, cfg)]
     print("one process: compute per batch ...", flush=True)
     sweep = spawn_world(compute_sweep, 1, cfg)[0]
-    points = collective_points(per_world)
-    fits = fit_all(points)
-    check, buckets = ddp_check(per_world, fits)
+    containers = measure_containers(args) if args.containers != "no" else {"skipped": "--containers no"}
+    points = model.collective_points(per_world)
+    fits = model.fit_all(points)
+    check, buckets = model.ddp_check(per_world, fits)
     preds, lines = predictions(sweep, buckets, fits, args.global_batch)
     errors = [abs(float(p["error"])) for p in points]
     return {
@@ -299,8 +236,81 @@ def measure(args) -> dict:
         "process; optimizer = median; the check uses the same world's no_sync() steps instead",
         "nccl_assumption": NCCL,
         "predictions": preds,
-        "bubble": bubble_rows(fits),
+        "bubble": model.bubble_rows(json.loads(BUBBLE.read_text()), fits),
+        "containers": containers,
     }
+
+
+def in_container(args) -> int:
+    """One rank of the container world (``--in-container``): env:// rendezvous, the collectives, a JSON line."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = {"sizes": args.sizes, "repeats": args.repeats, "small_repeats": args.small_repeats}
+    times = time_collectives(rank, world, cfg)
+    dist.destroy_process_group()
+    print(RESULT_TAG + json.dumps({"rank": rank, "times": [[*key, t] for key, t in times.items()]}), flush=True)
+    return 0
+
+
+def docker(*argv: str, timeout: float = 120) -> str:
+    return subprocess.run(["docker", *argv], capture_output=True, text=True, timeout=timeout, check=True).stdout
+
+
+def containers_ready() -> str | None:
+    """None if Docker is up and has the project's image, else why the containers are skipped."""
+    try:
+        docker("image", "inspect", IMAGE, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return f"no Docker engine or no image {IMAGE} (make image)"
+    return None
+
+
+def measure_containers(args) -> dict:
+    """The collectives between containers: N ``docker run`` on one user-defined bridge network, one rank each."""
+    why = containers_ready()
+    if why:
+        print(f"containers skipped: {why}", flush=True)
+        return {"skipped": why}
+    tag = f"ddp-scaling-{os.getpid()}"  # unique names: other runs' containers and networks are left alone
+    per_world = {}
+    try:
+        docker("network", "create", tag)
+        for world in args.worlds:
+            print(f"containers, world {world}: collectives ...", flush=True)
+            names = [f"{tag}-{world}-{r}" for r in range(world)]
+            rounds = ["--repeats", str(args.repeats), "--small-repeats", str(args.small_repeats)]
+            entry = ["-m", "bench.scaling", "--in-container", "--sizes", ",".join(f"{s >> 10}K" for s in args.sizes)]
+            for rank, name in enumerate(names):
+                env = [f"RANK={rank}", f"WORLD_SIZE={world}", f"MASTER_ADDR={names[0]}", "MASTER_PORT=29500"]
+                env += ["OMP_NUM_THREADS=1", "PYTHONDONTWRITEBYTECODE=1"]  # the mount is read-only
+                mount = f"{REPO / 'bench'}:/app/bench:ro"  # this bench file, the image's app/
+                flags = ["-d", "--name", name, "--network", tag, "-v", mount, *(f"--env={e}" for e in env)]
+                docker("run", *flags, "--entrypoint", "python", IMAGE, *entry, *rounds)
+            ranks = []
+            for name in names:
+                code = docker("wait", name, timeout=600).strip()
+                logs = subprocess.run(["docker", "logs", name], capture_output=True, text=True, timeout=60)
+                line = [s for s in logs.stdout.splitlines() if s.startswith(RESULT_TAG)]
+                if code != "0" or not line:
+                    tail = " | ".join((logs.stdout + logs.stderr).splitlines()[-2:])
+                    return {"skipped": f"failed: container {name} exited {code}: {tail}"}
+                ranks.append(
+                    {"collectives": {(c, b): t for c, b, t in json.loads(line[0][len(RESULT_TAG) :])["times"]}}
+                )
+            per_world[world] = ranks
+            docker("rm", "-f", *names)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return {"skipped": f"failed: {exc}"}
+    finally:  # whatever happened: no container or network of this run is left behind
+        leftover = docker("ps", "-aq", "--filter", f"name={tag}").split()
+        if leftover:
+            docker("rm", "-f", *leftover)
+        subprocess.run(["docker", "network", "rm", tag], capture_output=True, timeout=60)
+    points = model.collective_points(per_world)
+    return {"image": IMAGE, "network": "user-defined bridge", "collectives": points, "fit": model.fit_all(points)}
 
 
 def print_table(doc: dict) -> None:
@@ -343,6 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--worlds", type=positive_ints, default=[2, 3, 4], help="world sizes measured (default 2,3,4)")
     ap.add_argument("--sizes", type=sizes, default=sizes("4K..64M"), help="message sizes (default 4K..64M)")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds per collective point (default 5)")
+    ap.add_argument("--small-repeats", type=int, default=25, help="rounds for sizes below 4 MiB (default 25)")
+    ap.add_argument("--containers", choices=("auto", "yes", "no"), default="auto", help="also between Docker "
+                    f"containers: auto = when Docker has {IMAGE} (default auto)")  # fmt: skip
+    ap.add_argument("--in-container", action="store_true", help=argparse.SUPPRESS)  # one rank inside a container
     ap.add_argument("--steps", type=int, default=6, help="timed DDP steps per model and world (default 6)")
     ap.add_argument("--check-batch", type=int, default=96, help="global batch of the measured DDP steps (default 96)")
     ap.add_argument("--global-batch", type=int, default=2048, help="global batch of the predictions (default 2048)")
@@ -354,19 +368,29 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for field in ("repeats", "steps", "check_batch", "global_batch"):
+    for field in ("repeats", "small_repeats", "steps", "check_batch", "global_batch"):
         if getattr(args, field) < 1:
             parser.error(f"--{field.replace('_', '-')}={getattr(args, field)}: give a positive integer")
     if args.check_batch < max(args.worlds):
         parser.error(f"--check-batch={args.check_batch}: give at least one sample per rank of the largest world")
+    if args.in_container:
+        return in_container(args)
+    if args.containers == "yes" and containers_ready():
+        parser.error(f"--containers yes: {containers_ready()}")
     if args.render_docs:  # from the committed result (or --out): the page shows what bench/results/ holds
         path = args.out or RESULTS / "scaling.json"
+        if not path.exists():
+            parser.error(f"--render-docs: {path} does not exist: run `make scaling` first")
         DOC.write_text(model.rendered_page(DOC.read_text(), json.loads(path.read_text())), encoding="utf-8")
         print(f"wrote {DOC.relative_to(REPO)} from {path}")
         return 0
     path = output_path(parser, args, "scaling")
     before = load_average()
-    result = measure(args)
+    try:
+        result = measure(args)
+    except ValueError as exc:  # a fit with nothing to fit (e.g. two tiny sizes): say which, write nothing
+        print(f"bench.scaling: {exc}; measure more sizes (--sizes 4K..64M)", file=sys.stderr)
+        return 1
     doc = {"schema": SCHEMA, **provenance(args, load_before=before), **result}
     print_table(doc)
     path.parent.mkdir(parents=True, exist_ok=True)

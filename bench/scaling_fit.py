@@ -10,6 +10,8 @@ what nccl-tests calls *busbw*, and a published busbw can be used as ``beta`` unc
 
 from __future__ import annotations
 
+import statistics
+
 import numpy as np
 
 # collective -> (a(n): latency terms, b(n): bandwidth factor); S = the whole buffer (all-gather: the output).
@@ -87,6 +89,87 @@ def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """(intercept, slope) of the least-squares line: per-step overhead and per-sample seconds."""
     slope, intercept = np.polyfit(np.array(xs, dtype=float), np.array(ys, dtype=float), 1)
     return float(intercept), float(slope)
+
+
+# -- from measured points to the model ------------------------------------------------------------------------------
+def collective_points(per_world: dict) -> list[dict]:
+    """Median over rounds of the slowest rank (send/recv: rank 0's half round trip)."""
+    points = []
+    for world, ranks in per_world.items():
+        for (name, nbytes), _ in ranks[0]["collectives"].items():
+            rounds = [r["collectives"][(name, nbytes)] for r in ranks]
+            per_round = rounds[0] if name == "send_recv" else [max(t) for t in zip(*rounds)]
+            points.append(
+                {"collective": name, "world_size": world, "bytes": nbytes, "measured_s": statistics.median(per_round)}
+            )
+    return points
+
+
+def fit_all(points: list[dict]) -> dict:
+    fits = {}
+    for name in TERMS:
+        mine = [p for p in points if p["collective"] == name]
+        f = fit(name, [(p["world_size"], p["bytes"], p["measured_s"]) for p in mine])
+        for p, err in zip(mine, f.pop("errors")):
+            p["predicted_s"], p["error"] = p["measured_s"] * (1 + err), err
+        fits[name] = f
+    return fits
+
+
+def ddp_check(per_world: dict, fits: dict) -> tuple[list[dict], dict]:
+    """The model against each measured DDP step: compute from the same world's no_sync steps, comm from the fit."""
+    ar = fits["all_reduce"]
+    rows, buckets = [], {}
+    for world, ranks in per_world.items():
+        for name in ranks[0]["ddp"]:
+            per_rank = [r["ddp"][name] for r in ranks]
+            measured = statistics.median(max(s) for s in zip(*(r["synced"] for r in per_rank)))
+            # The slowest rank's phases, median over steps: the synced step waits for the slowest rank too.
+            local = [max(phases, key=sum) for phases in zip(*(r["local"] for r in per_rank))]
+            compute = dict(zip(("forward", "backward", "optimizer"), (statistics.median(p) for p in zip(*local))))
+            buckets[name] = per_rank[0]["buckets"]
+            pred = ddp_step(compute, buckets[name], world, ar["alpha_s"], ar["beta_bytes_per_s"])
+            rows.append(
+                {
+                    "model": name,
+                    "world_size": world,
+                    "per_rank_batch": ranks[0]["check_batch"] // world,
+                    "compute_s": sum(compute.values()),
+                    "measured_step_s": measured,
+                    "predicted_step_s": pred["step_s"],
+                    "predicted_step_overlap_s": pred["step_overlap_s"],
+                    "error": pred["step_s"] / measured - 1,
+                    "error_overlap": pred["step_overlap_s"] / measured - 1,
+                }
+            )
+    return rows, buckets
+
+
+def bubble_rows(doc: dict, fits: dict) -> dict:
+    """pipeline-bubble.json's emulated rows: GPipe's formula and the formula + fitted send/recv term vs measured."""
+    sr = fits["send_recv"]
+    rows = []
+    for r in (r for r in doc["rows"] if r["compute"] == "emulated"):
+        compute = statistics.fmean(r["compute_ms_per_stage"]) / 1e3
+        sent = min(r["activation_bytes_per_stage"])  # an end stage: one direction, one boundary
+        idle, transfer = bubble_with_comm(
+            r["stages"], r["micro_batches"], compute, sent, sr["alpha_s"], sr["beta_bytes_per_s"]
+        )
+        rows.append(
+            {
+                **{k: r[k] for k in ("schedule", "stages", "micro_batches")},
+                "formula": r["theory"],
+                "with_comm": idle,
+                "transfer_s": transfer,
+                "measured": r["measured_mean"],
+            }
+        )
+    return {
+        "source": f"bench/results/pipeline-bubble.json (commit {doc['commit'][:10]}, {doc['date']})",
+        "rows": rows,
+        "mean_abs_error_formula": statistics.fmean(abs(r["formula"] - r["measured"]) for r in rows),
+        "mean_abs_error_with_comm": statistics.fmean(abs(r["with_comm"] - r["measured"]) for r in rows),
+    }
 
 
 def plot(doc: dict, path) -> None:
@@ -200,6 +283,12 @@ def render_bubble(doc: dict) -> list[str]:
     return lines
 
 
+def render_containers(containers: dict) -> list[str]:
+    if "skipped" in containers:
+        return [f"Not measured in this run: {containers['skipped']}."]
+    return render_fit(containers)
+
+
 def render(doc: dict) -> str:
     """The generated block of docs/scaling.md: where the numbers come from, then every table."""
     from tools.report import provenance_line
@@ -218,6 +307,10 @@ def render(doc: dict) -> str:
         *render_fit(doc),
         "",
         f"Points within 15%: {summary['within_15pct']} of {summary['points']} (worst {summary['max_abs_error']:.0%}).",
+        "",
+        "### The same collectives between containers (Docker, one user-defined bridge network)",
+        "",
+        *render_containers(doc.get("containers") or {"skipped": "not run"}),
         "",
         "### Check: DDP step time at the measured world sizes",
         "",
