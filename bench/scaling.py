@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import scaling_fit as model
+from bench.pipeline_bubble import OneLineParser  # one-line errors, exit 2: the house rule for bad input
 from bench.provenance import REPO, RESULTS, describe_output, load_average, output_path, provenance
 
 SCHEMA = "scaling.v1"
@@ -341,11 +342,6 @@ def positive_ints(text: str) -> list[int]:
     if not values or min(values) < 2:
         raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated world sizes >= 2, e.g. 2,3,4")
     return values
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, not usage + line: the house rule for bad input
-        self.exit(2, f"{self.prog}: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

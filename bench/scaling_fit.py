@@ -86,8 +86,14 @@ def bubble_with_comm(stages: int, micro: int, compute_s: float, sent_bytes: floa
 
 
 def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """(intercept, slope) of the least-squares line: per-step overhead and per-sample seconds."""
-    slope, intercept = np.polyfit(np.array(xs, dtype=float), np.array(ys, dtype=float), 1)
+    """(intercept, slope) of the least-squares line: per-step overhead and per-sample seconds, both kept >= 0 so that
+    noise at the small batches cannot make a predicted compute time negative (flat: the mean; else through 0)."""
+    x, y = np.array(xs, dtype=float), np.array(ys, dtype=float)
+    slope, intercept = np.polyfit(x, y, 1)
+    if slope < 0:
+        return float(y.mean()), 0.0
+    if intercept < 0:
+        return 0.0, float(x @ y / (x @ x))
     return float(intercept), float(slope)
 
 
@@ -188,13 +194,16 @@ def plot(doc: dict, path) -> None:
             ax.plot(ranks, [r[net]["step_s"] * 1e3 for r in rows], "-", color=color, label=f"{net}, no overlap")
             ax.plot(ranks, [r[net]["step_overlap_s"] * 1e3 for r in rows], "--", color=color, label=f"{net}, overlap")
         checks = [r for r in doc["ddp_check"] if r["model"] == name]
-        ax.plot([r["world_size"] for r in checks], [r["measured_step_s"] * 1e3 for r in checks], "ko", label="measured")
+        at = [r["world_size"] for r in checks]
+        ax.plot(at, [r["measured_step_s"] * 1e3 for r in checks], "ko", label="measured (check batch)")
+        ax.plot(at, [r["predicted_step_overlap_s"] * 1e3 for r in checks], "kx", label="model (check batch)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_title(f"{name} (global batch {doc['settings']['global_batch']})", fontsize=9)
+        batches = f"lines: global batch {doc['settings']['global_batch']}, points: {doc['settings']['check_batch']}"
+        ax.set_title(f"{name} ({batches})", fontsize=9)
         ax.set_xlabel("ranks")
         ax.grid(True, alpha=0.3)
-    axes[0].set_ylabel("step time, ms (measured: check batch)")
+    axes[0].set_ylabel("step time, ms")
     axes[0].legend(fontsize=7)
     fig.suptitle("Predicted DDP step time: gloo (fitted here) vs NCCL (assumed); CPU compute", fontsize=10)
     fig.tight_layout()
