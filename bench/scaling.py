@@ -279,7 +279,7 @@ def measure_containers(args) -> dict:
     per_world = {}
     try:
         docker("network", "create", tag)
-        for world in args.worlds:
+        for world in args.container_worlds:
             print(f"containers, world {world}: collectives ...", flush=True)
             names = [f"{tag}-{world}-{r}" for r in range(world)]
             rounds = ["--repeats", str(args.repeats), "--small-repeats", str(args.small_repeats)]
@@ -312,11 +312,6 @@ def measure_containers(args) -> dict:
         subprocess.run(["docker", "network", "rm", tag], capture_output=True, timeout=60)
     points = model.collective_points(per_world)
     return {"image": IMAGE, "network": "user-defined bridge", "collectives": points, "fit": model.fit_all(points)}
-
-
-def print_table(doc: dict) -> None:
-    for line in model.render(doc).splitlines()[2:]:
-        print(line)
 
 
 def sizes(text: str) -> list[int]:
@@ -352,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--small-repeats", type=int, default=25, help="rounds for sizes below 4 MiB (default 25)")
     ap.add_argument("--containers", choices=("auto", "yes", "no"), default="auto", help="also between Docker "
                     f"containers: auto = when Docker has {IMAGE} (default auto)")  # fmt: skip
+    ap.add_argument("--container-worlds", type=positive_ints, default=[2, 4], help="their world sizes (default 2,4)")
     ap.add_argument("--in-container", action="store_true", help=argparse.SUPPRESS)  # one rank inside a container
     ap.add_argument("--steps", type=int, default=6, help="timed DDP steps per model and world (default 6)")
     ap.add_argument("--check-batch", type=int, default=96, help="global batch of the measured DDP steps (default 96)")
@@ -388,7 +384,7 @@ def main(argv=None) -> int:
         print(f"bench.scaling: {exc}; measure more sizes (--sizes 4K..64M)", file=sys.stderr)
         return 1
     doc = {"schema": SCHEMA, **provenance(args, load_before=before), **result}
-    print_table(doc)
+    print("\n".join(model.render(doc).splitlines()[2:]))  # the docs' block, less its provenance line
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")
     model.plot(doc, path.with_suffix(".png"))

@@ -105,8 +105,14 @@ def collective_points(per_world: dict) -> list[dict]:
         for (name, nbytes), _ in ranks[0]["collectives"].items():
             rounds = [r["collectives"][(name, nbytes)] for r in ranks]
             per_round = rounds[0] if name == "send_recv" else [max(t) for t in zip(*rounds)]
+            median = statistics.median(per_round)
+            q1, _, q3 = statistics.quantiles(per_round, n=4) if len(per_round) > 1 else (median,) * 3
             points.append(
-                {"collective": name, "world_size": world, "bytes": nbytes, "measured_s": statistics.median(per_round)}
+                {
+                    **{"collective": name, "world_size": world, "bytes": nbytes, "measured_s": median},
+                    "spread": (q3 - q1) / median,  # the rounds' interquartile range / median: the noise
+                    "rounds": len(per_round),
+                }
             )
     return points
 
@@ -223,16 +229,18 @@ def _size(nbytes: int) -> str:
 def render_fit(doc: dict) -> list[str]:
     lines = [
         "| collective | alpha (µs) | beta = busbw (MB/s) | points | within 15% | median \\|error\\| "
-        "| max \\|error\\| |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| max \\|error\\| | median noise |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, f in doc["fit"].items():
-        errs = [abs(p["error"]) for p in doc["collectives"] if p["collective"] == name]
-        within = sum(e <= 0.15 for e in errs)
+        mine = [p for p in doc["collectives"] if p["collective"] == name]
+        errs = [abs(p["error"]) for p in mine]
+        noise = np.median([p["spread"] for p in mine]) if all("spread" in p for p in mine) else float("nan")
         lines.append(
-            f"| {name} | {f['alpha_s'] * 1e6:.0f} | {f['beta_bytes_per_s'] / 1e6:.0f} | {len(errs)} | {within} "
-            f"| {np.median(errs):.0%} | {max(errs):.0%} |"
+            f"| {name} | {f['alpha_s'] * 1e6:.0f} | {f['beta_bytes_per_s'] / 1e6:.0f} | {len(errs)} "
+            f"| {sum(e <= 0.15 for e in errs)} | {np.median(errs):.0%} | {max(errs):.0%} | {noise:.0%} |"
         )
+    lines += ["", "Noise: the interquartile range of a point's rounds divided by its median, median over points."]
     worlds = sorted({p["world_size"] for p in doc["collectives"]})
     lines += ["", "Every point: measured ms (model's error), per world size.", ""]
     lines += [
