@@ -57,6 +57,10 @@ pipeline: venv ## model parallel, GPipe, 1F1B, data x pipeline vs single-process
 pipeline-bubble: venv ## pipeline idle share per stage vs (S-1)/(M+S-1), S=2,4 M=1..8; JSON + PNG in bench/results/
 	$(PY) -m bench.pipeline_bubble
 
+.PHONY: scaling
+scaling: venv ## alpha-beta fit of gloo collectives (worlds 2-4); DDP step time predicted to 1024 ranks; JSON + PNG
+	$(PY) -m bench.scaling
+
 .PHONY: docs-config
 docs-config: venv ## rewrite docs/training.md's configuration table from TrainConfig (app/worker/config/schema.py)
 	$(PY) -m tools.config_table

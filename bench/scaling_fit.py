@@ -1,0 +1,362 @@
+"""The scaling model's arithmetic, apart from any measurement: the alpha-beta cost of each collective, its
+least-squares fit, DDP's step time with and without overlap, the pipeline bubble with its send/recv term, the plot,
+and the docs page rendered from ``bench/results/scaling.json``. ``bench/scaling.py`` measures and calls these.
+
+The alpha-beta (latency-bandwidth) model: a collective on ``n`` ranks over ``S`` bytes takes
+``a(n) * alpha + b(n) * S / beta``, with the standard algorithm terms below (ring all-reduce = reduce-scatter then
+all-gather). ``b(n)`` is nccl-tests' bus-bandwidth factor (NVIDIA/nccl-tests doc/PERFORMANCE.md), so ``beta`` here is
+what nccl-tests calls *busbw*, and a published busbw can be used as ``beta`` unchanged.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+# collective -> (a(n): latency terms, b(n): bandwidth factor); S = the whole buffer (all-gather: the output).
+TERMS = {
+    "all_reduce": (lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n),
+    "reduce_scatter": (lambda n: n - 1, lambda n: (n - 1) / n),
+    "all_gather": (lambda n: n - 1, lambda n: (n - 1) / n),
+    "send_recv": (lambda n: 1, lambda n: 1.0),
+}
+
+
+def predict(collective: str, n: int, nbytes: float, alpha: float, beta: float) -> float:
+    """Seconds for one ``collective`` of ``nbytes`` on ``n`` ranks: a(n)·alpha + b(n)·S/beta."""
+    a, b = TERMS[collective]
+    return a(n) * alpha + b(n) * nbytes / beta
+
+
+def fit(collective: str, points: list[tuple[int, float, float]]) -> dict:
+    """Least-squares alpha (s) and beta (bytes/s) from ``(n, bytes, seconds)`` points.
+
+    The residuals are *relative* (each row divided by its measured time): a 4 KiB point of 0.3 ms and a 64 MiB point
+    of 300 ms weigh the same, so the fit aims at the per-point error the model is judged by rather than at the
+    largest messages only. A negative alpha (noise at the small sizes) is clamped to 0 and beta refitted alone.
+    """
+    a, b = TERMS[collective]
+    t = np.array([s for _, _, s in points])
+    rows = np.array([[a(n), b(n) * nbytes] for n, nbytes, _ in points]) / t[:, None]
+    (alpha, inv_beta), *_ = np.linalg.lstsq(rows, np.ones(len(points)), rcond=None)
+    if alpha < 0:
+        alpha, inv_beta = 0.0, float(np.linalg.lstsq(rows[:, 1:], np.ones(len(points)), rcond=None)[0][0])
+    if inv_beta <= 0:
+        raise ValueError(f"{collective}: no positive bandwidth fits these points (times do not grow with size)")
+    errors = [predict(collective, n, nbytes, alpha, 1 / inv_beta) / s - 1 for n, nbytes, s in points]
+    return {"alpha_s": float(alpha), "beta_bytes_per_s": float(1 / inv_beta), "errors": errors}
+
+
+def ddp_comm(bucket_bytes: list[int], n: int, alpha: float, beta: float) -> tuple[float, float]:
+    """(all buckets' all-reduce seconds, the last-launched bucket's): one ring all-reduce per bucket."""
+    times = [predict("all_reduce", n, size, alpha, beta) for size in bucket_bytes]
+    return sum(times), times[-1]
+
+
+def ddp_step(compute: dict, bucket_bytes: list[int], n: int, alpha: float, beta: float) -> dict:
+    """Predicted step seconds of bucketed DDP, without and with overlap, and communication's share of each.
+
+    ``compute``: seconds of ``forward``, ``backward``, ``optimizer`` for one rank's batch. Without overlap the
+    all-reduces follow backward. With overlap a bucket is all-reduced while backward computes earlier layers, so
+    backward hides up to its own duration, but never the last bucket: it is only full when backward ends.
+    """
+    comm, last = ddp_comm(bucket_bytes, n, alpha, beta)
+    work = compute["forward"] + compute["backward"] + compute["optimizer"]
+    exposed = max(comm - compute["backward"], last)
+    return {
+        "comm_s": comm,
+        "step_s": work + comm,
+        "share": comm / (work + comm),
+        "step_overlap_s": work + exposed,
+        "share_overlap": exposed / (work + exposed),
+    }
+
+
+def bubble_with_comm(stages: int, micro: int, compute_s: float, sent_bytes: float, alpha: float, beta: float):
+    """A stage's idle share when each micro-batch's transfer is on the critical path; returns (idle, transfer s).
+
+    GPipe's (S−1)/(M+S−1) assumes free communication: M+S−1 slots of one micro-batch's work ``compute_s / M``.
+    Here every slot also carries one send/recv of the micro-batch's activation (forward) and one of its gradient
+    (backward), ``sent_bytes / M`` each: step = (M+S−1)·(compute/M + 2·transfer), idle = 1 − compute / step.
+    """
+    transfer = predict("send_recv", 2, sent_bytes / micro, alpha, beta)
+    step = (micro + stages - 1) * (compute_s / micro + 2 * transfer)
+    return 1 - compute_s / step, transfer
+
+
+def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line: per-step overhead and per-sample seconds, both kept >= 0 so that
+    noise at the small batches cannot make a predicted compute time negative (flat: the mean; else through 0)."""
+    x, y = np.array(xs, dtype=float), np.array(ys, dtype=float)
+    slope, intercept = np.polyfit(x, y, 1)
+    if slope < 0:
+        return float(y.mean()), 0.0
+    if intercept < 0:
+        return 0.0, float(x @ y / (x @ x))
+    return float(intercept), float(slope)
+
+
+# -- from measured points to the model ------------------------------------------------------------------------------
+def collective_points(per_world: dict) -> list[dict]:
+    """Median over rounds of the slowest rank (send/recv: rank 0's half round trip)."""
+    points = []
+    for world, ranks in per_world.items():
+        for (name, nbytes), _ in ranks[0]["collectives"].items():
+            rounds = [r["collectives"][(name, nbytes)] for r in ranks]
+            per_round = rounds[0] if name == "send_recv" else [max(t) for t in zip(*rounds)]
+            median = statistics.median(per_round)
+            q1, _, q3 = statistics.quantiles(per_round, n=4) if len(per_round) > 1 else (median,) * 3
+            points.append(
+                {
+                    **{"collective": name, "world_size": world, "bytes": nbytes, "measured_s": median},
+                    "spread": (q3 - q1) / median,  # the rounds' interquartile range / median: the noise
+                    "rounds": len(per_round),
+                }
+            )
+    return points
+
+
+def fit_all(points: list[dict]) -> dict:
+    fits = {}
+    for name in TERMS:
+        mine = [p for p in points if p["collective"] == name]
+        f = fit(name, [(p["world_size"], p["bytes"], p["measured_s"]) for p in mine])
+        for p, err in zip(mine, f.pop("errors")):
+            p["predicted_s"], p["error"] = p["measured_s"] * (1 + err), err
+        fits[name] = f
+    return fits
+
+
+def ddp_check(per_world: dict, fits: dict) -> tuple[list[dict], dict]:
+    """The model against each measured DDP step: compute from the same world's no_sync steps, comm from the fit."""
+    ar = fits["all_reduce"]
+    rows, buckets = [], {}
+    for world, ranks in per_world.items():
+        for name in ranks[0]["ddp"]:
+            per_rank = [r["ddp"][name] for r in ranks]
+            measured = statistics.median(max(s) for s in zip(*(r["synced"] for r in per_rank)))
+            # The slowest rank's phases, median over steps: the synced step waits for the slowest rank too.
+            local = [max(phases, key=sum) for phases in zip(*(r["local"] for r in per_rank))]
+            compute = dict(zip(("forward", "backward", "optimizer"), (statistics.median(p) for p in zip(*local))))
+            buckets[name] = per_rank[0]["buckets"]
+            pred = ddp_step(compute, buckets[name], world, ar["alpha_s"], ar["beta_bytes_per_s"])
+            rows.append(
+                {
+                    "model": name,
+                    "world_size": world,
+                    "per_rank_batch": ranks[0]["check_batch"] // world,
+                    "compute_s": sum(compute.values()),
+                    "measured_step_s": measured,
+                    "predicted_step_s": pred["step_s"],
+                    "predicted_step_overlap_s": pred["step_overlap_s"],
+                    "error": pred["step_s"] / measured - 1,
+                    "error_overlap": pred["step_overlap_s"] / measured - 1,
+                }
+            )
+    return rows, buckets
+
+
+def bubble_rows(doc: dict, fits: dict) -> dict:
+    """pipeline-bubble.json's emulated rows: GPipe's formula and the formula + fitted send/recv term vs measured."""
+    sr = fits["send_recv"]
+    rows = []
+    for r in (r for r in doc["rows"] if r["compute"] == "emulated"):
+        compute = statistics.fmean(r["compute_ms_per_stage"]) / 1e3
+        sent = min(r["activation_bytes_per_stage"])  # an end stage: one direction, one boundary
+        idle, transfer = bubble_with_comm(
+            r["stages"], r["micro_batches"], compute, sent, sr["alpha_s"], sr["beta_bytes_per_s"]
+        )
+        rows.append(
+            {
+                **{k: r[k] for k in ("schedule", "stages", "micro_batches")},
+                "formula": r["theory"],
+                "with_comm": idle,
+                "transfer_s": transfer,
+                "measured": r["measured_mean"],
+            }
+        )
+    return {
+        "source": f"bench/results/pipeline-bubble.json (commit {doc['commit'][:10]}, {doc['date']})",
+        "rows": rows,
+        "mean_abs_error_formula": statistics.fmean(abs(r["formula"] - r["measured"]) for r in rows),
+        "mean_abs_error_with_comm": statistics.fmean(abs(r["with_comm"] - r["measured"]) for r in rows),
+    }
+
+
+def plot(doc: dict, path) -> None:
+    """The PNG: predicted step time vs ranks per model, gloo vs NCCL, with and without overlap; measured dots."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers and CI
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in doc["predictions"]))
+    fig, axes = plt.subplots(1, len(models), figsize=(13, 4.2), sharey=False)
+    for ax, name in zip(axes, models):
+        rows = [r for r in doc["predictions"] if r["model"] == name]
+        ranks = [r["ranks"] for r in rows]
+        for net, color in (("gloo", "tab:blue"), ("nccl", "tab:green")):
+            ax.plot(ranks, [r[net]["step_s"] * 1e3 for r in rows], "-", color=color, label=f"{net}, no overlap")
+            ax.plot(ranks, [r[net]["step_overlap_s"] * 1e3 for r in rows], "--", color=color, label=f"{net}, overlap")
+        checks = [r for r in doc["ddp_check"] if r["model"] == name]
+        at = [r["world_size"] for r in checks]
+        ax.plot(at, [r["measured_step_s"] * 1e3 for r in checks], "ko", label="measured (check batch)")
+        ax.plot(at, [r["predicted_step_overlap_s"] * 1e3 for r in checks], "kx", label="model (check batch)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        batches = f"lines: global batch {doc['settings']['global_batch']}, points: {doc['settings']['check_batch']}"
+        ax.set_title(f"{name} ({batches})", fontsize=9)
+        ax.set_xlabel("ranks")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("step time, ms")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Predicted DDP step time: gloo (fitted here) vs NCCL (assumed); CPU compute", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- the docs page ----------------------------------------------------------------------------------------------------
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3g}" if s < 1 else f"{s * 1e3:.0f}"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def render_fit(doc: dict) -> list[str]:
+    lines = [
+        "| collective | alpha (µs) | beta = busbw (MB/s) | points | within 15% | median \\|error\\| "
+        "| max \\|error\\| | median noise |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, f in doc["fit"].items():
+        mine = [p for p in doc["collectives"] if p["collective"] == name]
+        errs = [abs(p["error"]) for p in mine]
+        noise = np.median([p["spread"] for p in mine]) if all("spread" in p for p in mine) else float("nan")
+        lines.append(
+            f"| {name} | {f['alpha_s'] * 1e6:.0f} | {f['beta_bytes_per_s'] / 1e6:.0f} | {len(errs)} "
+            f"| {sum(e <= 0.15 for e in errs)} | {np.median(errs):.0%} | {max(errs):.0%} | {noise:.0%} |"
+        )
+    lines += ["", "Noise: the interquartile range of a point's rounds divided by its median, median over points."]
+    worlds = sorted({p["world_size"] for p in doc["collectives"]})
+    lines += ["", "Every point: measured ms (model's error), per world size.", ""]
+    lines += [
+        "| collective | size | " + " | ".join(f"n={n}" for n in worlds) + " |",
+        "|---|---:|" + "---:|" * len(worlds),
+    ]
+    index = {(p["collective"], p["bytes"], p["world_size"]): p for p in doc["collectives"]}
+    for name in doc["fit"]:
+        for nbytes in sorted({p["bytes"] for p in doc["collectives"]}):
+            cells = [index.get((name, nbytes, n)) for n in worlds]
+            text = [f"{_ms(c['measured_s'])} ({c['error']:+.0%})" if c else "—" for c in cells]
+            lines.append(f"| {name} | {_size(nbytes)} | " + " | ".join(text) + " |")
+    return lines
+
+
+def render_check(doc: dict) -> list[str]:
+    lines = [
+        "| model | n | per-rank batch | compute ms | measured step ms | model, no overlap | model, overlap |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["ddp_check"]:
+        lines.append(
+            f"| {r['model']} | {r['world_size']} | {r['per_rank_batch']} | {_ms(r['compute_s'])} | "
+            f"{_ms(r['measured_step_s'])} | {_ms(r['predicted_step_s'])} ({r['error']:+.0%}) | "
+            f"{_ms(r['predicted_step_overlap_s'])} ({r['error_overlap']:+.0%}) |"
+        )
+    return lines
+
+
+def render_predictions(doc: dict) -> list[str]:
+    lines = [
+        "| model | ranks | per-rank batch | gloo step ms | gloo comm share | gloo overlapped | NCCL step ms "
+        "| NCCL comm share | NCCL overlapped |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["predictions"]:
+        g, c = r["gloo"], r["nccl"]
+        lines.append(
+            f"| {r['model']} | {r['ranks']} | {r['per_rank_batch']:g} | {_ms(g['step_s'])} | {g['share']:.0%} | "
+            f"{_ms(g['step_overlap_s'])} ({g['share_overlap']:.0%}) | {_ms(c['step_s'])} | {c['share']:.0%} | "
+            f"{_ms(c['step_overlap_s'])} ({c['share_overlap']:.0%}) |"
+        )
+    return lines
+
+
+def render_bubble(doc: dict) -> list[str]:
+    lines = [
+        "| schedule | S | M | (S−1)/(M+S−1) | + send/recv term | measured (emulated) | formula's error "
+        "| model's error |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["bubble"]["rows"]:
+        lines.append(
+            f"| {r['schedule']} | {r['stages']} | {r['micro_batches']} | {r['formula']:.3f} | {r['with_comm']:.3f} | "
+            f"{r['measured']:.3f} | {r['formula'] - r['measured']:+.3f} | {r['with_comm'] - r['measured']:+.3f} |"
+        )
+    return lines
+
+
+def render_containers(containers: dict) -> list[str]:
+    if "skipped" in containers:
+        return [f"Not measured in this run: {containers['skipped']}."]
+    return render_fit(containers)
+
+
+def render(doc: dict) -> str:
+    """The generated block of docs/scaling.md: where the numbers come from, then every table."""
+    from tools.report import provenance_line
+
+    m = doc["machine"]
+    nccl = doc["nccl_assumption"]
+    summary = doc["summary"]
+    lines = [
+        provenance_line(doc),
+        "",
+        f"Load average while measuring: {m['load_average_before']} before, {m['load_average_after']} after (1, 5, "
+        f"15 min) on {m['cores']} cores: other jobs shared the machine, so every figure below is noisy.",
+        "",
+        "### Fitted alpha and beta (gloo, CPU, one host, processes)",
+        "",
+        *render_fit(doc),
+        "",
+        f"Points within 15%: {summary['within_15pct']} of {summary['points']} (worst {summary['max_abs_error']:.0%}).",
+        "",
+        "### The same collectives between containers (Docker, one user-defined bridge network)",
+        "",
+        *render_containers(doc.get("containers") or {"skipped": "not run"}),
+        "",
+        "### Check: DDP step time at the measured world sizes",
+        "",
+        *render_check(doc),
+        "",
+        f"### Predictions (global batch {doc['settings']['global_batch']}, compute = this CPU's, see above)",
+        "",
+        f"NCCL, assumed (not measured): alpha = {nccl['alpha_s'] * 1e6:g} µs, busbw = "
+        f"{nccl['beta_bytes_per_s'] / 1e9:g} GB/s ({nccl['source']}).",
+        "",
+        *render_predictions(doc),
+        "",
+        "### Pipeline bubble with the send/recv term",
+        "",
+        *render_bubble(doc),
+        "",
+        f"Mean |error| over these rows: formula {doc['bubble']['mean_abs_error_formula']:.3f}, with the send/recv "
+        f"term {doc['bubble']['mean_abs_error_with_comm']:.3f} (idle share points).",
+    ]
+    return "\n".join(lines)
+
+
+BEGIN, END = "<!-- bench-report:scaling -->", "<!-- /bench-report:scaling -->"
+
+
+def rendered_page(page: str, doc: dict) -> str:
+    """``page`` with the block between the markers replaced by ``render(doc)``."""
+    head, found, rest = page.partition(BEGIN)
+    _, found_end, tail = rest.partition(END)
+    if not (found and found_end):
+        raise ValueError(f"docs/scaling.md has no {BEGIN} ... {END} block")
+    return f"{head}{BEGIN}\n{render(doc)}\n{END}{tail}"
