@@ -4,9 +4,9 @@ A ZeRO rank holds 1/N of the optimizer state (and, in stage 3, of the parameters
 to save it would need on one rank the very memory sharding saved, so each rank writes what it holds:
 
     directory/
-      shard-00000-of-00004.pt   rank 0's pieces (+ the replicated tensors: buffers, frozen parameters)
+      shard-00000-of-00004-<id>.pt   rank 0's pieces (+ the replicated tensors: buffers, frozen parameters)
       ...
-      shard-00003-of-00004.pt
+      shard-00003-of-00004-<id>.pt   (<id>: fresh for each save, so a save never overwrites the files in use)
       manifest.json             written last, by rank 0: world size, stage, per shard its file, sha256 digest and
                                 which elements [lo, hi) of which parameter it holds; the parameters' shapes
 
@@ -130,14 +130,24 @@ def save_sharded(directory, model: nn.Module, optimizer, extra: dict | None = No
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     data = buffer.getvalue()
-    name = f"shard-{rank:05d}-of-{world:05d}.pt"
-    _atomic_write(directory / name, data)
-    mine = {"rank": rank, "file": name, "sha256": hashlib.sha256(data).hexdigest()}
-    mine["pieces"] = {n: [p["lo"], p["hi"]] for n, p in pieces.items()}
-    shards = [None] * world if rank == 0 else None
-    dist.gather_object(
-        mine, shards, dst=dist.get_global_rank(process_group, 0) if process_group else 0, group=process_group
+    # A fresh name per save: the files of the checkpoint the current manifest describes are never overwritten,
+    # so until the new manifest replaces it, the old checkpoint stays whole.
+    token = [os.urandom(4).hex() if rank == 0 else None]
+    dist.broadcast_object_list(
+        token, src=dist.get_global_rank(process_group, 0) if process_group else 0, group=process_group
     )
+    name = f"shard-{rank:05d}-of-{world:05d}-{token[0]}.pt"
+    try:
+        _atomic_write(directory / name, data)
+        mine = {"rank": rank, "file": name, "sha256": hashlib.sha256(data).hexdigest()}
+        mine["pieces"] = {n: [p["lo"], p["hi"]] for n, p in pieces.items()}
+    except OSError as e:
+        mine = f"{directory / name}: cannot write ({e.strerror})"
+    shards = [None] * world
+    dist.all_gather_object(shards, mine, group=process_group)  # every rank learns whether every shard is on disk
+    failed = next((s for s in shards if isinstance(s, str)), None)
+    if failed is not None:
+        raise CheckpointError(f"{failed}; no manifest written, the previous checkpoint (if any) is still whole")
     if rank == 0:
         manifest = {
             "format": FORMAT,
@@ -150,6 +160,10 @@ def save_sharded(directory, model: nn.Module, optimizer, extra: dict | None = No
             "shards": shards,
         }
         _atomic_write(directory / MANIFEST, json.dumps(manifest, indent=1, default=str).encode())
+        listed = {s["file"] for s in shards}
+        for old in directory.glob("shard-*.pt"):
+            if old.name not in listed:
+                old.unlink()  # an earlier save's shards: no manifest points at them any more
     dist.barrier(group=process_group)  # nobody returns before the checkpoint is complete
 
 
@@ -198,10 +212,36 @@ def _read_shard(directory: Path, shard: dict) -> dict:
 def load_sharded(directory, model: nn.Module, optimizer, process_group=None) -> dict:
     """Load a checkpoint from ``save_sharded`` onto this world (any size); returns the ``extra`` saved with it.
 
-    Collective (the parameters are re-synchronised at the end). Raises ``CheckpointError`` on a checkpoint from
+    Collective. Raises ``CheckpointError`` (on every rank, before anything is changed) on a checkpoint from
     another stage, a shard whose digest differs from the manifest's, or a parameter the checkpoint lacks.
     """
     directory = Path(directory)
+    try:
+        manifest, stage, entries, state, buffers, scalars, replicated = _read_for_this_rank(directory, model, optimizer)
+        error = None
+    except Exception as e:  # noqa: BLE001 (any rank's failure must reach every rank, or the others would hang)
+        error = str(e) if isinstance(e, CheckpointError) else f"{directory}: {type(e).__name__}: {e}"
+    _agree(error, process_group)  # all ranks read what they need, or none changes anything
+    _install(entries, state, buffers, scalars)
+    for group, saved in zip(optimizer.param_groups, manifest["param_groups"]):
+        # JSON turned tuples (AdamW's betas) into lists: give them back their type.
+        group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+    _load_replicated(model, optimizer, stage, replicated)
+    _resync(model, optimizer, stage)
+    return manifest.get("extra", {})
+
+
+def _agree(error: str | None, process_group) -> None:
+    """Raise ``CheckpointError`` on every rank if any rank failed (the lowest rank's message)."""
+    errors = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(errors, error, group=process_group)
+    first = next((e for e in errors if e), None)
+    if first is not None:
+        raise CheckpointError(first.splitlines()[0])
+
+
+def _read_for_this_rank(directory: Path, model: nn.Module, optimizer):
+    """Read and check everything this rank will hold; change nothing yet."""
     manifest = read_manifest(directory)
     stage = stage_of(model, optimizer)
     if manifest["stage"] != stage:
@@ -217,13 +257,14 @@ def load_sharded(directory, model: nn.Module, optimizer, process_group=None) -> 
     buffers: list[dict] = [{"param": torch.zeros_like(values)} for _, values, _ in entries]
     scalars: list[dict] = [{} for _ in entries]
     where = {name: (e, lo, off) for e, (_, _, slices) in enumerate(entries) for name, _, lo, _, off in slices}
-    replicated = {}
+    replicated = None
     for shard in manifest["shards"]:
         overlaps = [n for n, (lo, hi) in shard["pieces"].items() if n in needed and _overlap((lo, hi), needed[n])]
         if not overlaps and shard["rank"] != 0:
             continue  # a file with nothing for this rank is never read
-        payload = _read_shard(directory, shard)
-        replicated.update(payload.get("replicated", {}))
+        payload = _read_shard(directory, shard)  # one file at a time: its tensors are dropped after the copy
+        if shard["rank"] == 0:
+            replicated = payload.get("replicated", {})
         for name in overlaps:
             filled[name] += _copy_piece(payload["pieces"][name], needed[name], where[name], buffers, scalars)
     for name, (lo, hi) in needed.items():
@@ -232,12 +273,11 @@ def load_sharded(directory, model: nn.Module, optimizer, process_group=None) -> 
                 f"{directory}: the shards hold {filled[name]} of elements [{lo}, {hi}) of {name!r}: the manifest "
                 f"does not match its files"
             )
-    _install(entries, state, buffers, scalars)
-    for group, saved in zip(optimizer.param_groups, manifest["param_groups"]):
-        group.update(saved)
-    _load_replicated(directory, model, optimizer, stage, replicated)
-    _resync(model, optimizer, stage)
-    return manifest.get("extra", {})
+    sharded = _sharded_names(model, optimizer, stage)
+    for key in _bare(model).state_dict():
+        if key not in sharded and key not in (replicated or {}):
+            raise CheckpointError(f"{directory}: rank 0's shard lacks {key!r} (a buffer or frozen parameter)")
+    return manifest, stage, entries, state, buffers, scalars, replicated or {}
 
 
 def _overlap(a, b) -> bool:
@@ -276,16 +316,13 @@ def _install(entries, state, buffers, scalars) -> None:
                 state[key] = {**sc, **{k: v.view_as(key).clone() for k, v in buf.items()}}
 
 
-def _load_replicated(directory: Path, model: nn.Module, optimizer, stage: int, replicated: dict) -> None:
+def _load_replicated(model: nn.Module, optimizer, stage: int, replicated: dict) -> None:
     """Buffers and frozen parameters, from rank 0's shard, into every rank's model."""
     sharded = _sharded_names(model, optimizer, stage)
     with torch.no_grad():
         for k, v in _bare(model).state_dict().items():
-            if k in sharded:
-                continue
-            if k not in replicated:
-                raise CheckpointError(f"{directory}: rank 0's shard lacks {k!r} (a buffer or frozen parameter)")
-            v.copy_(replicated[k])
+            if k not in sharded:
+                v.copy_(replicated[k])
 
 
 def _resync(model: nn.Module, optimizer, stage: int) -> None:
