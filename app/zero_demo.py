@@ -23,7 +23,6 @@ With ``--compute-dtype bf16`` (stage 3) the verdict is FAIL by design: bf16 arit
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 
 import torch

@@ -9,7 +9,6 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
