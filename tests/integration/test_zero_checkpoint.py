@@ -17,8 +17,9 @@ from tests.world import run_world
 
 GLOBAL_BATCH = 12  # divides by 4 and by 3: every rank's slice is equal on both worlds
 SAVE_AT, STEPS = 3, 6
-# Measured: resumed on 3 ranks against 4 uninterrupted ranks, 3 AdamW steps after the save: worst |dparam| 1.5e-8
-# (the 3-way and 4-way gradient averages round differently); a lost moment or step count moves parameters ~1e-3.
+# Measured: resumed on 3 ranks against 4 uninterrupted ranks, 3 AdamW steps after the save: worst |dparam| 6e-8 over
+# stages 1-3 (the 3-way and 4-way gradient averages round differently); resuming without the optimizer state moves
+# parameters by ~1e-2 (the test fails then: checked by deleting the state's install).
 RESUME_TOL = 1e-6
 
 
