@@ -90,7 +90,9 @@ class FullyShardedDataParallel(nn.Module):
     Args:
         module: the model, on the CPU (this implementation's gathers and buffers are CPU tensors).
         units: submodules to shard as units: their names (``"layers.0"``) or classes (``Block``: every instance).
-            ``None``: each child of the root. A parameter in two units (tied) goes to the root unit.
+            ``None``: each child of the root (the items of a ModuleList/ModuleDict child). A parameter in two units
+            (tied) goes to the root unit. A unit must be a module whose own forward runs: its forward pre-hook is
+            what gathers it.
         compute_dtype: ``torch.bfloat16``/``torch.float16`` to gather, compute and reduce-scatter in (the shards
             stay fp32); floating-point forward inputs are cast to it and the output cast back to fp32. ``None``:
             the parameters' own dtype.
@@ -241,7 +243,14 @@ class FullyShardedDataParallel(nn.Module):
 def resolve_units(module: nn.Module, units) -> dict[str, nn.Module]:
     """``{name: submodule}`` for ``units`` (names or classes; ``None``: every child of the root)."""
     if units is None:
-        return dict(module.named_children())
+        # A ModuleList/ModuleDict child has no forward of its own (its parent calls its items): its items are units.
+        found = {}
+        for name, child in module.named_children():
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                found.update({f"{name}.{n}": m for n, m in child.named_children()})
+            else:
+                found[name] = child
+        return found
     if isinstance(units, (str, type)):
         units = [units]
     found: dict[str, nn.Module] = {}

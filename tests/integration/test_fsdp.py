@@ -117,11 +117,11 @@ def test_low_precision_compute_equals_pytorchs_fully_shard_with_the_same_policy(
 # --------------------------------------------------------------------------------------------------------------------
 # A real model: TinyTransformer, one unit per Block, tied embedding and head
 # --------------------------------------------------------------------------------------------------------------------
-def transformer_vs_ddp(rank, world, steps=3):
+def transformer_vs_ddp(rank, world, by_class=True, steps=3):
     torch.manual_seed(0)
     base = TinyTransformer(layers=2)
     ours_model, ddp_model = copy.deepcopy(base), copy.deepcopy(base)
-    ours = FullyShardedDataParallel(ours_model, units=[Block])
+    ours = FullyShardedDataParallel(ours_model, units=[Block] if by_class else None)
     opt = torch.optim.AdamW(ours.parameters(), lr=LR)
     ddp = DDP(ddp_model)
     ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
@@ -154,13 +154,18 @@ def transformer_vs_ddp(rank, world, steps=3):
     return worst, freed_after_forward, units, loaded
 
 
-def test_transformer_blocks_as_units_with_tied_head_equal_ddp():
-    results = run_world(transformer_vs_ddp, 2, timeout=300)
+@pytest.mark.parametrize(
+    ("by_class", "expected_units"),
+    [(True, ["", "blocks.0", "blocks.1"]), (False, ["", "pos", "blocks.0", "blocks.1", "norm"])],
+)
+def test_transformer_with_tied_head_equals_ddp(by_class, expected_units):
+    """units=[Block], or the default: each child of the root, a ModuleList's items one by one. Either way the tied
+    tok/head weight is in two units' reach, so it goes to the root unit."""
+    results = run_world(transformer_vs_ddp, 2, by_class, timeout=300)
     worst, freed, units, loaded = results[0]
     assert worst <= TRANSFORMER_VS_DDP_TOL, worst
-    assert all(r[1] for r in results), "a Block stayed gathered after its forward"
-    names = [n for n, _, _ in units]
-    assert names == ["", "blocks.0", "blocks.1"]  # tok/head tied -> root unit; pos, norm are root's too
+    assert all(r[1] for r in results), "a unit stayed gathered after its forward"
+    assert [n for n, _, _ in units] == expected_units
     assert all(shard == -(-total // 2) for _, total, shard in units)  # each rank keeps half of each unit
     assert loaded == ("<All keys matched successfully>", True, 0.0)
 
