@@ -53,7 +53,7 @@ def test_stage3_walks_with_one_process_ddp_and_torch_zero(world, kind, accum):
 # --------------------------------------------------------------------------------------------------------------------
 # Against PyTorch's fully_shard (FSDP2), fp32 and bf16
 # --------------------------------------------------------------------------------------------------------------------
-def vs_fully_shard(rank, world, kind, dtype_name, steps=3):
+def vs_fully_shard(rank, world, kind, dtype_name, accum=1, steps=3):
     dtype = getattr(torch, dtype_name) if dtype_name else None
     torch.manual_seed(0)
     base = build(kind)
@@ -78,11 +78,12 @@ def vs_fully_shard(rank, world, kind, dtype_name, steps=3):
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR)
     vs_torch, vs_fp32 = [], []
     for step in range(steps):
-        x, y = batch(step, PER_RANK * world)
-        mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        x, y = batch(step, PER_RANK * world * accum)
         for model, o in ((ours, opt), (theirs_model, theirs_opt)):
             o.zero_grad()
-            F.mse_loss(model(x[mine]), y[mine]).backward()
+            for i in range(accum):  # both reduce-scatter every micro-batch and add into the sharded gradient
+                mine = slice((rank * accum + i) * PER_RANK, (rank * accum + i + 1) * PER_RANK)
+                (F.mse_loss(model(x[mine]), y[mine]) / accum).backward()
             o.step()
         ref_opt.zero_grad()
         F.mse_loss(reference(x), y).backward()
@@ -99,9 +100,9 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float()
 
 
-@pytest.mark.parametrize(("world", "kind"), [(2, "mlp"), (4, "tied")])
-def test_fp32_equals_pytorchs_fully_shard(world, kind):
-    vs_torch, vs_fp32 = run_world(vs_fully_shard, world, kind, None, timeout=300)[0]
+@pytest.mark.parametrize(("world", "kind", "accum"), [(2, "mlp", 1), (4, "tied", 1), (2, "frozen", 2)])
+def test_fp32_equals_pytorchs_fully_shard(world, kind, accum):
+    vs_torch, vs_fp32 = run_world(vs_fully_shard, world, kind, None, accum, timeout=300)[0]
     assert max(vs_torch) <= PARAM_TOL, vs_torch
     assert max(vs_fp32) <= PARAM_TOL, vs_fp32
 
