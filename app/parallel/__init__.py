@@ -4,6 +4,10 @@
 - ``comm_hooks.py``: comm hooks for it (plain all-reduce, fp16, bf16), PyTorch's signature
 - ``accum.py``: the gradient-accumulation step (``accumulation_step``)
 - ``probes.py``: what one step's communication cost, whichever wrapper did it
+- ``zero.py``: ZeRO stage 1, ``ZeroRedundancyOptimizer`` (optimizer state sharded), PyTorch's constructor
+- ``sharded_grad.py``: ZeRO stage 2, ``ShardedGradDataParallel`` (gradients reduce-scattered, state sharded)
+- ``fsdp.py``: ZeRO stage 3, ``FullyShardedDataParallel`` (parameters sharded too, gathered per unit)
+- ``sharded_checkpoint.py``: ``save_sharded`` / ``load_sharded`` for stages 1-3, reshardable to another world size
 
 ``wrap_model`` is the one place that chooses between our wrapper and PyTorch's: the demo, the trainer and the
 benchmarks all call it.
@@ -54,3 +58,22 @@ def wrap_model(model: nn.Module, wrapper: str = "ours", *, bucket_cap_mb: float 
 
         return DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **kwargs)
     raise ValueError(f"wrapper={wrapper!r}: choose one of {', '.join(WRAPPERS)}")
+
+
+# The ZeRO classes, importable from here without making ``import app.parallel`` import torch (see WRAPPERS).
+_LAZY = {
+    "ZeroRedundancyOptimizer": "app.parallel.zero",
+    "ShardedGradDataParallel": "app.parallel.sharded_grad",
+    "FullyShardedDataParallel": "app.parallel.fsdp",
+    "save_sharded": "app.parallel.sharded_checkpoint",
+    "load_sharded": "app.parallel.sharded_checkpoint",
+    "CheckpointError": "app.parallel.sharded_checkpoint",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,310 @@
+"""ZeRO stage 3 (FSDP) from scratch: parameters, gradients and optimizer state all sharded over the ranks.
+
+Stage 2 (``sharded_grad.py``) still keeps every parameter whole on every rank. Stage 3 keeps only 1/N of them:
+the model is cut into *units* (submodules you name, or each child of the root), and each unit's parameters live
+as one flat fp32 shard per rank. A unit exists whole only while it computes:
+
+    forward:   pre-hook: all_gather(unit) ─► unit.forward ─► post-hook: free the gathered copy
+    backward:  the unit's output gradient arrives ─► all_gather(unit) again ─► unit's backward ─► every
+               parameter's gradient in ─► reduce_scatter(SUM) the flat gradient (async) ─► free the gathered copy
+    end:       wait, divide by N, add into shard.grad; the optimizer steps the shards (its state is 1/N too)
+
+*Free* means: the gathered buffer's storage is resized to 0 bytes; every parameter is a view of that buffer, and
+so is every tensor autograd saved from it, so the backward all-gather (which resizes it back and writes into it)
+repairs them all at once. The write is hidden from autograd's version counter (as PyTorch's FSDP2 does): the
+values written are the ones forward used, the buffer was not "modified in place" in any sense that matters.
+
+Parameters a unit shares with another unit (tied weights) go to the *root unit*: everything not in a unit, kept
+whole from the start of forward to the end of backward. Frozen parameters (``requires_grad=False``) are not
+sharded: every rank keeps them, as they are. ``compute_dtype`` (bf16 or fp16) is the dtype of the gathered
+parameters, of the computation and of the gradients' reduce-scatter; the shards, and so the optimizer, stay fp32.
+
+Why a wrapper class, ``FullyShardedDataParallel(module, ...)``, and not ``fully_shard(module)``: our DDP is a
+wrapper, so ``wrap_model`` can swap one for the other, and one object holds the units and ``full_state_dict()``
+where a reader finds them. ``fully_shard`` rewrites the module's class in place (FSDP2), which is more to explain.
+
+    model = FullyShardedDataParallel(TinyTransformer(), units=[Block], compute_dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # the shards (+ frozen parameters)
+    loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+    state = model.full_state_dict()                        # rank 0: the bare model's state_dict, one unit at a time
+
+Try it: ``torchrun --standalone --nproc-per-node=2 -m app.demos.zero_demo --stage 3``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from app.parallel.sharded_grad import FlatShard, broadcast_module_state
+
+
+class _Unit:
+    """One unit's parameters: an fp32 shard (stepped), a gathered buffer (``p.data`` are views of it) when whole."""
+
+    def __init__(self, name: str, params: list[nn.Parameter], names: list[str], fsdp: FullyShardedDataParallel):
+        self.name, self.fsdp = name, fsdp
+        self.flat_shard = s = FlatShard(params, names, fsdp.rank, fsdp.world_size)
+        flat = s.flatten(torch.float32)
+        self.shard = nn.Parameter(flat[s.start : s.start + s.shard_numel].clone())  # fp32 master: the optimizer's
+        self.full = torch.empty(s.padded, dtype=fsdp.compute_dtype or params[0].dtype)
+        with torch.no_grad():
+            for p, o, n, shape in zip(params, s.offsets, s.numels, s.shapes):
+                p.data = self.full[o : o + n].view(shape)  # once: from now on only the storage comes and goes
+        self.gathered = True
+        self.free()
+        self.grad: torch.Tensor | None = None
+        self.pending = 0
+
+    def gather(self) -> None:
+        """Make the unit whole: resize the buffer's storage back and all-gather every rank's shard into it."""
+        if self.gathered:
+            return
+        storage = self.full.untyped_storage()
+        storage.resize_(self.full.numel() * self.full.element_size())
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
+            dist.all_gather_into_tensor(self.full, self.shard.detach().to(self.full.dtype), self.fsdp.process_group)
+        self.fsdp.comm_bytes["all_gather"] += self.full.numel() * self.full.element_size()
+        self.gathered = True
+
+    def free(self) -> None:
+        """Give the gathered copy's memory back; the parameters keep their shapes, their storage holds 0 bytes."""
+        if self.gathered:
+            self.full.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def reduce_scatter(self) -> None:
+        """All of this unit's gradients are in: launch the async reduce-scatter, free the full parameters."""
+        chunk = torch.empty(self.flat_shard.shard_numel, dtype=self.grad.dtype)
+        work = dist.reduce_scatter_tensor(chunk, self.grad, dist.ReduceOp.SUM, self.fsdp.process_group, True)
+        self.fsdp.comm_bytes["reduce_scatter"] += self.grad.numel() * self.grad.element_size()
+        self.fsdp._works.append((self, work, chunk))
+        self.grad = None
+        self.free()
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Wrap ``module`` so that each rank stores 1/N of its parameters, gradients and optimizer state.
+
+    Args:
+        module: the model, on the CPU (this implementation's gathers and buffers are CPU tensors).
+        units: submodules to shard as units: their names (``"layers.0"``) or classes (``Block``: every instance).
+            ``None``: each child of the root (the items of a ModuleList/ModuleDict child). A parameter in two units
+            (tied) goes to the root unit. A unit must be a module whose own forward runs: its forward pre-hook is
+            what gathers it.
+        compute_dtype: ``torch.bfloat16``/``torch.float16`` to gather, compute and reduce-scatter in (the shards
+            stay fp32); floating-point forward inputs are cast to it and the output cast back to fp32. ``None``:
+            the parameters' own dtype.
+        process_group: the group to shard over; ``None`` is the default (world) group.
+        init_sync: broadcast rank 0's parameters and buffers first (``False``: the ranks agree already).
+
+    Every trainable parameter must get a gradient in every backward (there is no ``find_unused_parameters``).
+    Gradient accumulation needs nothing special: each backward reduce-scatters and adds into ``shard.grad``.
+    """
+
+    def __init__(self, module: nn.Module, units=None, compute_dtype=None, process_group=None, init_sync=True):
+        super().__init__()
+        if compute_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"compute_dtype={compute_dtype}: choose None, torch.bfloat16 or torch.float16")
+        unit_modules = resolve_units(module, units)  # before any collective: a bad list fails alone, at once
+        self.module, self.compute_dtype, self.process_group = module, compute_dtype, process_group
+        self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        if init_sync:
+            broadcast_module_state(module, process_group)
+        self._state_dict_names = {}  # id(param) -> every name the bare model's state_dict gives it (tied: several)
+        for name, p in module.named_parameters(remove_duplicate=False):
+            self._state_dict_names.setdefault(id(p), []).append(name)
+        self._state_dict_keys = list(module.state_dict().keys())
+        self.comm_bytes = {"all_gather": 0, "reduce_scatter": 0}
+        self._works: list = []
+        self._callback_queued = False
+        assignment = assign_parameters(module, unit_modules)
+        self.units: list[_Unit] = []
+        for unit_name, params in assignment.items():
+            if params:
+                names = [self._state_dict_names[id(p)][0] for p in params]
+                self.units.append(_Unit(unit_name, params, names, self))
+        self._root_unit = next((u for u in self.units if u.name == ""), None)
+        self._unregister(module, {id(p) for u in self.units for p in u.flat_shard.params})
+        # What the optimizer steps: the shards, registered here so that model.parameters() yields them.
+        self.flat_params = nn.ParameterList([u.shard for u in self.units])
+        for unit in self.units:
+            for p in unit.flat_shard.params:
+                p.register_post_accumulate_grad_hook(self._make_grad_hook(unit))
+            if unit is not self._root_unit:
+                sub = module.get_submodule(unit.name)
+                sub.register_forward_pre_hook(lambda *_, u=unit: u.gather())
+                sub.register_forward_hook(lambda _m, _i, out, u=unit: self._after_unit_forward(u, out))
+
+    @staticmethod
+    def _unregister(module: nn.Module, sharded: set[int]) -> None:
+        """Take the sharded parameters out of ``_parameters`` (kept as plain attributes, so forward finds them):
+        ``parameters()`` and ``state_dict()`` must not hand out storage that is usually 0 bytes."""
+        for sub in module.modules():
+            for attr, p in list(sub._parameters.items()):
+                if p is not None and id(p) in sharded:
+                    del sub._parameters[attr]
+                    sub.__dict__[attr] = p
+
+    # -- forward -------------------------------------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        if self._root_unit is not None:
+            self._root_unit.free()
+            self._root_unit.gather()  # always fresh: the optimizer may have stepped since the last forward
+        if self.compute_dtype is not None:
+            inputs, kwargs = _cast_floats((inputs, kwargs), self.compute_dtype)
+        output = self.module(*inputs, **kwargs)
+        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        if tensors:
+            # The first gradient of backward reaches the output: queue the end-of-backward step then.
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._on_backward_start, mode="any")
+        if self.compute_dtype is not None:
+            output = _cast_floats(output, torch.float32)
+        return output
+
+    def _after_unit_forward(self, unit: _Unit, output) -> None:
+        unit.free()  # reshard after forward: the point of stage 3
+        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        if tensors:
+            # Backward reaches this unit when its output's gradient is computed: gather it again right then.
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: unit.gather(), mode="any")
+
+    # -- backward ------------------------------------------------------------------------------------------------
+    def _on_backward_start(self, _grads) -> None:
+        if self._callback_queued:
+            return
+        self._callback_queued = True
+        self._works = []
+        for unit in self.units:
+            unit.pending = len(unit.flat_shard.params)
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+
+    def _make_grad_hook(self, unit: _Unit):
+        s = unit.flat_shard
+        position = {id(p): i for i, p in enumerate(s.params)}
+
+        def hook(param: torch.Tensor) -> None:
+            if unit.grad is None:
+                unit.grad = torch.zeros(s.padded, dtype=param.grad.dtype)  # zeros: the padding adds nothing
+            i = position[id(param)]
+            unit.grad[s.offsets[i] : s.offsets[i] + s.numels[i]].copy_(param.grad.reshape(-1))
+            param.grad = None
+            unit.pending -= 1
+            if unit.pending == 0:
+                unit.reduce_scatter()
+
+        return hook
+
+    def _finalize_backward(self) -> None:
+        self._callback_queued = False
+        incomplete = [u.name or "<root>" for u in self.units if u.pending]
+        if incomplete:
+            raise RuntimeError(
+                f"FullyShardedDataParallel: units {', '.join(incomplete)} did not get every parameter's gradient "
+                f"in this backward; the ranks would hang waiting for their reduce-scatter. Make the loss depend "
+                f"on every trainable parameter, or freeze the unused ones before wrapping"
+            )
+        with torch.no_grad():
+            for unit, work, chunk in self._works:
+                work.wait()
+                # SUM / N in fp32: the shard is fp32, and so the mean is taken after the (possibly bf16) transfer.
+                chunk = chunk.float().div_(self.world_size)
+                unit.shard.grad = chunk if unit.shard.grad is None else unit.shard.grad.add_(chunk)
+        self._works = []
+
+    # -- state ---------------------------------------------------------------------------------------------------
+    def flat_shards(self) -> list[tuple[FlatShard, nn.Parameter]]:
+        """Each unit's layout and this rank's fp32 shard of it (the sharded checkpoint cuts along these)."""
+        return [(u.flat_shard, u.shard) for u in self.units]
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """On rank 0, the bare model's ``state_dict()`` (fp32, unsharded); ``{}`` on the other ranks.
+
+        Gathered one unit at a time, so no rank ever holds more than one whole unit beyond its result; the
+        optimizer's state is not touched (it stays sharded: see ``sharded_checkpoint.py``).
+        """
+        values: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            s = unit.flat_shard
+            full = torch.empty(s.padded, dtype=torch.float32)
+            dist.all_gather_into_tensor(full, unit.shard.detach(), self.process_group)
+            if self.rank == 0:
+                for p, o, n, shape in zip(s.params, s.offsets, s.numels, s.shapes):
+                    for name in self._state_dict_names[id(p)]:
+                        values[name] = full[o : o + n].view(shape).clone()
+        if self.rank != 0:
+            return {}
+        values.update({k: v.detach().clone() for k, v in self.module.state_dict().items()})  # frozen, buffers
+        return {k: values[k] for k in self._state_dict_keys}
+
+
+def resolve_units(module: nn.Module, units) -> dict[str, nn.Module]:
+    """``{name: submodule}`` for ``units`` (names or classes; ``None``: every child of the root)."""
+    if units is None:
+        # A ModuleList/ModuleDict child has no forward of its own (its parent calls its items): its items are units.
+        found = {}
+        for name, child in module.named_children():
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                found.update({f"{name}.{n}": m for n, m in child.named_children()})
+            else:
+                found[name] = child
+        return found
+    if isinstance(units, (str, type)):
+        units = [units]
+    found: dict[str, nn.Module] = {}
+    for unit in units:
+        if isinstance(unit, str):
+            try:
+                found[unit] = module.get_submodule(unit)
+            except AttributeError:
+                raise ValueError(f"units: {unit!r} names no submodule of {type(module).__name__}") from None
+        elif isinstance(unit, type):
+            found.update({n: m for n, m in module.named_modules() if n and isinstance(m, unit)})
+        else:
+            raise ValueError(f"units: {unit!r} is neither a submodule name nor an nn.Module class")
+    if not found:
+        raise ValueError(f"units={list(units)!r} names no submodule of {type(module).__name__}: nothing to shard")
+    return found
+
+
+def assign_parameters(module: nn.Module, unit_modules: dict[str, nn.Module]) -> dict[str, list[nn.Parameter]]:
+    """``{unit name: its trainable parameters}``, the root unit under ``""``, each parameter in exactly one unit.
+
+    A parameter goes to the innermost unit whose subtree holds it; one held by two units that do not nest (a tied
+    weight) goes to the root unit, which is whole for the whole step, so both users find it gathered.
+    """
+    holders: dict[int, list[str]] = {}
+    for name, sub in unit_modules.items():
+        for p in sub.parameters():
+            holders.setdefault(id(p), []).append(name)
+    assignment: dict[str, list[nn.Parameter]] = {"": [], **{name: [] for name in unit_modules}}
+    for p in module.parameters():
+        if not p.requires_grad:
+            continue  # frozen: replicated as it is, never stepped
+        names = holders.get(id(p), [])
+        # Innermost: the holder that every other holder contains (its name extends theirs).
+        inner = [n for n in names if all(n == m or n.startswith(m + ".") for m in names)]
+        assignment[inner[0] if inner else ""].append(p)
+    return assignment
+
+
+def _cast_floats(obj, dtype: torch.dtype):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def _tensors_in(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors_in(item)]
+    return []

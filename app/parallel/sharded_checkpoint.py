@@ -1,0 +1,334 @@
+"""Sharded checkpoints for ZeRO stages 1-3: each rank writes its own shard; any world size can load them.
+
+A ZeRO rank holds 1/N of the optimizer state (and, in stage 3, of the parameters). Gathering all of it onto rank 0
+to save it would need on one rank the very memory sharding saved, so each rank writes what it holds:
+
+    directory/
+      shard-00000-of-00004-<id>.pt   rank 0's pieces (+ the replicated tensors: buffers, frozen parameters)
+      ...
+      shard-00003-of-00004-<id>.pt   (<id>: fresh for each save, so a save never overwrites the files in use)
+      manifest.json             written last, by rank 0: world size, stage, per shard its file, sha256 digest and
+                                which elements [lo, hi) of which parameter it holds; the parameters' shapes
+
+A *piece* is elements ``[lo, hi)`` of one parameter, flattened, with the same elements of each optimizer-state
+tensor (AdamW's ``exp_avg``, ``exp_avg_sq``); 0-dim state (``step``) travels as it is. Stage 1 pieces are whole
+parameters, stage 2/3 pieces are the parts of parameters inside a rank's chunk of a bucket or unit. Pieces are
+named by the bare model's parameter names, so the layout on load need not match the layout on save: on 3 ranks,
+each rank reads the pieces overlapping what it now holds, from whichever of the 4 files have them (one file at a
+time: no rank ever holds more than a few shards' worth of state).
+
+Every file is written atomically (temporary file, fsync, rename) and the manifest only after every shard is on disk,
+so a crash mid-save leaves either the old manifest (whose digests then reject the new files) or the new one.
+Anything wrong on load raises ``CheckpointError`` with one line naming the file or parameter (the worker turns it
+into exit code 2).
+
+    save_sharded(directory, model, optimizer, extra={"step": step})   # on every rank, collectively
+    extra = load_sharded(directory, model, optimizer)                  # on every rank, any world size
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from app.parallel.fsdp import FullyShardedDataParallel
+from app.parallel.sharded_grad import ShardedGradDataParallel
+from app.parallel.zero import ZeroRedundancyOptimizer
+
+FORMAT = "ddp-cluster.sharded-checkpoint.v1"
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(Exception):
+    """A sharded checkpoint that cannot be loaded here: another stage, a changed file, a missing piece."""
+
+
+def stage_of(model: nn.Module, optimizer) -> int:
+    """1, 2 or 3: which ZeRO stage ``model``/``optimizer`` are."""
+    if isinstance(model, FullyShardedDataParallel):
+        return 3
+    if isinstance(model, ShardedGradDataParallel):
+        return 2
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return 1
+    raise CheckpointError(
+        f"{type(model).__name__} with {type(optimizer).__name__}: not sharded; use app.worker.checkpoint for plain DDP"
+    )
+
+
+def _entries(model: nn.Module, optimizer, stage: int) -> tuple[list, dict]:
+    """``[(tensor the optimizer keys state by, its flat values, [(name, shape, lo, hi, offset)])]`` held by this
+    rank, and that optimizer's state dict (by tensor)."""
+    if stage == 1:
+        names = {id(p): n for n, p in _bare(model).named_parameters()}
+        out = [
+            (p, p.detach().view(-1), [(names[id(p)], tuple(p.shape), 0, p.numel(), 0)])
+            for p in optimizer.owned_parameters()
+        ]
+        return out, optimizer.optim.state
+    out = []
+    for flat, shard in model.flat_shards():
+        pieces = [(flat.names[i], flat.shapes[i], lo, hi, off) for i, lo, hi, off in flat.pieces()]
+        out.append((shard, shard.detach(), pieces))
+    return out, optimizer.state
+
+
+def _bare(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)
+
+
+def _sharded_names(model: nn.Module, optimizer, stage: int) -> set[str]:
+    """Every name (tied parameters have several) of the parameters that travel as pieces."""
+    if stage == 1:
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    else:
+        ids = {id(p) for flat, _ in model.flat_shards() for p in flat.params}
+    return {n for n, p in _bare(model).named_parameters(remove_duplicate=False) if id(p) in ids}
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename makes it visible: a crash never leaves half a file
+    os.replace(tmp, path)
+
+
+def save_sharded(directory, model: nn.Module, optimizer, extra: dict | None = None, process_group=None) -> None:
+    """Every rank writes its shard; rank 0 then writes the manifest. Collective: call it on every rank."""
+    directory = Path(directory)
+    stage = stage_of(model, optimizer)
+    rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    directory.mkdir(parents=True, exist_ok=True)
+    entries, state = _entries(model, optimizer, stage)
+    pieces = {}
+    for key, values, slices in entries:
+        st = state.get(key, {})
+        for name, _shape, lo, hi, off in slices:
+            tensors = {"param": values[off : off + hi - lo].clone()}
+            scalars = {}
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.numel() == values.numel() and v.dim() > 0:
+                    tensors[k] = v.reshape(-1)[off : off + hi - lo].clone()
+                else:
+                    scalars[k] = v
+            pieces[name] = {"lo": lo, "hi": hi, "tensors": tensors, "scalars": scalars}
+    payload = {"pieces": pieces}
+    if rank == 0:  # buffers and frozen parameters: the same on every rank, stored once
+        sharded = _sharded_names(model, optimizer, stage)
+        payload["replicated"] = {
+            k: v.detach().clone() for k, v in _bare(model).state_dict().items() if k not in sharded
+        }
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getvalue()
+    # A fresh name per save: the files of the checkpoint the current manifest describes are never overwritten,
+    # so until the new manifest replaces it, the old checkpoint stays whole.
+    token = [os.urandom(4).hex() if rank == 0 else None]
+    dist.broadcast_object_list(
+        token, src=dist.get_global_rank(process_group, 0) if process_group else 0, group=process_group
+    )
+    name = f"shard-{rank:05d}-of-{world:05d}-{token[0]}.pt"
+    try:
+        _atomic_write(directory / name, data)
+        mine = {"rank": rank, "file": name, "sha256": hashlib.sha256(data).hexdigest()}
+        mine["pieces"] = {n: [p["lo"], p["hi"]] for n, p in pieces.items()}
+    except OSError as e:
+        mine = f"{directory / name}: cannot write ({e.strerror})"
+    shards = [None] * world
+    dist.all_gather_object(shards, mine, group=process_group)  # every rank learns whether every shard is on disk
+    failed = next((s for s in shards if isinstance(s, str)), None)
+    if failed is not None:
+        raise CheckpointError(f"{failed}; no manifest written, the previous checkpoint (if any) is still whole")
+    if rank == 0:
+        manifest = {
+            "format": FORMAT,
+            "stage": stage,
+            "world_size": world,
+            "params": _param_shapes(model, stage),
+            "units": _units(model, stage),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+            "extra": extra or {},
+            "shards": shards,
+        }
+        _atomic_write(directory / MANIFEST, json.dumps(manifest, indent=1, default=str).encode())
+        listed = {s["file"] for s in shards}
+        for old in directory.glob("shard-*.pt"):
+            if old.name not in listed:
+                old.unlink()  # an earlier save's shards: no manifest points at them any more
+    dist.barrier(group=process_group)  # nobody returns before the checkpoint is complete
+
+
+def _param_shapes(model: nn.Module, stage: int) -> dict:
+    if stage == 1:
+        return {n: list(p.shape) for n, p in _bare(model).named_parameters()}
+    return {n: list(s) for flat, _ in model.flat_shards() for n, s in zip(flat.names, flat.shapes)}
+
+
+def _units(model: nn.Module, stage: int) -> list:
+    """Stage 2/3: each bucket's/unit's parameters and their offsets in its flat buffer (for a reader)."""
+    if stage == 1:
+        return []
+    return [{"names": f.names, "offsets": f.offsets, "numel": f.total} for f, _ in model.flat_shards()]
+
+
+def read_manifest(directory) -> dict:
+    """The manifest, checked for format; ``CheckpointError`` if absent or unreadable."""
+    path = Path(directory) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no manifest (not a sharded checkpoint, or its save did not finish)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable manifest ({e})") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def _read_shard(directory: Path, shard: dict) -> dict:
+    path = directory / shard["file"]
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path}: listed in the manifest but unreadable ({e.strerror})") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != shard["sha256"]:
+        raise CheckpointError(
+            f"{path}: sha256 {digest[:12]}... does not match the manifest's {shard['sha256'][:12]}...: the file "
+            f"changed after the manifest was written (an interrupted save?); use another checkpoint"
+        )
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def load_sharded(directory, model: nn.Module, optimizer, process_group=None) -> dict:
+    """Load a checkpoint from ``save_sharded`` onto this world (any size); returns the ``extra`` saved with it.
+
+    Collective. Raises ``CheckpointError`` (on every rank, before anything is changed) on a checkpoint from
+    another stage, a shard whose digest differs from the manifest's, or a parameter the checkpoint lacks.
+    """
+    directory = Path(directory)
+    try:
+        manifest, stage, entries, state, buffers, scalars, replicated = _read_for_this_rank(directory, model, optimizer)
+        error = None
+    except Exception as e:  # noqa: BLE001 (any rank's failure must reach every rank, or the others would hang)
+        error = str(e) if isinstance(e, CheckpointError) else f"{directory}: {type(e).__name__}: {e}"
+    _agree(error, process_group)  # all ranks read what they need, or none changes anything
+    _install(entries, state, buffers, scalars)
+    for group, saved in zip(optimizer.param_groups, manifest["param_groups"]):
+        # JSON turned tuples (AdamW's betas) into lists: give them back their type.
+        group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+    _load_replicated(model, optimizer, stage, replicated)
+    _resync(model, optimizer, stage)
+    return manifest.get("extra", {})
+
+
+def _agree(error: str | None, process_group) -> None:
+    """Raise ``CheckpointError`` on every rank if any rank failed (the lowest rank's message)."""
+    errors = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(errors, error, group=process_group)
+    first = next((e for e in errors if e), None)
+    if first is not None:
+        raise CheckpointError(first.splitlines()[0])
+
+
+def _read_for_this_rank(directory: Path, model: nn.Module, optimizer):
+    """Read and check everything this rank will hold; change nothing yet."""
+    manifest = read_manifest(directory)
+    stage = stage_of(model, optimizer)
+    if manifest["stage"] != stage:
+        raise CheckpointError(
+            f"{directory}: saved by ZeRO stage {manifest['stage']}, this run is stage {stage}; resume with the "
+            f"stage it was saved with"
+        )
+    entries, state = _entries(model, optimizer, stage)
+    _check_shapes(directory, manifest, entries)
+    # What each entry needs: its flat values and optimizer-state tensors, filled piece by piece.
+    needed = {name: (lo, hi) for _, _, slices in entries for name, _, lo, hi, _ in slices}
+    filled = {name: 0 for name in needed}
+    buffers: list[dict] = [{"param": torch.zeros_like(values)} for _, values, _ in entries]
+    scalars: list[dict] = [{} for _ in entries]
+    where = {name: (e, lo, off) for e, (_, _, slices) in enumerate(entries) for name, _, lo, _, off in slices}
+    replicated = None
+    for shard in manifest["shards"]:
+        overlaps = [n for n, (lo, hi) in shard["pieces"].items() if n in needed and _overlap((lo, hi), needed[n])]
+        if not overlaps and shard["rank"] != 0:
+            continue  # a file with nothing for this rank is never read
+        payload = _read_shard(directory, shard)  # one file at a time: its tensors are dropped after the copy
+        if shard["rank"] == 0:
+            replicated = payload.get("replicated", {})
+        for name in overlaps:
+            filled[name] += _copy_piece(payload["pieces"][name], needed[name], where[name], buffers, scalars)
+    for name, (lo, hi) in needed.items():
+        if filled[name] != hi - lo:
+            raise CheckpointError(
+                f"{directory}: the shards hold {filled[name]} of elements [{lo}, {hi}) of {name!r}: the manifest "
+                f"does not match its files"
+            )
+    sharded = _sharded_names(model, optimizer, stage)
+    for key in _bare(model).state_dict():
+        if key not in sharded and key not in (replicated or {}):
+            raise CheckpointError(f"{directory}: rank 0's shard lacks {key!r} (a buffer or frozen parameter)")
+    return manifest, stage, entries, state, buffers, scalars, replicated or {}
+
+
+def _overlap(a, b) -> bool:
+    return max(a[0], b[0]) < min(a[1], b[1])
+
+
+def _check_shapes(directory: Path, manifest: dict, entries: list) -> None:
+    for _, _, slices in entries:
+        for name, shape, *_ in slices:
+            saved = manifest["params"].get(name)
+            if saved is None:
+                raise CheckpointError(f"{directory}: no parameter {name!r} (saved from a different model?)")
+            if tuple(saved) != tuple(shape):
+                raise CheckpointError(f"{directory}: {name!r} has shape {tuple(saved)}, this model {tuple(shape)}")
+
+
+def _copy_piece(piece: dict, want: tuple[int, int], at: tuple[int, int, int], buffers, scalars) -> int:
+    """Copy the part of a saved piece inside ``want`` into entry ``at``'s buffers; returns the elements copied."""
+    entry, want_lo, offset = at
+    lo, hi = max(piece["lo"], want[0]), min(piece["hi"], want[1])
+    src = slice(lo - piece["lo"], hi - piece["lo"])
+    dst = slice(offset + lo - want_lo, offset + hi - want_lo)
+    for key, tensor in piece["tensors"].items():
+        if key not in buffers[entry]:
+            buffers[entry][key] = torch.zeros_like(buffers[entry]["param"])
+        buffers[entry][key][dst] = tensor[src].to(buffers[entry][key].dtype)
+    scalars[entry].update(piece["scalars"])
+    return hi - lo
+
+
+def _install(entries, state, buffers, scalars) -> None:
+    with torch.no_grad():
+        for (key, values, _), buf, sc in zip(entries, buffers, scalars):
+            values.copy_(buf.pop("param"))
+            if buf or sc:
+                state[key] = {**sc, **{k: v.view_as(key).clone() for k, v in buf.items()}}
+
+
+def _load_replicated(model: nn.Module, optimizer, stage: int, replicated: dict) -> None:
+    """Buffers and frozen parameters, from rank 0's shard, into every rank's model."""
+    sharded = _sharded_names(model, optimizer, stage)
+    with torch.no_grad():
+        for k, v in _bare(model).state_dict().items():
+            if k not in sharded:
+                v.copy_(replicated[k])
+
+
+def _resync(model: nn.Module, optimizer, stage: int) -> None:
+    """Each rank loaded what it steps; bring the replicated copies up to date (stage 3 has none)."""
+    if stage == 1:
+        with torch.no_grad():
+            optimizer._broadcast_partitions()
+    elif stage == 2:
+        model.gather_parameters()

@@ -1,0 +1,274 @@
+"""ZeRO stage 2 from scratch: gradients and optimizer state sharded, parameters still whole on every rank.
+
+Stage 1 (``zero.py``) still all-reduces the *full* gradient onto every rank, although each rank steps only 1/N of
+the parameters and needs only 1/N of the gradient. Stage 2 reduce-scatters instead: the same bytes on the wire as
+an all-reduce's first half, and each rank ends up holding only the summed gradient of its own shard.
+
+    1. the trainable parameters are cut into buckets (reverse order, <= bucket_cap_mb, as in ``ddp.py``); each
+       bucket's parameters are laid end to end in one flat buffer, padded to a multiple of N, and ``p.data``
+       becomes a view of it. Rank r owns chunk r of every bucket: its *shard*, what its optimizer steps;
+    2. as backward produces each gradient, a hook copies it into the bucket's flat gradient and frees ``p.grad``;
+       a full bucket is reduce-scattered (SUM) *asynchronously* while backward goes on;
+    3. when backward ends, each rank waits and keeps its chunk, divided by N: ``shard.grad``. The flat gradient
+       is freed: between steps a rank holds 1/N of the gradients;
+    4. the optimizer steps the shards (its state is 1/N, as in stage 1); then every bucket is all-gathered back
+       into the flat buffers, so every rank's parameters are whole and equal again.
+
+    p_n.grad ─┐                                             rank r keeps chunk r        optimizer.step()
+    ...       ├─► bucket 0 full ─► reduce_scatter(SUM) ───► shard_0.grad = chunk / N ─► AdamW(shards) ─► all_gather
+    p_0.grad ─┘   bucket k full ─► reduce_scatter(SUM) ───► shard_k.grad = chunk / N ─┘                 (each bucket)
+
+Use::
+
+    model = ShardedGradDataParallel(MiniMLP(), bucket_cap_mb=25)
+    opt = model.build_optimizer(torch.optim.AdamW, lr=1e-3)   # over the shards; all-gathers after each step
+    loss_fn(model(x), y).backward()
+    opt.step(); opt.zero_grad()
+    with model.no_sync(): ...                                 # gradient accumulation: no communication
+
+PyTorch has no class for exactly this (FSDP's ``SHARD_GRAD_OP`` is close); the constructor follows our DDP's.
+Try it: ``torchrun --standalone --nproc-per-node=2 -m app.demos.zero_demo --stage 2``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from app.parallel.zero import refuse_unshardable
+
+DEFAULT_BUCKET_CAP_MB = 25
+
+
+class FlatShard:
+    """Parameters laid end to end (padded to a multiple of ``world_size``); this rank owns one equal chunk.
+
+    Offsets are those of the unpadded concatenation, the same for every world size: that is what lets a sharded
+    checkpoint saved on 4 ranks be cut again for 3 (``sharded_checkpoint.py``).
+    """
+
+    def __init__(self, params: list[torch.Tensor], names: list[str], rank: int, world_size: int):
+        self.params, self.names = params, names
+        self.shapes = [tuple(p.shape) for p in params]
+        self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.total = sum(self.numels)
+        self.shard_numel = -(-self.total // world_size)  # ceil: the last chunk is padded with zeros
+        self.padded = self.shard_numel * world_size
+        self.start = rank * self.shard_numel  # this rank's chunk, in flat coordinates
+
+    def flatten(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The parameters' current values, laid out flat and padded."""
+        p0 = self.params[0]
+        flat = torch.zeros(self.padded, dtype=dtype or p0.dtype, device=p0.device)
+        for p, o, n in zip(self.params, self.offsets, self.numels):
+            flat[o : o + n].copy_(p.detach().reshape(-1))
+        return flat
+
+    def pieces(self) -> list[tuple[int, int, int, int]]:
+        """``(param index, lo, hi, shard offset)``: elements ``[lo, hi)`` of parameter i lie in this rank's chunk,
+        starting at ``shard offset`` inside it."""
+        out, end = [], self.start + self.shard_numel
+        for i, (o, n) in enumerate(zip(self.offsets, self.numels)):
+            lo, hi = max(o, self.start), min(o + n, end)
+            if lo < hi:
+                out.append((i, lo - o, hi - o, lo - self.start))
+        return out
+
+
+def broadcast_module_state(module: nn.Module, group, src_rank: int = 0) -> None:
+    """Every rank takes rank ``src_rank``'s parameters and buffers: one flat broadcast per dtype."""
+    src = dist.get_global_rank(group, src_rank) if group is not None else src_rank
+    tensors = [t for t in (*module.parameters(), *module.buffers())]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for same in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for t in same:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def trainable_named_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[str]]:
+    """Parameters that require grad, each once (a tied parameter under its first name), in module order."""
+    params, names = [], []
+    for name, p in module.named_parameters():  # remove_duplicate=True: a tied parameter appears once
+        if p.requires_grad:
+            params.append(p)
+            names.append(name)
+    return params, names
+
+
+class _Bucket:
+    """One flat buffer of whole parameters (``p.data`` are views of it), this rank's chunk as a Parameter."""
+
+    def __init__(self, params: list[nn.Parameter], names: list[str], rank: int, world_size: int):
+        self.flat_shard = FlatShard(params, names, rank, world_size)
+        self.flat = self.flat_shard.flatten()  # the replicated parameters, padded
+        with torch.no_grad():
+            for p, o, n, shape in zip(params, self.flat_shard.offsets, self.flat_shard.numels, self.flat_shard.shapes):
+                p.data = self.flat[o : o + n].view(shape)
+        s = self.flat_shard
+        # The shard is a view of the flat buffer: the optimizer updates this rank's chunk in place, and the
+        # all-gather after the step brings the other chunks.
+        self.shard = nn.Parameter(self.flat[s.start : s.start + s.shard_numel])
+        self.grad: torch.Tensor | None = None  # the flat gradient, alive only during one synchronised backward
+        self.pending = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+
+class ShardedGradDataParallel(nn.Module):
+    """Wrap ``module``: gradients reduce-scattered in buckets during backward, each rank keeping 1/N of them.
+
+    Args:
+        module: the model, on one device; its trainable parameters must share one dtype.
+        process_group: the group to shard over; ``None`` is the default (world) group.
+        bucket_cap_mb: bucket size in MiB (a bucket closes once it holds at least this much, as in ``ddp.py``).
+            Bigger buckets: fewer collectives, later first launch. Each bucket is padded to a multiple of N.
+        init_sync: broadcast rank 0's parameters and buffers at construction (``False``: the ranks agree already).
+
+    Parameters with ``requires_grad=False`` are not sharded: every rank keeps them whole and nobody steps them.
+    Every trainable parameter must get a gradient in each synchronised backward (no ``find_unused_parameters``).
+    """
+
+    def __init__(self, module: nn.Module, process_group=None, bucket_cap_mb: float | None = None, init_sync=True):
+        super().__init__()
+        self.module = module
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.require_backward_grad_sync = True  # PyTorch's name; no_sync() turns it off
+        if init_sync:
+            broadcast_module_state(module, process_group)
+        params, names = trainable_named_parameters(module)
+        if len({p.dtype for p in params}) > 1:
+            raise ValueError("ShardedGradDataParallel: trainable parameters must share one dtype (one flat buffer)")
+        cap = int((bucket_cap_mb if bucket_cap_mb is not None else DEFAULT_BUCKET_CAP_MB) * 1024 * 1024)
+        self._buckets: list[_Bucket] = []
+        self._slot: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket index, position in bucket)
+        # Reverse order: the last layers' gradients arrive first in backward, so bucket 0 fills (and launches) first.
+        group, group_names, size = [], [], 0
+        for p, name in reversed(list(zip(params, names))):
+            group.append(p)
+            group_names.append(name)
+            size += p.numel() * p.element_size()
+            if size >= cap:
+                self._add_bucket(group, group_names)
+                group, group_names, size = [], [], 0
+        if group:
+            self._add_bucket(group, group_names)
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._grad_hook)
+        self.comm_bytes = {"reduce_scatter": 0, "all_gather": 0}  # cumulative bytes handed to each collective
+        self._works: list = []
+        self._next_bucket = 0
+        self._callback_queued = False
+
+    def _add_bucket(self, params: list[nn.Parameter], names: list[str]) -> None:
+        for pos, p in enumerate(params):
+            self._slot[id(p)] = (len(self._buckets), pos)
+        self._buckets.append(_Bucket(params, names, self.rank, self.world_size))
+
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate full gradients locally in ``p.grad``: no communication at all.
+
+        The first synchronised backward after it reduce-scatters the accumulated sum. Costs a full gradient per
+        rank while inside (as with FSDP's ``no_sync``): the price of skipping the communication.
+        """
+        before = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = before
+
+    # -- the optimizer -------------------------------------------------------------------------------------------
+    def shard_parameters(self) -> list[nn.Parameter]:
+        """This rank's chunk of every bucket: what the optimizer steps (``shard.grad`` holds the averaged chunk)."""
+        return [b.shard for b in self._buckets]
+
+    def build_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **defaults) -> torch.optim.Optimizer:
+        """``optimizer_class`` over this rank's shards, made to all-gather the parameters after every ``step()``."""
+        refuse_unshardable(optimizer_class)
+        optimizer = optimizer_class(self.shard_parameters(), **defaults)
+        optimizer.register_step_post_hook(lambda *_: self.gather_parameters())
+        return optimizer
+
+    @torch.no_grad()
+    def gather_parameters(self) -> None:
+        """All-gather every bucket's chunks into its flat buffer: each rank's parameters whole and equal again."""
+        works = []
+        for b in self._buckets:
+            # The input is a copy: the shard is a view of the very buffer being gathered into.
+            works.append(dist.all_gather_into_tensor(b.flat, b.shard.detach().clone(), self.process_group, True))
+            self.comm_bytes["all_gather"] += b.nbytes
+        for w in works:
+            w.wait()
+
+    # -- one synchronised backward -------------------------------------------------------------------------------
+    def _grad_hook(self, param: torch.Tensor) -> None:
+        if not self.require_backward_grad_sync:
+            return  # inside no_sync(): leave the gradient to accumulate in p.grad
+        if not self._callback_queued:
+            # First hook of this backward: autograd calls _finalize_backward once the whole pass is done.
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+            self._next_bucket, self._works = 0, []
+            for b in self._buckets:
+                b.pending = len(b.flat_shard.params)
+        index, pos = self._slot[id(param)]
+        bucket = self._buckets[index]
+        if bucket.grad is None:
+            bucket.grad = torch.zeros_like(bucket.flat)  # zeros: the padding must add nothing
+        s = bucket.flat_shard
+        bucket.grad[s.offsets[pos] : s.offsets[pos] + s.numels[pos]].copy_(param.grad.reshape(-1))
+        param.grad = None  # the full gradient lives only until it is in the bucket
+        bucket.pending -= 1
+        # Collectives match by call order on every rank: launch buckets 0, 1, ... in turn, never out of order.
+        while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
+            b = self._buckets[self._next_bucket]
+            chunk = torch.empty(b.flat_shard.shard_numel, dtype=b.grad.dtype, device=b.grad.device)
+            work = dist.reduce_scatter_tensor(chunk, b.grad, dist.ReduceOp.SUM, self.process_group, True)
+            self._works.append((work, chunk))
+            self.comm_bytes["reduce_scatter"] += b.nbytes
+            self._next_bucket += 1
+
+    def _finalize_backward(self) -> None:
+        self._callback_queued = False
+        if self._next_bucket < len(self._buckets):
+            missing = [name for b in self._buckets if b.pending for name in b.flat_shard.names]
+            raise RuntimeError(
+                f"ShardedGradDataParallel: some of these parameters got no gradient in this backward: "
+                f"{', '.join(missing)}; every rank would wait for their buckets. Make the loss depend on them, "
+                f"or freeze them (requires_grad=False) before wrapping"
+            )
+        with torch.no_grad():
+            for b, (work, chunk) in zip(self._buckets, self._works):
+                work.wait()
+                chunk.div_(self.world_size)  # SUM / N: the mean over ranks, as DDP's average
+                b.grad = None  # free the flat gradient: this rank keeps only its chunk
+                # Two synchronised backwards without zero_grad add up, as p.grad does in plain PyTorch.
+                b.shard.grad = chunk if b.shard.grad is None else b.shard.grad.add_(chunk)
+
+    # -- what this rank holds (bench, checkpoint) ----------------------------------------------------------------
+    def flat_shards(self) -> list[tuple[FlatShard, nn.Parameter]]:
+        """Each bucket's layout and this rank's chunk of it (the sharded checkpoint cuts along these)."""
+        return [(b.flat_shard, b.shard) for b in self._buckets]
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        return [b.nbytes for b in self._buckets]

@@ -1,0 +1,342 @@
+"""ZeRO stages 1 and 2 on real gloo ranks, against one process, our DDP and PyTorch's ZeroRedundancyOptimizer.
+
+Every rank draws the same global batch per step and trains on its own equal slice (with gradient accumulation:
+``accum`` equal micro-batches, the loss divided by ``accum``); a single-process reference trains on the whole batch.
+Because every rank's loss is a mean over an equal slice, the mean of the ranks' gradients is the gradient of the
+whole batch's mean loss, so the sharded run must walk the reference's path, up to float rounding.
+
+The helpers here (``build``, ``train_stage``) are shared with ``test_fsdp.py`` (stage 3).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+from app.parallel.ddp import DistributedDataParallel as DDP
+from app.parallel.fsdp import FullyShardedDataParallel
+from app.parallel.sharded_grad import ShardedGradDataParallel
+from app.parallel.zero import ZeroRedundancyOptimizer, partition_by_size
+from app.worker.models import MiniMLP, parameter_checksum
+from tests.world import run_world
+
+# Measured (docs/sharding.md): over 4 AdamW steps at lr 1e-2, stages 1-3, worlds 2 and 4, with and without
+# accumulation, the worst |dparam| against one process was 6.0e-8 (fp32 sums in another order), against our DDP and
+# PyTorch's ZeRO 4.5e-8. 1e-6 leaves a wide margin and still
+# catches a wrong average (a missing 1/N moves parameters by ~1e-2 after one AdamW step).
+PARAM_TOL = 1e-6
+LR = 1e-2
+PER_RANK = 4
+
+
+class TiedPair(nn.Module):
+    """Two modules share one Parameter (``b.weight is a.weight``): one tensor, two uses, one gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.b.weight = self.a.weight
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.b(torch.tanh(self.a(torch.tanh(self.inp(x)))))))
+
+
+class FrozenFirst(MiniMLP):
+    def __init__(self):
+        super().__init__(in_features=8, hidden=16, out_features=8)
+        for p in self.net[0].parameters():
+            p.requires_grad_(False)
+
+
+def build(kind: str) -> nn.Module:
+    return {"mlp": lambda: MiniMLP(in_features=8, hidden=16, out_features=8), "tied": TiedPair, "frozen": FrozenFirst}[
+        kind
+    ]()
+
+
+def batch(step: int, size: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(size, 8, generator=g), torch.randn(size, 8, generator=g)
+
+
+def wrap(stage: int, model: nn.Module, **kwargs):
+    """(the module to call, its optimizer) for ZeRO ``stage``, AdamW at LR."""
+    if stage == 1:
+        ddp = DDP(model)
+        return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+    if stage == 2:
+        wrapped = ShardedGradDataParallel(model, bucket_cap_mb=kwargs.get("bucket_cap_mb", 0.001))
+        return wrapped, wrapped.build_optimizer(torch.optim.AdamW, lr=LR)
+    wrapped = FullyShardedDataParallel(model, units=kwargs.get("units"), compute_dtype=kwargs.get("compute_dtype"))
+    return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=LR)
+
+
+def micro_step(wrapped, x, y, accum: int, i: int) -> None:
+    """Backward of micro-batch ``i`` of ``accum``: inside ``no_sync()`` (if the wrapper has one) but the last."""
+    last = i == accum - 1
+    sync = wrapped.no_sync() if hasattr(wrapped, "no_sync") and not last else _nothing()
+    with sync:
+        (F.mse_loss(wrapped(x), y) / accum).backward()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def full_parameters(stage: int, wrapped, model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The bare model's parameters by name (stage 3: gathered, on rank 0 only; ``None`` elsewhere)."""
+    if stage == 3:
+        state = wrapped.full_state_dict()
+        return state or None
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def max_diff(ours: dict, module: nn.Module) -> float:
+    return max((ours[n] - p.detach()).abs().max().item() for n, p in module.named_parameters())
+
+
+def train_stage(rank, world, stage, kind, accum=1, steps=4, **wrap_kwargs):
+    """Train ``stage`` next to one process, our DDP + AdamW and PyTorch's DDP + ZeroRedundancyOptimizer(AdamW)."""
+    torch.manual_seed(0)
+    base = build(kind)
+    reference, ddp_model, torch_model, model = (copy.deepcopy(base) for _ in range(4))
+    if rank != 0:  # ranks start different: the wrapper's broadcast at construction must make them equal
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(rank)
+    wrapped, opt = wrap(stage, model, **wrap_kwargs)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR)
+    ddp = DDP(ddp_model)
+    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
+    theirs = nn.parallel.DistributedDataParallel(torch_model)
+    theirs_opt = TorchZero(theirs.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+    diffs = {"reference": [], "ddp": [], "torch": []}
+    same_on_all_ranks = True
+    for step in range(steps):
+        x, y = batch(step, PER_RANK * accum * world)
+        for w, o in ((wrapped, opt), (ddp, ddp_opt), (theirs, theirs_opt)):
+            o.zero_grad()
+            for i in range(accum):
+                start = (rank * accum + i) * PER_RANK
+                micro_step(w, x[start : start + PER_RANK], y[start : start + PER_RANK], accum, i)
+            o.step()
+        ref_opt.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ours = full_parameters(stage, wrapped, model)
+        if ours is not None:
+            for name, other in (("reference", reference), ("ddp", ddp_model), ("torch", torch_model)):
+                diffs[name].append(max_diff(ours, other))
+        if stage != 3:
+            digests = [None] * world
+            dist.all_gather_object(digests, parameter_checksum(model))
+            same_on_all_ranks &= len(set(digests)) == 1
+    return {"diffs": diffs, "same": same_on_all_ranks}
+
+
+def assert_walks_with_everyone(results, stage):
+    diffs = results[0]["diffs"]
+    for name in ("reference", "ddp", "torch"):
+        assert max(diffs[name]) <= PARAM_TOL, f"stage {stage} vs {name}: {diffs[name]}"
+    assert all(r["same"] for r in results), "ranks' parameters differ"
+
+
+@pytest.mark.parametrize(
+    ("stage", "world", "kind", "accum"),
+    [
+        (1, 2, "mlp", 1),
+        (1, 4, "tied", 2),
+        (1, 4, "frozen", 1),
+        (2, 2, "mlp", 1),
+        (2, 4, "mlp", 2),
+        (2, 2, "tied", 2),
+        (2, 4, "frozen", 1),
+    ],
+)
+def test_stage_walks_with_one_process_ddp_and_torch_zero(stage, world, kind, accum):
+    results = run_world(train_stage, world, stage, kind, accum, timeout=300)
+    assert_walks_with_everyone(results, stage)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Stage 1: the partition, the state each rank holds, state dicts, refusals
+# --------------------------------------------------------------------------------------------------------------------
+class Uneven(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(i, j) for i, j in [(8, 64), (64, 3), (3, 40), (40, 40), (40, 5)])
+
+
+def partition_vs_torch(rank, world):
+    model = Uneven()
+    params = list(model.parameters())
+    ours = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=LR)
+    theirs = TorchZero(params, optimizer_class=torch.optim.AdamW, lr=LR)
+    index = {id(p): i for i, p in enumerate(params)}
+    their_partition = [[index[id(p)] for g in groups for p in g["params"]] for groups in theirs._partition_parameters()]
+    our_partition = [
+        [index[id(p)] for g in groups for p in g] for groups in partition_by_size(ours.param_groups, world)
+    ]
+    # One step, then what each rank's optimizer allocated
+    for p in params:
+        p.grad = torch.ones_like(p)
+    ours.step()
+    state_numel = sum(v.numel() for s in ours.optim.state.values() for v in s.values() if v.dim() > 0)
+    owned_numel = sum(p.numel() for p in ours.owned_parameters())
+    return our_partition, their_partition, state_numel, owned_numel, sum(p.numel() for p in params)
+
+
+def test_partition_is_pytorchs_and_each_rank_holds_only_its_state():
+    results = run_world(partition_vs_torch, 4, timeout=120)
+    ours, theirs, *_ = results[0]
+    assert ours == theirs
+    states = [r[2] for r in results]
+    assert [r[2] for r in results] == [2 * r[3] for r in results]  # AdamW: exp_avg + exp_avg_sq of its own params
+    assert sum(states) == 2 * results[0][4]  # together, exactly one copy of the whole state
+
+
+def state_dict_round_trip(rank, world):
+    torch.manual_seed(0)
+    model, reference = build("mlp"), None
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    wrapped, opt = wrap(1, model)
+    for step in range(2):
+        x, y = batch(step, PER_RANK * world)
+        opt.zero_grad()
+        micro_step(
+            wrapped, x[rank * PER_RANK : (rank + 1) * PER_RANK], y[rank * PER_RANK : (rank + 1) * PER_RANK], 1, 0
+        )
+        opt.step()
+        ref_opt.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+    opt.consolidate_state_dict(to=0)
+    full = opt.state_dict() if rank == 0 else None
+    objs = [full]
+    dist.broadcast_object_list(objs, src=0)
+    full = objs[0]
+    # Rank 0's whole state loads into a plain AdamW and equals the single-process optimizer's state.
+    plain = torch.optim.AdamW(copy.deepcopy(reference).parameters(), lr=LR)
+    plain.load_state_dict(full)
+    worst_state = max(
+        (plain.state[p][k] - ref_opt.state[q][k]).abs().max().item()
+        for p, q in zip(plain.param_groups[0]["params"], ref_opt.param_groups[0]["params"])
+        for k in ("exp_avg", "exp_avg_sq")
+    )
+    # A fresh ZeRO (another partition: 3 groups of parameters in another order would do too) takes it and goes on.
+    resumed_model = copy.deepcopy(model)
+    resumed, resumed_opt = wrap(1, resumed_model)
+    resumed_opt.load_state_dict(full)
+    for step in range(2, 4):
+        x, y = batch(step, PER_RANK * world)
+        for w, o in ((wrapped, opt), (resumed, resumed_opt)):
+            o.zero_grad()
+            micro_step(w, x[rank * PER_RANK : (rank + 1) * PER_RANK], y[rank * PER_RANK : (rank + 1) * PER_RANK], 1, 0)
+            o.step()
+    drift = max((p - q).abs().max().item() for p, q in zip(model.parameters(), resumed_model.parameters()))
+    return worst_state, drift, rank != 0 and _raises_without_consolidate(opt)
+
+
+def _raises_without_consolidate(opt) -> bool:
+    try:
+        opt.state_dict()
+    except RuntimeError as e:
+        return "consolidate_state_dict" in str(e)
+    return False
+
+
+def test_state_dict_is_pytorchs_format_and_resumes_exactly():
+    results = run_world(state_dict_round_trip, 2, timeout=120)
+    worst_state, drift, _ = results[0]
+    assert worst_state <= PARAM_TOL
+    assert drift == 0.0  # same state, same data, same code: bit for bit
+    assert results[1][2]  # rank 1 was never consolidated onto: a clear error
+
+
+def test_refuses_lbfgs_with_one_line():
+    params = [nn.Parameter(torch.zeros(3))]
+    for make in (
+        lambda: ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.LBFGS, lr=1.0),
+        lambda: ShardedGradDataParallel.build_optimizer(None, torch.optim.LBFGS, lr=1.0),
+    ):
+        with pytest.raises(ValueError, match=r"^optimizer_class=LBFGS cannot be sharded") as info:
+            make()
+        assert "\n" not in str(info.value)
+
+
+def test_constructor_is_pytorchs():
+    ours = inspect.signature(ZeroRedundancyOptimizer.__init__).parameters
+    theirs = inspect.signature(TorchZero.__init__).parameters
+    assert list(ours) == list(theirs)
+    assert [p.default for p in ours.values()] == [p.default for p in theirs.values()]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Stage 2: what backward communicates and keeps
+# --------------------------------------------------------------------------------------------------------------------
+def no_sync_and_grad_memory(rank, world):
+    torch.manual_seed(0)
+    model = build("mlp")
+    wrapped, opt = wrap(2, model)
+    x, y = batch(0, 2 * PER_RANK)
+    before = dict(wrapped.comm_bytes)
+    with wrapped.no_sync():
+        (F.mse_loss(wrapped(x[:PER_RANK]), y[:PER_RANK]) / 2).backward()
+    during = dict(wrapped.comm_bytes)
+    full_grads = all(p.grad is not None for p in model.parameters())
+    (F.mse_loss(wrapped(x[PER_RANK:]), y[PER_RANK:]) / 2).backward()
+    after = dict(wrapped.comm_bytes)
+    module_grads = [p.grad is None for p in model.parameters()]
+    shard_numel = sum(s.grad.numel() for s in wrapped.shard_parameters())
+    padded = sum(b // 4 for b in wrapped.bucket_sizes)
+    return before, during, full_grads, after, module_grads, shard_numel, padded
+
+
+def test_no_sync_sends_nothing_and_backward_keeps_one_nth_of_the_gradient():
+    for rank, (before, during, full_grads, after, module_grads, shard_numel, padded) in enumerate(
+        run_world(no_sync_and_grad_memory, 2, timeout=120)
+    ):
+        assert during == before, "no_sync() communicated"
+        assert full_grads  # the micro-batch's gradient accumulated locally
+        assert after["reduce_scatter"] > before["reduce_scatter"]
+        assert all(module_grads), "full gradients kept after the synchronised backward"
+        assert shard_numel == padded // 2, f"rank {rank} keeps {shard_numel} gradient elements of {padded}"
+
+
+class Skips(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(8, 8)
+        self.unused = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def missing_gradient(rank, world):
+    wrapped = ShardedGradDataParallel(Skips(), bucket_cap_mb=0.0001)
+    try:
+        wrapped(torch.randn(2, 8)).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_a_parameter_without_gradient_is_a_clear_error_not_a_hang():
+    message = run_world(missing_gradient, 2, timeout=60)[0]
+    assert message is not None and "unused.weight" in message and "requires_grad=False" in message
