@@ -92,6 +92,11 @@ def distributed(timeout_s: float = 60.0, force_cpu: bool = False):
     ctx = init_distributed(timeout_s, force_cpu)
     try:
         yield ctx
+        # Leave together. A rank whose last collective returned early (a broadcast's source does not wait for its
+        # receivers) would otherwise tear its connections down while a peer still reads from them, and gloo's
+        # thread on that peer aborts the process at exit ("terminate called without an active exception", seen
+        # in about one `make demo` in ten on a loaded machine). Only on success: after an error a peer may be gone.
+        dist.barrier()
     finally:
         cleanup_distributed()
 
