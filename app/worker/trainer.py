@@ -91,6 +91,7 @@ class Trainer:
         self._barrier()  # nobody reports FINISHED before rank 0's final checkpoint is on disk
         self.progress.summary()
         self._finished()
+        self._barrier()  # leave together: a gather's source must not tear down while a peer reads (app.worker.dist)
         return OK
 
     def run_step(self, step_index: int) -> StepRecord:
