@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info(describe(resolved))
 
     # torch and everything built on it, only now: a bad flag above fails before this seconds-long import.
-    from app.worker.checkpoint import CheckpointMismatch
+    from app.worker.checkpoint import CheckpointMismatch, CheckpointWriteError
     from app.worker.dist import RendezvousError, cleanup_distributed, init_distributed, lost_peer
     from app.worker.trainer import TrainingDiverged
 
@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return BAD_CONFIG
     except TrainingDiverged as e:
+        log.error("%s", e)
+        return FAILED
+    except CheckpointWriteError as e:  # every rank together, one line each: no traceback, no "a peer went away"
         log.error("%s", e)
         return FAILED
     except RuntimeError as e:

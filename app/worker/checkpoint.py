@@ -29,6 +29,7 @@ Try it: ``make run`` with ``DDP_CHECKPOINT_DIR=/tmp/ckpt``, stop it with Ctrl-C,
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -200,6 +201,15 @@ def _set_aside(path: Path) -> str:
     return f"renamed to {aside.name}"
 
 
+class CheckpointWriteError(OSError):
+    """Rank 0 could not write a checkpoint (no space, no permission, a read-only or vanished file system).
+
+    Raised on every rank together (the outcome is broadcast), so the world stops at one step with one line naming
+    the directory and the cause, instead of rank 0's traceback and its peers' "a peer went away". The previous
+    checkpoint is untouched: the write goes to a temporary file that is removed on failure.
+    """
+
+
 class CheckpointMismatch(ValueError):
     """The checkpoint directory holds another run's checkpoints (a configuration problem: exit code 2)."""
 
@@ -346,8 +356,23 @@ class Checkpointer:
         cuda = [None] * ctx.world_size
         if ctx.device.type == "cuda":
             dist.all_gather_object(cuda, torch.cuda.get_rng_state(ctx.device))
-        if not ctx.is_main:
-            return None
+        written, failure = None, None
+        if ctx.is_main:
+            try:
+                written = self._write(step, cpu, cuda)
+            except OSError as e:
+                failure = f"checkpoint_dir {self.directory} could not take the checkpoint of step {step}: " + (
+                    f"{e.strerror or type(e).__name__} ({errno.errorcode.get(e.errno, e.errno)}). Free space or fix "
+                    f"the permissions, or point checkpoint_dir elsewhere. {self.last_good()}"
+                )
+        verdict = [failure]
+        dist.broadcast_object_list(verdict, src=0)  # one outcome for the world: every rank stops, or none
+        if verdict[0] is not None:
+            raise CheckpointWriteError(verdict[0])
+        return written
+
+    def _write(self, step: int, cpu: list, cuda: list) -> tuple[Path, float]:
+        ctx = self.ctx
         t0 = time.perf_counter()
         state = {
             "step": step,

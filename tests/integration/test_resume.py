@@ -7,8 +7,11 @@ a truncated newest checkpoint (from the one before) ends identical too.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 
+import pytest
 import torch
 
 from app.worker.checkpoint import Checkpointer, checkpoint_path, list_checkpoints, load_checkpoint
@@ -130,3 +133,36 @@ def test_a_checkpoint_dir_of_another_model_is_a_config_error_exit_2(tmp_path):
     assert f"config error: checkpoint_dir='{tmp_path}' holds mini_mlp checkpoints but model=tiny_transformer" in (
         other.stderr
     )
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real file system that fills up: a 200 KiB tmpfs (room for about two MiniMLP checkpoints with AdamW)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    where = tmp_path / "disk"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(where)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_checkpoint_disk_stops_every_rank_with_one_line_and_keeps_the_last_good_checkpoint(small_disk):
+    ckpt = small_disk / "ckpt"
+    procs = start_ranks(*worker_args("nan_drill", inject_nan_at_step=0, checkpoint_dir=ckpt, keep_checkpoints=5))
+    outs = finish(procs, timeout=180)
+    assert [p.returncode for p in procs] == [1, 1], outs
+    for _, err in outs:
+        errors = [line for line in err.splitlines() if " ERROR " in line or line.startswith("error")]
+        assert len(errors) == 1, err
+        assert f"checkpoint_dir {ckpt} could not take the checkpoint of step" in errors[0], err
+        assert "No space left on device (ENOSPC)" in errors[0] and "Last good checkpoint kept" in errors[0], err
+        assert "Traceback" not in err and "went away" not in err, err
+    kept = sorted(p.name for p in ckpt.iterdir())
+    assert kept and not [name for name in kept if ".tmp-" in name], kept  # no half-written file left behind
+    newest = max(p for p in ckpt.glob("step-*.pt"))
+    assert newest.name in errors[0]
+    state = load_checkpoint(newest)  # checks the digest: the last good one is whole
+    assert state["step"] % 5 == 0
