@@ -24,6 +24,7 @@ import re
 import sys
 from pathlib import Path
 
+from bench.scaling_fit import render_block as render_scaling
 from tools.renderers.accum import render_accum_checks, render_accum_curve
 from tools.renderers.cluster import render_chaos, render_drills, render_world_drift
 from tools.renderers.common import claims_table  # noqa: F401 (re-exported: renderers elsewhere import it from here)
@@ -31,6 +32,7 @@ from tools.renderers.ddp import render_ddp_bench
 from tools.renderers.metrics import render_metrics_budget, render_metrics_overhead
 from tools.renderers.mutants import render_mutants
 from tools.renderers.pipeline import render_pipeline_bubble
+from tools.renderers.sharding import render_zero
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -63,6 +65,8 @@ RENDERERS = {
     "metrics-overhead": render_metrics_overhead,
     "mutants": render_mutants,
     "metrics-budget": render_metrics_budget,
+    "scaling": render_scaling,
+    "zero": render_zero,
 }
 
 
