@@ -306,18 +306,28 @@ def render_containers(containers: dict) -> list[str]:
     return render_fit(containers)
 
 
-def render(doc: dict) -> str:
-    """The generated block of docs/scaling.md: where the numbers come from, then every table."""
-    from tools.report import provenance_line
+def render_settings(settings: dict) -> str:
+    """What was measured, from the run's own settings: a rerun with other flags shows its own on the page."""
+    sizes = settings["sizes"]
+    rounds = f"{settings['repeats']} rounds a point ({settings['small_repeats']} for the small sizes)"
+    return (
+        f"Collectives at {_size(min(sizes))} to {_size(max(sizes))} ({len(sizes)} sizes), {rounds}, in worlds of "
+        f"{', '.join(map(str, settings['worlds']))} processes; DDP steps: {settings['steps']} timed per model and "
+        f"world, global batch {settings['check_batch']}."
+    )
 
+
+def render_block(doc: dict) -> list[str]:
+    """The generated block of docs/scaling.md, less its provenance line (``tools/report.py`` adds that): the load, the
+    settings, then every table. Registered as ``scaling`` in ``tools.report.RENDERERS``."""
     m = doc["machine"]
     nccl = doc["nccl_assumption"]
     summary = doc["summary"]
-    lines = [
-        provenance_line(doc),
-        "",
+    return [
         f"Load average while measuring: {m['load_average_before']} before, {m['load_average_after']} after (1, 5, "
         f"15 min) on {m['cores']} cores: other jobs shared the machine, so every figure below is noisy.",
+        "",
+        render_settings(doc["settings"]),
         "",
         "### Fitted alpha and beta (gloo, CPU, one host, processes)",
         "",
@@ -347,16 +357,21 @@ def render(doc: dict) -> str:
         f"Mean |error| over these rows: formula {doc['bubble']['mean_abs_error_formula']:.3f}, with the send/recv "
         f"term {doc['bubble']['mean_abs_error_with_comm']:.3f} (idle share points).",
     ]
-    return "\n".join(lines)
 
 
-BEGIN, END = "<!-- bench-report:scaling -->", "<!-- /bench-report:scaling -->"
+def render(doc: dict) -> str:
+    """The generated block of docs/scaling.md, provenance line first, as ``make bench-report`` writes it."""
+    from tools.report import render as render_named  # tools.report imports this module: import it late
+
+    return render_named("scaling", doc)
 
 
 def rendered_page(page: str, doc: dict) -> str:
-    """``page`` with the block between the markers replaced by ``render(doc)``."""
-    head, found, rest = page.partition(BEGIN)
-    _, found_end, tail = rest.partition(END)
-    if not (found and found_end):
-        raise ValueError(f"docs/scaling.md has no {BEGIN} ... {END} block")
-    return f"{head}{BEGIN}\n{render(doc)}\n{END}{tail}"
+    """``page`` with its ``scaling`` block replaced by ``render(doc)`` (``doc`` need not be the committed result)."""
+    from tools.report import block_pattern
+
+    pattern = block_pattern("scaling")
+    if not pattern.search(page):
+        raise ValueError("docs/scaling.md has no <!-- bench-report:scaling --> ... <!-- /bench-report:scaling -->")
+    body = render(doc)
+    return pattern.sub(lambda m: m[1] + body + "\n" + m[2], page)

@@ -258,6 +258,8 @@ ALLOWED_FIGURES = [
         r"^\| `(?:no sync|ours 25MB|torch 25MB|lesson loop)` \|.*$",
         "README's results: test_readme_results_... checks them",
     ),
+    (r"±15%", "the scaling fit's goal per point: a target (bench/scaling.py), what the block's counts are judged by"),
+    (r"below 4 MiB", "bench/scaling.py's SMALL: the size under which a point gets --small-repeats rounds, a setting"),
 ]
 
 

@@ -1,0 +1,96 @@
+"""The DDP bench's block of docs/benchmarks.md: step time against PyTorch's DDP, memory, wire formats' losses
+(``bench/results/ddp-bench.json``, written by ``python -m bench.ddp_bench``)."""
+
+from __future__ import annotations
+
+from tools.renderers.common import claims_table
+
+
+def render_ddp_bench(doc: dict) -> list[str]:
+    models = list(doc["models"])
+    variants = list(doc["models"][models[0]]["variants"])
+    lines = [
+        "| variant | " + " | ".join(f"{m} ms | ×torch" for m in models) + " |",
+        "|---|" + "---:|---:|" * len(models),
+    ]
+    for v in variants:
+        cells = []
+        for m in models:
+            row = doc["models"][m]["variants"][v]
+            cells.append(f"{row['median_s'] * 1e3:.1f} | {row['ratio_to_torch']:.2f}")
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    lines += _ddp_memory(doc.get("memory") or {}) + _ddp_losses(doc.get("compression_loss") or {})
+    if doc.get("sync_share"):
+        shares = ", ".join(f"batch {s['per_rank_batch']}: {s['sync_share']:.0%}" for s in doc["sync_share"])
+        lines += ["", f"Share of a deep_mlp step spent on gradient sync (1 − no sync ÷ ours 25MB), per-rank {shares}."]
+    return lines + [""] + claims_table(_ddp_claims(doc))
+
+
+def _ddp_memory(memory: dict) -> list[str]:
+    if not memory:
+        return []
+    names = list(memory)
+    lines = [
+        "",
+        "Memory after 3 steps (the heavier rank), MiB: gradients + buckets, and how far the peak RSS rose while "
+        "training.",
+        "",
+        "| variant | " + " | ".join(f"{m} grads+buckets | {m} peak RSS +" for m in names) + " |",
+        "|---|" + "---:|---:|" * len(names),
+    ]
+    for v in memory[names[0]]:
+        cells = []
+        for m in names:
+            row = memory[m][v]
+            rss = row["peak_rss_growth_bytes"]
+            cells.append(f"{row['grad_bucket_bytes'] / 2**20:.1f} | {'n/a' if rss is None else f'{rss / 2**20:.1f}'}")
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _ddp_losses(losses: dict) -> list[str]:
+    rows = {k: v for k, v in losses.items() if isinstance(v, dict)}
+    if not rows:
+        return []
+    lines = [
+        "",
+        f"Loss after {losses['steps']} steps ({losses['model']}, AdamW, a learnable rule; mean of the last 3) with "
+        "each wire format:",
+        "",
+        "| wire format | first loss | final loss | vs torch fp32 |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, row in rows.items():
+        lines.append(
+            f"| {name} | {row['first_loss']:.3f} | {row['final_loss']:.4f} | {row.get('vs_torch_fp32', 0):+.2%} |"
+        )
+    return lines
+
+
+def _ddp_claims(doc: dict) -> list[tuple[str, str, str, bool | None]]:
+    rows = []
+    for m, info in doc["models"].items():
+        ratio = info["variants"]["ours 25MB"]["ratio_to_torch"]
+        rows.append((f"ours (25 MB buckets) as fast as PyTorch's DDP, {m}", "≤ 1.05×", f"{ratio:.2f}×", ratio <= 1.05))
+    mlp = doc["models"].get("deep_mlp", {}).get("variants", {})
+    if "lesson loop" in mlp:
+        speedup = mlp["lesson loop"]["median_s"] / mlp["ours 25MB"]["median_s"]
+        rows.append(("ours faster than the lesson's loop, deep_mlp", "≥ 2×", f"{speedup:.2f}×", speedup >= 2))
+    if "ours bf16" in mlp:
+        ratio = mlp["ours bf16"]["ratio_to_torch"]
+        rows.append(
+            ("bf16 compression faster than PyTorch's fp32, deep_mlp", "≤ 0.85×", f"{ratio:.2f}×", ratio <= 0.85)
+        )
+    for m, memory in (doc.get("memory") or {}).items():
+        ours, torch = memory.get("ours view", {}), memory.get("torch view", {})
+        if ours.get("peak_rss_growth_bytes") and torch.get("peak_rss_growth_bytes"):
+            a, b = ours["peak_rss_growth_bytes"] / 2**20, torch["peak_rss_growth_bytes"] / 2**20
+            rows.append(
+                (
+                    f"with bucket views, ours needs no more memory than PyTorch's (peak RSS growth), {m}",
+                    "ours ≤ PyTorch's",
+                    f"{a:.1f} vs {b:.1f} MiB",
+                    a <= b,
+                )
+            )
+    return rows

@@ -1,0 +1,131 @@
+"""The ZeRO stages' block of docs/sharding.md (``bench/results/zero.json``, written by ``python -m bench.zero_bench``):
+bytes per rank against the formula, step time against DDP, bytes handed to collectives, and the documented targets.
+
+A step-time target is judged on the interleaved repeats, not on the medians alone: each repeat ran every variant
+once, so ``variant / ddp`` of the same repeat is one paired ratio. All pairs on one side of the target: held or
+missed; pairs on both sides: the machine's noise is larger than the effect, and the claim reads ``?``.
+"""
+
+from __future__ import annotations
+
+from tools.renderers.common import claims_table
+
+MIB = 2**20
+STAGE_OF = {
+    "ddp": "DDP",
+    "zero1": "1",
+    "torch zero1": "1 (PyTorch)",
+    "zero2": "2",
+    "zero3": "3",
+    "torch fsdp2": "3 (PyTorch)",
+}
+STATE_SHARE_TOLERANCE = 0.05  # stage 1's optimizer state per rank: within 5% of 1/N of DDP's
+STEP_TIME_TARGET = 1.15  # stage 2's step time: at most 1.15x DDP's
+
+
+def render_zero(doc: dict) -> list[str]:
+    m, s = doc["model"], doc["settings"]
+    lines = [
+        f"`python -m bench.zero_bench`: {m['kind']} ({m['depth']} × Linear({m['width']}, {m['width']})), "
+        f"Psi = {m['psi']:,} parameters, AdamW, batch {s['batch']} per rank; step time: {s['repeats']} interleaved "
+        f"repeats of {s['steps']} steps per variant. Bytes per rank after backward (each storage counted once), MiB; "
+        "formula = Psi·(4 + 4 + 8) with the sharded terms divided by N; peak RSS growth = VmHWM's rise while "
+        "training (it also counts activations, buckets, gathered units and allocator slack).",
+        "",
+        "| N | variant | stage | params | grads | optimizer | total | formula | peak RSS growth | step ms | × DDP "
+        "| repeats' max ÷ min |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for world, rows in doc["results"].items():
+        for name, r in rows.items():
+            reps = r["step_seconds_per_repeat"]
+            lines.append(
+                f"| {world} | {name} | {STAGE_OF.get(name, '?')} | {r['params_bytes'] / MIB:.2f} "
+                f"| {r['grads_bytes'] / MIB:.2f} | {r['optimizer_bytes'] / MIB:.2f} | {r['total_bytes'] / MIB:.2f} "
+                f"| {r['formula_bytes'] / MIB:.2f} | {r['peak_rss_growth_bytes'] / MIB:.1f} "
+                f"| {r['step_seconds_median'] * 1e3:.0f} | {r['step_time_vs_ddp']:.2f} | {max(reps) / min(reps):.1f} |"
+            )
+    lines += ["", *_comm_table(doc["results"]), "", "![bytes per rank and step time](../bench/results/zero.png)", ""]
+    lines += claims_table(_zero_claims(doc["results"]))
+    return lines + [
+        "",
+        "`?` = inconclusive: the repeats' paired ratios (each repeat ran every variant) fall on both sides of the "
+        "target, i.e. this machine's run-to-run noise is larger than the effect; a quieter machine or more "
+        "`--repeats` decide it.",
+    ]
+
+
+def _comm_table(results: dict) -> list[str]:
+    """Bytes handed to collectives per step, and what the ring model says each rank sends (PyTorch's not counted)."""
+    lines = [
+        "Bytes handed to collectives per step, MiB, and each rank's ring wire bytes (all-reduce sends 2(N−1)/N of "
+        "its buffer, reduce-scatter, all-gather and broadcast (N−1)/N):",
+        "",
+        "| N | variant | collectives | wire bytes per rank | × DDP's |",
+        "|---:|---|---|---:|---:|",
+    ]
+    for world, rows in results.items():
+        ddp = rows["ddp"]["ring_wire_bytes_per_rank_per_step"]
+        for name, r in rows.items():
+            if r["comm_bytes_per_step"] is None:
+                continue
+            calls = ", ".join(f"{k} {v / MIB:.2f}" for k, v in r["comm_bytes_per_step"].items())
+            wire = r["ring_wire_bytes_per_rank_per_step"]
+            lines.append(f"| {world} | {name} | {calls} | {wire / MIB:.2f} | {wire / ddp:.2f} |")
+    return lines
+
+
+def _paired_verdict(ratios: list[float], target: float) -> bool | None:
+    """Held if every repeat's ratio is within ``target``, missed if none is, ``None`` (cannot tell) otherwise."""
+    if all(r <= target for r in ratios):
+        return True
+    return False if all(r > target for r in ratios) else None
+
+
+def _zero_claims(results: dict) -> list[tuple[str, str, str, bool | None]]:
+    rows = []
+    for world, r in results.items():
+        n, share = int(world), r["zero1"]["optimizer_vs_ddp"]
+        rows.append(
+            (
+                f"N = {n}: stage 1 optimizer state per rank is 1/N of DDP's",
+                f"within {STATE_SHARE_TOLERANCE:.0%} of {1 / n:.3f}",
+                f"{share:.3f}",
+                abs(share * n - 1) <= STATE_SHARE_TOLERANCE,
+            )
+        )
+    for world, r in results.items():
+        worst = max(abs(v["total_vs_formula"] - 1) for v in r.values())
+        rows.append(
+            (
+                f"N = {world}: params + grads + state per rank = the formula, every variant",
+                "\\|total ÷ formula − 1\\| ≤ 1%",
+                f"{worst:.2%}",
+                worst <= 0.01,
+            )
+        )
+    for world, r in results.items():
+        same = all(
+            r[theirs]["total_bytes"] == r[ours]["total_bytes"]
+            for theirs, ours in (("torch zero1", "zero1"), ("torch fsdp2", "zero3"))
+            if theirs in r
+        )
+        rows.append(
+            (
+                f"N = {world}: PyTorch's ZeroRedundancyOptimizer and `fully_shard` hold the bytes ours hold",
+                "equal totals",
+                "equal" if same else "differ",
+                same,
+            )
+        )
+    for world, r in results.items():
+        pairs = [a / b for a, b in zip(r["zero2"]["step_seconds_per_repeat"], r["ddp"]["step_seconds_per_repeat"])]
+        rows.append(
+            (
+                f"N = {world}: stage 2 step time within {STEP_TIME_TARGET:g}× DDP's",
+                f"≤ {STEP_TIME_TARGET:g}×, every repeat",
+                f"{r['zero2']['step_time_vs_ddp']:.2f}× (repeats {min(pairs):.2f}–{max(pairs):.2f}×)",
+                _paired_verdict(pairs, STEP_TIME_TARGET),
+            )
+        )
+    return rows
