@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from bench import scaling_fit as model
 from bench.pipeline_bubble import OneLineParser  # one-line errors, exit 2: the house rule for bad input
 from bench.provenance import REPO, RESULTS, describe_output, load_average, output_path, provenance
+from tools import report
 
 SCHEMA = "scaling.v1"
 MODELS = ("mini_mlp", "deep_mlp", "tiny_transformer")
@@ -357,6 +358,20 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def render(doc: dict) -> str:
+    """The generated block of docs/scaling.md, provenance line first, as ``make bench-report`` writes it."""
+    return report.render("scaling", doc)
+
+
+def rendered_page(page: str, doc: dict) -> str:
+    """``page`` with its ``scaling`` block replaced by ``render(doc)`` (``doc`` need not be the committed result)."""
+    pattern = report.block_pattern("scaling")
+    if not pattern.search(page):
+        raise ValueError("docs/scaling.md has no <!-- bench-report:scaling --> ... <!-- /bench-report:scaling -->")
+    body = render(doc)
+    return pattern.sub(lambda m: m[1] + body + "\n" + m[2], page)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -373,7 +388,7 @@ def main(argv=None) -> int:
         path = args.out or RESULTS / "scaling.json"
         if not path.exists():
             parser.error(f"--render-docs: {path} does not exist: run `make scaling` first")
-        DOC.write_text(model.rendered_page(DOC.read_text(), json.loads(path.read_text())), encoding="utf-8")
+        DOC.write_text(rendered_page(DOC.read_text(), json.loads(path.read_text())), encoding="utf-8")
         print(f"wrote {DOC.relative_to(REPO)} from {path}")
         return 0
     path = output_path(parser, args, "scaling")
@@ -384,7 +399,7 @@ def main(argv=None) -> int:
         print(f"bench.scaling: {exc}; measure more sizes (--sizes 4K..64M)", file=sys.stderr)
         return 1
     doc = {"schema": SCHEMA, **provenance(args, load_before=before), **result}
-    print("\n".join(model.render(doc).splitlines()[2:]))  # the docs' block, less its provenance line
+    print("\n".join(render(doc).splitlines()[2:]))  # the docs' block, less its provenance line
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")
     model.plot(doc, path.with_suffix(".png"))

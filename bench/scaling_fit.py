@@ -357,21 +357,3 @@ def render_block(doc: dict) -> list[str]:
         f"Mean |error| over these rows: formula {doc['bubble']['mean_abs_error_formula']:.3f}, with the send/recv "
         f"term {doc['bubble']['mean_abs_error_with_comm']:.3f} (idle share points).",
     ]
-
-
-def render(doc: dict) -> str:
-    """The generated block of docs/scaling.md, provenance line first, as ``make bench-report`` writes it."""
-    from tools.report import render as render_named  # tools.report imports this module: import it late
-
-    return render_named("scaling", doc)
-
-
-def rendered_page(page: str, doc: dict) -> str:
-    """``page`` with its ``scaling`` block replaced by ``render(doc)`` (``doc`` need not be the committed result)."""
-    from tools.report import block_pattern
-
-    pattern = block_pattern("scaling")
-    if not pattern.search(page):
-        raise ValueError("docs/scaling.md has no <!-- bench-report:scaling --> ... <!-- /bench-report:scaling -->")
-    body = render(doc)
-    return pattern.sub(lambda m: m[1] + body + "\n" + m[2], page)

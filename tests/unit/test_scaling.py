@@ -75,7 +75,7 @@ def test_the_compute_line_is_exact_on_a_line_and_never_negative():
 
 def test_the_page_is_the_rendering_of_the_committed_result():
     page = scaling.DOC.read_text()
-    assert scaling_fit.rendered_page(page, json.loads(RESULT.read_text())) == page, (
+    assert scaling.rendered_page(page, json.loads(RESULT.read_text())) == page, (
         "docs/scaling.md differs from bench/results/scaling.json: run `python -m bench.scaling --render-docs`"
     )
 
@@ -85,7 +85,7 @@ def test_a_changed_result_changes_the_page():
     page = scaling.DOC.read_text()
     doc = json.loads(RESULT.read_text())
     doc["fit"]["all_reduce"]["alpha_s"] *= 2
-    assert scaling_fit.rendered_page(page, doc) != page
+    assert scaling.rendered_page(page, doc) != page
 
 
 @pytest.mark.parametrize("argv", [["--repeats", "0"], ["--worlds", "1"], ["--sizes", "4X"], ["--check-batch", "3"]])
