@@ -152,8 +152,9 @@ class DistributedDataParallel(nn.Module):
         skip_all_reduce_unused_params: with ``find_unused_parameters`` or ``static_graph``: trust that every rank
             leaves the same parameters unused; skip the used-flags all-reduce and buckets holding only unused
             parameters. Ranks that disagree would hang, as in PyTorch.
-        forward_sync_buffers: broadcast rank 0's buffers (BatchNorm running stats) before each synchronising
-            forward. ``None``: ``True``. Buffers are broadcast at construction either way (with ``init_sync``).
+        forward_sync_buffers: broadcast rank 0's buffers (BatchNorm running stats) before the first forward and
+            before each forward that follows a synchronising one, as PyTorch does. ``None``: ``True``. Buffers are
+            broadcast at construction either way (with ``init_sync``).
         delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, device_mesh,
             bucket_cap_mb_list, batched_grad_copy: not implemented; a non-default value raises
             ``NotImplementedError`` naming it.
@@ -220,6 +221,9 @@ class DistributedDataParallel(nn.Module):
         self.bucket_bytes_cap = self.bucket_cap_bytes  # PyTorch's attribute name
         self.first_bucket_cap_bytes = FIRST_BUCKET_BYTES if first_bucket_capped else self.bucket_cap_bytes
         self.require_backward_grad_sync = True  # False inside no_sync()
+        # Whether the next forward starts by broadcasting rank 0's buffers (PyTorch's name and rule): True before
+        # the first forward, then whether the previous forward synchronised (see forward).
+        self.require_forward_param_sync = True
 
         # module.parameters() yields a tied (shared) parameter once, so it gets one hook and one bucket slot.
         # Frozen parameters get no gradient: they are left out of buckets and hooks alike.
@@ -357,15 +361,29 @@ class DistributedDataParallel(nn.Module):
         self.static_graph = True
         self.reducer.set_static_graph()
 
+    def _sync_buffers(self) -> None:
+        """Broadcast rank 0's buffers, in place, as PyTorch's DDP does before a forward (see forward).
+
+        BatchNorm's running stats are updated locally by each rank's forward; rank 0's win. When a synchronising
+        forward follows ``no_sync()`` ones, the sync happened before the first of them, so the last micro-batch
+        runs on the stats this rank accumulated meanwhile, exactly as with PyTorch's DDP.
+        """
+        self._buffers_to_sync = list(self.module.buffers())  # re-read, as PyTorch: a module may reassign a buffer
+        # Keep the buffers' autograd version counters (as PyTorch): an earlier forward may have saved them for its
+        # backward (BatchNorm in eval mode), and a bumped counter would fail that backward.
+        with torch.autograd._unsafe_preserve_version_counter(tuple(self._buffers_to_sync)):
+            _broadcast_coalesced(self._buffers_to_sync, src=self._src_rank, group=self.process_group)
+
     def forward(self, *inputs, **kwargs):
         if self.device_ids:
             inputs, kwargs = _to_device(inputs, self.device), _to_device(kwargs, self.device)
-        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-        if sync and self.forward_sync_buffers and self._buffers_to_sync:
-            # BatchNorm's running stats are updated locally by each rank's forward; rank 0's win. Done only for
-            # forwards that will sync, like PyTorch (buffers are not re-sent inside no_sync()).
-            _broadcast_coalesced(self._buffers_to_sync, src=self._src_rank, group=self.process_group)
+        if self.require_forward_param_sync and self.forward_sync_buffers and self._buffers_to_sync:
+            self._sync_buffers()
         output = self.module(*inputs, **kwargs)
+        # PyTorch's post-forward: this forward decides whether its backward syncs, and whether the *next* forward
+        # starts by syncing buffers (only if this one synchronises; no_sync() and no-grad forwards do not).
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self.require_forward_param_sync = sync
         if sync:
             self.reducer.prepare_for_backward(output)  # arms this backward: its hooks will all-reduce
         else:
