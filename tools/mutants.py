@@ -65,8 +65,8 @@ MUTANTS: list[Mutant] = [
         "ddp-no-divide-by-world-size",
         "gradients summed over ranks, not averaged: every step is world_size times too big",
         "app/parallel/reducer.py",
-        "divisor = self.world_size if self._comm_hook is None else 1",
-        "divisor = 1",
+        "torch.tensor(1.0 / self.world_size, dtype=torch.float64)",
+        "torch.tensor(1.0, dtype=torch.float64)",
         T("tests/integration/test_ddp.py::test_matches_single_process_training_step_by_step"),
     ),
     Mutant(

@@ -39,6 +39,24 @@ class Clock:
         return start.elapsed_time(end) / 1e3
 
 
+class BackwardTimes:
+    """The timestamps of one synchronised backward: each bucket's launch and completion, and the waits at its end."""
+
+    def __init__(self, clock: Clock, n_buckets: int):
+        self.clock = clock
+        self.launches: list = [None] * n_buckets
+        self.dones: list = [None] * n_buckets  # set from the collective's completion callback
+        self.waits: list[tuple] = []  # (before, after) each wait at the end of backward
+
+    def seconds(self) -> tuple[list[float], float, float]:
+        """(launch -> done per bucket, total wait, first launch -> last completion), in seconds."""
+        clock = self.clock
+        per_bucket = [clock.seconds(start, end) for start, end in zip(self.launches, self.dones)]
+        waited = sum(clock.seconds(start, end) for start, end in self.waits)
+        span = max(clock.seconds(self.launches[0], end) for end in self.dones)  # bucket 0 launches first
+        return per_bucket, waited, span
+
+
 class CommStats:
     """What the wrapper did on the wire; the trainer turns these into Prometheus metrics.
 
@@ -61,21 +79,23 @@ class CommStats:
         self._last_comm_span_seconds = 0.0
         self._pending: Callable[[], tuple[list[float], float, float]] | None = None
 
-    def record(self, bucket_bytes: list[int], timings: Callable[[], tuple[list[float], float, float]]) -> None:
-        """One synchronised backward: its buckets' sizes, and a function computing (per-bucket, wait, span) times.
+    def record(self, bucket_bytes: list[int], times: BackwardTimes) -> None:
+        """One synchronised backward: its buckets' sizes (full precision) and its timestamps.
 
-        The times are computed later (``resolve``): on CUDA reading an event before the step synchronised would
-        block on its communication.
+        On CUDA the times are computed later (``resolve``): reading an event before the step synchronised would
+        block on its communication. Host clocks are final at once.
         """
         self.resolve()  # the previous step's times, if nobody read them
         self.sync_calls += 1
         self.buckets_reduced += len(bucket_bytes)
         self.bytes_reduced += sum(bucket_bytes)
         self.last_bucket_bytes = bucket_bytes
-        self._pending = timings
+        self._pending = times.seconds
+        if not times.clock.cuda:
+            self.resolve()
 
     def resolve(self) -> None:
-        """Turn the last backward's timestamps into seconds (the reducer calls it at once with host clocks)."""
+        """Turn the last backward's timestamps into seconds."""
         if self._pending is None:
             return
         bucket_seconds, wait, span = self._pending()

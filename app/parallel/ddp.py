@@ -12,9 +12,8 @@ The idea fits in four lines:
 
     1. every rank starts from rank 0's parameters and buffers (one broadcast at construction);
     2. every rank runs forward and backward on its own shard of the batch;
-    3. as backward produces each parameter's gradient, a hook copies it into a flat *bucket*; a full bucket is
-       all-reduced (SUM, then divide by the world size) *asynchronously*, while backward goes on computing the
-       gradients of earlier layers;
+    3. as backward produces each parameter's gradient, a hook copies it, divided by the world size, into a flat
+       *bucket*; a full bucket is all-reduced (SUM) *asynchronously*, while backward computes earlier layers';
     4. when backward ends, we wait for the outstanding buckets and copy the averages back into ``p.grad``.
 
 So ``loss.backward(); optimizer.step()`` works exactly as with ``torch.nn.parallel.DistributedDataParallel``, and
@@ -22,10 +21,10 @@ because every rank applies the same averaged gradient to the same parameters, th
 
     hooks (one per parameter)   buckets (reverse order, <= bucket_cap_mb)     async all-reduce        end of backward
     p_n.grad ready ─┐
-    p_n-1.grad ready├──► bucket 0 full ──► all_reduce(SUM)/world ──► (runs while backward continues) ─┐
+    p_n-1.grad ready├──► bucket 0 full ──► all_reduce(SUM)       ──► (runs while backward continues) ─┐
     ...             ┘                                                                                  ├─► wait all,
     p_1.grad ready ─┐                                                                                  │   copy into
-    p_0.grad ready ─┴──► bucket k full ──► all_reduce(SUM)/world ─────────────────────────────────────┘   p.grad
+    p_0.grad ready ─┴──► bucket k full ──► all_reduce(SUM) ───────────────────────────────────────────┘   p.grad
 
 The constructor is PyTorch 2.13's, argument for argument (``DistributedDataParallel(model, device_ids=[rank])``
 works by changing the import only); docs/ddp-api.md maps each argument to what it does here. With
@@ -33,10 +32,8 @@ works by changing the import only); docs/ddp-api.md maps each argument to what i
 once. With ``static_graph=True`` the first iteration is studied once (unused parameters, the order gradients
 arrive in) and later iterations reuse it.
 
-Buffers (BatchNorm's running stats) are broadcast from rank 0 before a forward exactly when PyTorch's DDP does it:
-before the first forward, and before every forward that follows a synchronising one (PyTorch's
-``require_forward_param_sync``). Under ``no_sync()`` accumulation that is the first micro-batch's forward, not the
-last's: the last one uses the stats its own rank accumulated over the earlier micro-batches.
+Buffers (BatchNorm's running stats) are broadcast from rank 0 exactly when PyTorch's DDP does it: before the first
+forward and before each forward that follows a synchronising one (under ``no_sync()``: the first micro-batch's).
 
 Try it: ``make demo`` (4 CPU ranks under torchrun, compared step by step with single-process training).
 """
@@ -135,9 +132,8 @@ class DistributedDataParallel(nn.Module):
         init_sync: at construction, check that every rank wraps the same model and broadcast rank 0's parameters
             (and buffers) to all. ``False`` skips both: the ranks must already agree.
         process_group: the group to synchronise over; ``None`` is the default (world) group.
-        bucket_cap_mb: bucket size in MiB; ``None`` is 25. Bigger buckets mean fewer all-reduces (less latency
-            paid) but a later start of the first one (less overlap with backward). With ``None`` the first bucket
-            is capped at 1 MiB, as in PyTorch; a bucket closes once it holds at least its cap (PyTorch's rule).
+        bucket_cap_mb: bucket size in MiB; ``None`` is 25, with a first bucket of 1 MiB (as PyTorch). Bigger buckets:
+            fewer all-reduces (less latency paid) but a later start of the first (less overlap with backward).
         find_unused_parameters: walk the autograd graph after each forward and mark parameters it did not reach as
             ready, so their buckets still complete. Costs a graph walk and a small all-reduce per step; needed only
             when forward skips parameters. Without it such a backward raises an error naming them.
@@ -145,16 +141,13 @@ class DistributedDataParallel(nn.Module):
         gradient_as_bucket_view: ``p.grad`` becomes a view into its bucket after the first synchronised backward:
             the gradient is stored once, and the copy back from the bucket disappears (so does the copy into it
             when ``p.grad`` is kept between steps, e.g. ``zero_grad(set_to_none=False)``).
-        static_graph: the set of used parameters and the order gradients arrive in never change. The first
-            iteration finds both (as ``find_unused_parameters`` would); later ones skip the graph walk and the
-            used-flags all-reduce, and buckets are rebuilt once in rank 0's arrival order so each fills up and
-            launches in turn.
+        static_graph: the used parameters and the order gradients arrive in never change. The first iteration finds
+            both; later ones skip the graph walk and used-flags all-reduce, in buckets rebuilt in rank 0's order.
         skip_all_reduce_unused_params: with ``find_unused_parameters`` or ``static_graph``: trust that every rank
             leaves the same parameters unused; skip the used-flags all-reduce and buckets holding only unused
             parameters. Ranks that disagree would hang, as in PyTorch.
         forward_sync_buffers: broadcast rank 0's buffers (BatchNorm running stats) before the first forward and
-            before each forward that follows a synchronising one, as PyTorch does. ``None``: ``True``. Buffers are
-            broadcast at construction either way (with ``init_sync``).
+            each one after a synchronising forward, as PyTorch. ``None``: ``True``. Always at init (``init_sync``).
         delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, device_mesh,
             bucket_cap_mb_list, batched_grad_copy: not implemented; a non-default value raises
             ``NotImplementedError`` naming it.
@@ -221,8 +214,7 @@ class DistributedDataParallel(nn.Module):
         self.bucket_bytes_cap = self.bucket_cap_bytes  # PyTorch's attribute name
         self.first_bucket_cap_bytes = FIRST_BUCKET_BYTES if first_bucket_capped else self.bucket_cap_bytes
         self.require_backward_grad_sync = True  # False inside no_sync()
-        # Whether the next forward starts by broadcasting rank 0's buffers (PyTorch's name and rule): True before
-        # the first forward, then whether the previous forward synchronised (see forward).
+        # Whether the next forward starts by broadcasting rank 0's buffers (PyTorch's name and rule, see forward).
         self.require_forward_param_sync = True
 
         # module.parameters() yields a tied (shared) parameter once, so it gets one hook and one bucket slot.
@@ -260,9 +252,7 @@ class DistributedDataParallel(nn.Module):
         )
         self.stats: CommStats = self.reducer.stats
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Construction helpers
-    # ------------------------------------------------------------------------------------------------------------
+    # -- Construction helpers ------------------------------------------------------------------------------------------
     def _check_devices(self, device_ids, output_device) -> tuple[list[int] | None, int | None]:
         """PyTorch's rules for ``device_ids``/``output_device``, plus: the one device must be the module's."""
         if device_ids is not None and len(device_ids) > 1:
@@ -329,18 +319,17 @@ class DistributedDataParallel(nn.Module):
 
     def gradient_bytes(self) -> int:
         """Bytes held by gradients and buckets together, each storage counted once (a view costs nothing)."""
-        return self.reducer.gradient_bytes()
+        storages = {b.buffer().untyped_storage().data_ptr(): b.nbytes for b in self.reducer.buckets}
+        for p in self._params:
+            if p.grad is not None:
+                storages[p.grad.untyped_storage().data_ptr()] = p.grad.untyped_storage().nbytes()
+        return sum(storages.values())
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Public API (as PyTorch's)
-    # ------------------------------------------------------------------------------------------------------------
+    # -- Public API (as PyTorch's) -------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self):
-        """Skip gradient synchronisation: gradients accumulate locally in ``p.grad``.
-
-        The *forward* must run inside the context, as with PyTorch: whether a backward syncs is decided when its
-        forward runs. The first backward after leaving the context syncs everything accumulated so far.
-        """
+        """Skip gradient synchronisation: gradients accumulate locally in ``p.grad``. The *forward* must run inside
+        it, as with PyTorch (it decides); the first backward after leaving it syncs everything accumulated."""
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         try:
@@ -349,11 +338,8 @@ class DistributedDataParallel(nn.Module):
             self.require_backward_grad_sync = previous
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
-        """Replace the default all-reduce of each bucket by ``hook(state, bucket) -> Future[Tensor]``.
-
-        The future must resolve to the bucket's *averaged* gradients (the hook divides by the world size).
-        ``app.parallel.comm_hooks`` has plain, fp16 and bf16 hooks; PyTorch's ``ddp_comm_hooks`` work too.
-        """
+        """Replace the default all-reduce of each bucket by ``hook(state, bucket) -> Future[Tensor]``, resolving to
+        the *averaged* gradients (``app.parallel.comm_hooks``; PyTorch's ``ddp_comm_hooks`` work too)."""
         self.reducer.register_comm_hook(state, hook)
 
     def _set_static_graph(self) -> None:
@@ -362,12 +348,7 @@ class DistributedDataParallel(nn.Module):
         self.reducer.set_static_graph()
 
     def _sync_buffers(self) -> None:
-        """Broadcast rank 0's buffers, in place, as PyTorch's DDP does before a forward (see forward).
-
-        BatchNorm's running stats are updated locally by each rank's forward; rank 0's win. When a synchronising
-        forward follows ``no_sync()`` ones, the sync happened before the first of them, so the last micro-batch
-        runs on the stats this rank accumulated meanwhile, exactly as with PyTorch's DDP.
-        """
+        """Broadcast rank 0's buffers in place: each rank's forwards update BatchNorm's stats locally; rank 0's win."""
         self._buffers_to_sync = list(self.module.buffers())  # re-read, as PyTorch: a module may reassign a buffer
         # Keep the buffers' autograd version counters (as PyTorch): an earlier forward may have saved them for its
         # backward (BatchNorm in eval mode), and a bumped counter would fail that backward.

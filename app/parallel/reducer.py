@@ -5,11 +5,12 @@ backward synchronises; this file does the synchronising, as PyTorch's C++ ``Redu
 
 1. at construction, parameters are grouped into flat ``GradBucket`` buffers, in reverse registration order, and one
    hook per parameter is registered with autograd (``register_post_accumulate_grad_hook``);
-2. ``prepare_for_backward(outputs)`` arms the next backward: its hooks copy each gradient into its bucket slot, and
-   a full bucket is all-reduced asynchronously while backward goes on;
-3. at the end of that backward (an autograd callback) every bucket is waited for and its average written to
-   ``p.grad``.
+2. ``prepare_for_backward(outputs)`` arms the next backward: its hooks copy each gradient, divided by the world
+   size, into its bucket slot, and a full bucket is all-reduced (SUM) asynchronously while backward goes on;
+3. at the end of that backward (an autograd callback) every bucket is waited for and copied into ``p.grad``.
 
+The hooks run once per parameter per step, on backward's critical path, so they do as little Python as possible:
+everything that can be computed once (views, slots, divisors) is, and the copy back is one call per bucket.
 Unused parameters (``find_unused_parameters``), ``static_graph`` and ``gradient_as_bucket_view`` are handled here
 too. Nothing in this file knows about ``no_sync()``: a backward that was not prepared leaves ``p.grad`` alone.
 """
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from app.parallel.comm_stats import Clock, CommStats
+from app.parallel.comm_stats import BackwardTimes, Clock, CommStats
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 
@@ -32,20 +33,24 @@ class GradBucket:
     """One flat buffer holding the gradients of several parameters, with PyTorch's ``GradBucket`` accessors.
 
     Flattening is what makes buckets pay: one all-reduce of 25 MB costs about one latency floor, while a thousand
-    all-reduces of 25 KB each pay it a thousand times.
+    all-reduces of 25 KB each pay it a thousand times. ``compressed`` (ours): the buffer holds each gradient already
+    divided by the world size and cast to the comm hook's ``wire_dtype`` (see ``app/parallel/comm_hooks.py``).
     """
 
-    def __init__(self, index: int, params: list[nn.Parameter], param_indices: list[int], is_last: bool):
+    def __init__(
+        self, index: int, params: list[nn.Parameter], param_indices: list[int], is_last: bool, wire_dtype=None
+    ):
         self._index = index
         self._params = params
         self.param_indices = param_indices  # positions of our parameters in the wrapper's parameter list
         self._is_last = is_last
-        self._numels = [p.numel() for p in params]
-        self._offsets = [sum(self._numels[:i]) for i in range(len(params))]
+        numels = [p.numel() for p in params]
+        offsets = [sum(numels[:i]) for i in range(len(params))]
         # All parameters of one bucket share dtype and device (see assign_buckets), so one buffer fits all.
-        self._buffer = torch.zeros(sum(self._numels), dtype=params[0].dtype, device=params[0].device)
+        self.compressed = wire_dtype is not None
+        self._buffer = torch.zeros(sum(numels), dtype=wire_dtype or params[0].dtype, device=params[0].device)
         # Views made once: slicing per gradient per step would cost Python time on the backward's critical path.
-        self._views = [self._buffer[o : o + n].view_as(p) for o, n, p in zip(self._offsets, self._numels, params)]
+        self._views = [self._buffer[o : o + n].view_as(p) for o, n, p in zip(offsets, numels, params)]
 
     # -- PyTorch's GradBucket interface, what comm hooks may call ------------------------------------------------
     def index(self) -> int:
@@ -64,12 +69,7 @@ class GradBucket:
         return list(self._params)
 
     def gradients(self) -> list[torch.Tensor]:
-        return [self.view(i) for i in range(len(self._params))]
-
-    # -- ours ----------------------------------------------------------------------------------------------------
-    def view(self, i: int) -> torch.Tensor:
-        """The slice of the flat buffer that belongs to parameter ``i``, shaped like the parameter."""
-        return self._views[i]
+        return list(self._views)
 
     @property
     def nbytes(self) -> int:
@@ -82,12 +82,8 @@ def assign_buckets(params: list[nn.Parameter], order: list[int], first_cap: int,
 
     The order is the *reverse* registration order at construction: backward runs roughly from the last layer to
     the first, so the last-registered parameters get their gradients first, and putting them in bucket 0 lets the
-    first all-reduce start while the earlier layers' gradients are still being computed. That is the overlap.
-    (static_graph later rebuilds with the order really observed.)
-
-    PyTorch's rule (``dist._compute_bucket_assignment_by_size``): a parameter joins the open bucket, which closes
-    once it holds at least its cap. So a bucket may overshoot its cap by its last parameter, and a last layer of
-    1 MiB + bias fills a 1 MiB first bucket rather than leaving the bias alone in it.
+    first all-reduce start while the earlier layers' gradients are still being computed: the overlap. PyTorch's rule
+    (``dist._compute_bucket_assignment_by_size``): a bucket closes once it holds at least its cap.
     """
     groups: list[list[int]] = []
     current: list[int] = []
@@ -122,19 +118,7 @@ class Reducer:
         stats: a ``CommStats``, updated at the end of every synchronised backward.
     """
 
-    def __init__(
-        self,
-        params: list[nn.Parameter],
-        param_names: dict[int, str],
-        process_group,
-        *,
-        first_bucket_cap_bytes: int,
-        bucket_cap_bytes: int,
-        find_unused_parameters: bool,
-        gradient_as_bucket_view: bool,
-        static_graph: bool,
-        skip_all_reduce_unused_params: bool,
-    ):
+    def __init__(self, params: list[nn.Parameter], param_names: dict[int, str], process_group, **options):
         self._params = params
         self._param_names = param_names
         self.process_group = process_group
@@ -142,58 +126,55 @@ class Reducer:
         # Global rank of the group's rank 0: broadcast takes a global rank even inside a subgroup.
         self._src_rank = dist.get_global_rank(process_group, 0)
         self.device = params[0].device
-        self.first_bucket_cap_bytes = first_bucket_cap_bytes
-        self.bucket_cap_bytes = bucket_cap_bytes
-        self.find_unused_parameters = find_unused_parameters
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.static_graph = static_graph
-        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.first_bucket_cap_bytes: int = options["first_bucket_cap_bytes"]
+        self.bucket_cap_bytes: int = options["bucket_cap_bytes"]
+        self.find_unused_parameters: bool = options["find_unused_parameters"]
+        self.gradient_as_bucket_view: bool = options["gradient_as_bucket_view"]
+        self.static_graph: bool = options["static_graph"]
+        self.skip_all_reduce_unused_params: bool = options["skip_all_reduce_unused_params"]
         self.stats = CommStats()
         self._clock = Clock(self.device)
-
-        self._buckets, self._slot = self._build_buckets(list(reversed(range(len(self._params)))))
         self._comm_hook: CommHook | None = None  # None: the built-in all-reduce (see _launch_ready_buckets)
         self._comm_state: Any = process_group
+        # The built-in all-reduce SUMs, so each gradient is multiplied by 1 / world size in its copy into the bucket,
+        # as PyTorch's Reducer does (by a 0-dim tensor made once: a Python number would be wrapped into a tensor on
+        # every call, costing as much as the copy of a small gradient). None: no scaling (a comm hook averages).
+        self._scale: torch.Tensor | None = torch.tensor(1.0 / self.world_size, dtype=torch.float64)
+        self._wire_dtype: torch.dtype | None = None  # a compressed bucket's dtype, if the comm hook asks for one
+        self._buckets, self._slot = self._build_buckets(list(reversed(range(len(self._params)))))
 
         # What static_graph learns in its first synchronised iteration (None until then).
         self._static_unused: list[int] | None = None
         self._static_used_flags: list[bool] | None = None
-        self._arrival_order: list[int] = []
 
-        # Per-backward state, reset by prepare_for_backward() before each synchronising backward.
-        self.expect_autograd_hooks = False
-        self._pending: list[int] = []  # per bucket: parameters not yet ready
-        self._ready: list[bool] = []  # per parameter: gradient already copied into its bucket
-        self._next_bucket = 0  # buckets are launched strictly in index order (see _launch_ready_buckets)
-        self._futures: list[torch.futures.Future | None] = []
-        self._launch_times: list = []
-        self._done_times: list = []
-        self._unused: list[int] = []  # not reached by this forward's graph (find_unused_parameters)
-        self._locally_unused: list[int] = []  # ... and without any gradient accumulated under no_sync()
-        self._callback_queued = False
+        self.expect_autograd_hooks = False  # the rest of the per-backward state is set by prepare_for_backward
 
         # One hook per parameter, fired by autograd right after the parameter's .grad has been accumulated.
         for index, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(self._make_grad_hook(index))
 
-    def _build_buckets(self, order: list[int]) -> tuple[list[GradBucket], list[tuple[int, int]]]:
+    def _build_buckets(self, order: list[int]) -> tuple[list[GradBucket], list[tuple[GradBucket, int]]]:
         groups = assign_buckets(self._params, order, self.first_bucket_cap_bytes, self.bucket_cap_bytes)
+        # A compressed bucket cannot hold p.grad itself (another dtype): with gradient_as_bucket_view the hook
+        # compresses a full-precision bucket instead.
+        dtype = None if self.gradient_as_bucket_view else self._wire_dtype
         buckets = [
-            GradBucket(i, [self._params[j] for j in g], g, is_last=(i == len(groups) - 1)) for i, g in enumerate(groups)
+            GradBucket(i, [self._params[j] for j in g], g, is_last=(i == len(groups) - 1), wire_dtype=dtype)
+            for i, g in enumerate(groups)
         ]
-        slot = [(0, 0)] * len(self._params)  # parameter index -> (bucket index, position in bucket)
+        slot: list = [None] * len(self._params)  # parameter index -> (its bucket, its position in the bucket)
         for b in buckets:
             for pos, index in enumerate(b.param_indices):
-                slot[index] = (b.index(), pos)
+                slot[index] = (b, pos)
+        # Full-precision bytes (what the stats and logs report, compressed or not).
+        self._bucket_sizes = [sum(p.numel() * p.element_size() for p in b._params) for b in buckets]
         return buckets, slot
 
-    # ------------------------------------------------------------------------------------------------------------
-    # What the wrapper (and a pipeline stage) call
-    # ------------------------------------------------------------------------------------------------------------
+    # -- What the wrapper (and a pipeline stage) call ------------------------------------------------------------------
     @property
     def bucket_sizes(self) -> list[int]:
         """Bytes per bucket, in launch order (for logs, metrics and tests)."""
-        return [b.nbytes for b in self._buckets]
+        return self._bucket_sizes
 
     @property
     def buckets(self) -> tuple[GradBucket, ...]:
@@ -204,190 +185,161 @@ class Reducer:
         if self._comm_hook is not None:
             # As PyTorch: swapping reductions between steps would silently mix two averaging schemes.
             raise RuntimeError("register_comm_hook can be called only once, before training")
-        self._comm_hook = hook
-        self._comm_state = state
+        self._comm_hook, self._comm_state = hook, state
+        # A hook with a wire_dtype gets buckets cast (and divided) in the copy into them, and cast back in the copy
+        # out: two passes over the gradients fewer. Others get full precision and divide, as with PyTorch's DDP.
+        self._wire_dtype = getattr(hook, "wire_dtype", None)
+        if self._wire_dtype is not None and not self.gradient_as_bucket_view:
+            self._buckets, self._slot = self._build_buckets([i for b in self._buckets for i in b.param_indices])
+        else:
+            self._scale = None
 
     def set_static_graph(self) -> None:
         """PyTorch's older way to ask for ``static_graph=True`` after construction (before the first forward)."""
         self.static_graph = True
 
     def prepare_for_backward(self, outputs) -> None:
-        """Arm the next backward to synchronise; ``outputs`` (any nesting of tensors) is what it starts from.
-
-        With ``find_unused_parameters`` (or the first iteration of ``static_graph``) the graph behind ``outputs``
-        is walked to find the parameters this backward will not reach. Called by ``DistributedDataParallel``
-        after a synchronising forward, or by a pipeline stage before its last micro-batch's backward.
-        """
+        """Arm the next backward to synchronise: called after a synchronising forward, or by a pipeline stage
+        before its last micro-batch's backward. ``outputs`` (any nesting of tensors) is what that backward starts
+        from: with ``find_unused_parameters`` (or static_graph's first iteration) its graph is walked."""
         n = len(self._buckets)
         self.expect_autograd_hooks = True
-        self._pending = [len(b.parameters()) for b in self._buckets]
-        self._ready = [False] * len(self._params)
-        self._next_bucket = 0
-        self._futures = [None] * n
-        self._launch_times = [None] * n
-        self._done_times = [None] * n
+        self._pending = [len(b.param_indices) for b in self._buckets]  # per bucket: parameters not yet ready
+        self._ready = [False] * len(self._params)  # per parameter: gradient already copied into its bucket
+        self._next_bucket = 0  # buckets are launched strictly in index order (see _launch_ready_buckets)
+        self._futures: list[torch.futures.Future | None] = [None] * n
+        self._times = BackwardTimes(self._clock, n)
         self._callback_queued = False
-        self._arrival_order = []
-        if self._static_unused is not None:
-            self._unused = self._static_unused  # static graph: learned in the first iteration, no walk
-        elif self.find_unused_parameters or self.static_graph:
-            self._unused = unused_parameters(outputs, self._params)
-        else:
-            self._unused = []
+        self._arrival_order: list[int] = []
+        self._locally_unused: list[int] = []  # unused (below) and no gradient accumulated under no_sync()
+        # Not reached by this forward's graph (find_unused_parameters); static graph: the first iteration's set.
+        walk = self._static_unused is None and (self.find_unused_parameters or self.static_graph)
+        self._unused = unused_parameters(outputs, self._params) if walk else (self._static_unused or [])
 
-    def gradient_bytes(self) -> int:
-        """Bytes held by gradients and buckets together, each storage counted once (a view costs nothing)."""
-        storages = {b.buffer().untyped_storage().data_ptr(): b.nbytes for b in self._buckets}
-        for p in self._params:
-            if p.grad is not None:
-                s = p.grad.untyped_storage()
-                storages[s.data_ptr()] = s.nbytes()
-        return sum(storages.values())
-
-    # ------------------------------------------------------------------------------------------------------------
-    # During backward: hooks, launches
-    # ------------------------------------------------------------------------------------------------------------
-    def _learning_static_graph(self) -> bool:
-        return self.static_graph and self._static_unused is None
-
+    # -- During backward: hooks, launches ------------------------------------------------------------------------------
     def _make_grad_hook(self, index: int):
         def hook(param: torch.Tensor) -> None:
             if not self.expect_autograd_hooks:
                 return  # inside no_sync(): leave the local gradient to accumulate in p.grad
             if not self._callback_queued:
-                # First hook of this backward: ask autograd to call us once the whole backward pass is done.
-                # (PyTorch's Reducer does the same from C++.)
-                self._callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
-                # Parameters the forward never reached count as ready now, as PyTorch does at the first hook, so
-                # their buckets can complete. Their slot gets what p.grad holds: zeros, or gradient accumulated
-                # under no_sync() by earlier micro-batches that did use them (it must still be averaged).
-                self._locally_unused = [i for i in self._unused if self._params[i].grad is None]
-                for unused in self._unused:
-                    self._mark_ready(unused)
+                self._first_hook()
             self._mark_ready(index)
 
         return hook
 
+    def _first_hook(self) -> None:
+        """First hook of this backward: ask autograd to call us once the whole backward pass is done."""
+        self._callback_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)  # as PyTorch's, from C++
+        # Parameters the forward never reached are ready now, as in PyTorch, so their buckets complete. Their slot
+        # gets p.grad: zeros, or what earlier micro-batches accumulated under no_sync() (still to be averaged).
+        self._locally_unused = [i for i in self._unused if self._params[i].grad is None]
+        for unused in self._unused:
+            self._mark_ready(unused)
+
     def _mark_ready(self, index: int) -> None:
         if self._ready[index]:
-            # A parameter used twice in one graph still gets one hook call after accumulation. A second call means
-            # the graph walk called it unused, yet backward reached it: the loss used it outside forward's output.
+            # One hook call per parameter per backward, even if used twice; a second means the graph walk called it
+            # unused, yet backward reached it: the loss used it outside forward's output.
             raise RuntimeError(
                 f"parameter {self._param_names[id(self._params[index])]!r} got a gradient although "
                 f"forward's output does not depend on it (find_unused_parameters marked it unused): "
                 f"the loss uses it outside forward; route every use through forward"
             )
         self._ready[index] = True
-        if self._learning_static_graph():
+        if self.static_graph and self._static_unused is None:
             self._arrival_order.append(index)
-        bucket_index, pos = self._slot[index]
-        bucket = self._buckets[bucket_index]
-        param, view = self._params[index], bucket.view(pos)
-        # (Autograd runs hooks with grad mode off, and the buffer is no leaf of any graph: a plain copy suffices.)
-        if param.grad is None:
+        bucket, pos = self._slot[index]
+        param, view = self._params[index], bucket._views[pos]
+        grad = param.grad
+        # (Autograd runs hooks with grad mode off, and the buffer is no leaf of any graph: plain ops suffice.)
+        if grad is None:
             view.zero_()
-        elif param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)
-            if self.gradient_as_bucket_view:
+        elif self.gradient_as_bucket_view:
+            if grad.data_ptr() != view.data_ptr():
                 # From now on p.grad *is* the bucket slot: the separate gradient tensor is freed, and while p.grad
                 # is kept (zero_grad(set_to_none=False), no_sync()), autograd accumulates straight into the bucket.
+                view.copy_(grad)
                 param.grad = view
-        # else: p.grad already is the bucket slot (gradient_as_bucket_view), nothing to copy.
-        self._pending[bucket_index] -= 1
-        if self._pending[bucket_index] == 0:
+            if self._scale is not None:
+                view.mul_(self._scale)  # the slot is p.grad: scale it in place, while it is still in cache
+        elif self._scale is not None:
+            torch.mul(grad, self._scale, out=view)  # copy, scale and (wire_dtype) cast: one pass
+        else:
+            view.copy_(grad)
+        self._pending[bucket._index] -= 1
+        if self._pending[bucket._index] == 0:
             self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
-        """Launch every full bucket, in index order.
-
-        Collectives are matched by call order on every rank, so all ranks must launch bucket 0, then 1, ... even if
-        some gradients arrive in a different order here than there; a full bucket waits for its predecessors.
-        """
+        """Launch every full bucket, in index order: collectives are matched by call order on every rank, so all
+        ranks must launch bucket 0, then 1, ...; a full bucket waits for its predecessors."""
         while self._next_bucket < len(self._buckets) and self._pending[self._next_bucket] == 0:
             i = self._next_bucket
             bucket = self._buckets[i]
-            self._launch_times[i] = self._clock.now()
-            if self._skips(bucket):
+            self._times.launches[i] = self._clock.now()
+            unused = self._locally_unused
+            if self.skip_all_reduce_unused_params and unused and set(bucket.param_indices) <= set(unused):
                 # Only unused parameters, on every rank by the caller's promise: nothing to reduce.
                 fut = torch.futures.Future()
                 fut.set_result(bucket.buffer())
             elif self._comm_hook is None:
-                # Built-in path: all-reduce with SUM, in place. The division by the world size happens when the
-                # result is copied back into p.grad (_finalize_backward): fused into that copy, it costs no extra
-                # pass over the gradients (PyTorch's Reducer fuses it into its copy *into* the bucket instead).
+                # Built-in path: all-reduce with SUM, in place (each slot was divided by the world size already).
                 fut = dist.all_reduce(
                     bucket.buffer(), op=dist.ReduceOp.SUM, group=self.process_group, async_op=True
                 ).get_future()
             else:
                 fut = self._comm_hook(self._comm_state, bucket)  # the hook averages, as with PyTorch's DDP
 
-            def record_done(f: torch.futures.Future, i=i) -> torch.Tensor:
-                # Runs when the reduction completes (gloo: on its thread, once the data is back; CUDA: on a stream
-                # synchronised with the collective, so the event completes with it). launch -> done is the
-                # all-reduce latency the metrics report, independent of when backward gets around to waiting.
-                self._done_times[i] = self._clock.now()
+            def record_done(f: torch.futures.Future, i=i, times=self._times) -> torch.Tensor:
+                # Runs when the reduction completes (gloo: on its thread; CUDA: on a stream synchronised with the
+                # collective): launch -> done is the latency the metrics report, whenever backward gets to waiting.
+                times.dones[i] = self._clock.now()
                 value = f.value()
                 return value[0] if isinstance(value, list) else value  # all_reduce's future holds a list
 
             self._futures[i] = fut.then(record_done)
             self._next_bucket += 1
 
-    def _skips(self, bucket: GradBucket) -> bool:
-        if not self.skip_all_reduce_unused_params or not self._locally_unused:
-            return False
-        unused = set(self._locally_unused)
-        return all(i in unused for i in bucket.param_indices)
-
-    # ------------------------------------------------------------------------------------------------------------
-    # End of backward: wait, average, write p.grad
-    # ------------------------------------------------------------------------------------------------------------
+    # -- End of backward: wait, write p.grad ---------------------------------------------------------------------------
     def _finalize_backward(self) -> None:
         """Called by autograd after the last gradient of this backward: wait, then write averages to ``p.grad``."""
+        self.expect_autograd_hooks = False
         if self._next_bucket < len(self._buckets):
             missing = [self._param_names[id(p)] for p, ready in zip(self._params, self._ready) if not ready]
-            self.expect_autograd_hooks = False
             raise RuntimeError(
                 f"parameters that received no gradient in this backward: {', '.join(missing)}; every rank would "
                 f"wait forever for their buckets. Pass find_unused_parameters=True to DistributedDataParallel if "
                 f"forward skips them on purpose, or make sure the loss depends on them"
             )
-
         globally_used = self._globally_used_flags()
-        # The built-in all-reduce leaves the SUM in the bucket; a comm hook leaves the average.
-        divisor = self.world_size if self._comm_hook is None else 1
-        waits = []
         with torch.no_grad():
             for bucket, fut in zip(self._buckets, self._futures):
                 # Wait bucket by bucket and write each out as soon as it is back: the write of bucket i overlaps
                 # the reduction of bucket i+1. Only the waiting counts as exposed communication.
                 before = self._clock.now()
                 averaged = fut.wait()
-                waits.append((before, self._clock.now()))
+                self._times.waits.append((before, self._clock.now()))
                 if averaged.data_ptr() != bucket.buffer().data_ptr():
                     bucket.buffer().copy_(averaged)  # hooks may return a new tensor rather than the buffer
-                self._write_back(bucket, globally_used, divisor)
-        self._record_stats(waits)
-        if self._learning_static_graph():
+                self._write_back(bucket, globally_used)
+        self.stats.record(list(self._bucket_sizes), self._times)
+        if self.static_graph and self._static_unused is None:
             self._learn_static_graph(globally_used)
-        self.expect_autograd_hooks = False
 
-    def _write_back(self, bucket: GradBucket, globally_used: list[bool] | None, divisor: int) -> None:
-        """Make ``p.grad`` hold the bucket's averages: a copy, or (gradient_as_bucket_view) the slot itself."""
-        if self.gradient_as_bucket_view and divisor != 1:
-            bucket.buffer().div_(divisor)  # p.grad is the slot: divide in place, one pass over the bucket
-        for pos, (p, index) in enumerate(zip(bucket.parameters(), bucket.param_indices)):
+    def _write_back(self, bucket: GradBucket, globally_used: list[bool] | None) -> None:
+        """Make ``p.grad`` hold the bucket's averages: one copy per bucket, or (gradient_as_bucket_view) nothing."""
+        grads = [p.grad for p in bucket._params]
+        if globally_used is None and all(g is not None for g in grads):  # every parameter used: the fast path
+            if not self.gradient_as_bucket_view:  # (with it, every p.grad is its slot already)
+                torch._foreach_copy_(grads, bucket._views)  # one call (and cast) for the whole bucket
+            return
+        for p, view, index in zip(bucket._params, bucket._views, bucket.param_indices):
             if globally_used is not None and not globally_used[index]:
                 continue  # no rank used it: leave p.grad untouched (None), as PyTorch does
-            view = bucket.view(pos)
-            if self.gradient_as_bucket_view:
-                if p.grad is None:
-                    p.grad = view  # unused here but used elsewhere: the average arrives only through the bucket
-            elif p.grad is None:
-                p.grad = view / divisor if divisor != 1 else view.clone()
-            elif divisor != 1:
-                torch.div(view, divisor, out=p.grad)  # SUM ÷ world size, written straight into p.grad
-            else:
+            if p.grad is None:  # unused here but used elsewhere: the average arrives only through the bucket
+                p.grad = view if self.gradient_as_bucket_view else view.to(p.dtype, copy=True)
+            elif p.grad.data_ptr() != view.data_ptr():
                 p.grad.copy_(view)
 
     def _globally_used_flags(self) -> list[bool] | None:
@@ -403,20 +355,6 @@ class Reducer:
             dist.all_reduce(used, op=dist.ReduceOp.SUM, group=self.process_group)
         return used.bool().tolist()
 
-    def _record_stats(self, waits: list) -> None:
-        clock, launches, dones = self._clock, self._launch_times, self._done_times
-
-        def timings() -> tuple[list[float], float, float]:
-            seconds = [clock.seconds(start, end) for start, end in zip(launches, dones)]
-            waited = sum(clock.seconds(start, end) for start, end in waits)
-            # Buckets launch in index order, so bucket 0's launch is the first.
-            span = max(clock.seconds(launches[0], end) for end in dones)
-            return seconds, waited, span
-
-        self.stats.record(list(self.bucket_sizes), timings)
-        if not clock.cuda:
-            self.stats.resolve()  # host clocks are final already
-
     def _learn_static_graph(self, globally_used: list[bool] | None) -> None:
         """End of the first iteration under static_graph: keep what it found, rebuild buckets in arrival order."""
         self._static_unused = list(self._unused)
@@ -424,18 +362,15 @@ class Reducer:
         # Every rank must bucket identically (collectives match by call order): rank 0's order is the order.
         order = torch.tensor(self._arrival_order, dtype=torch.int64, device=self.device)
         dist.broadcast(order, src=self._src_rank, group=self.process_group)
-        order_list = order.tolist()
-        if order_list == [i for b in self._buckets for i in b.param_indices]:
+        if order.tolist() == [i for b in self._buckets for i in b.param_indices]:
             return  # gradients arrived in bucket order already
-        self._buckets, self._slot = self._build_buckets(order_list)
+        self._buckets, self._slot = self._build_buckets(order.tolist())
         if self.gradient_as_bucket_view:
             with torch.no_grad():
                 for index, p in enumerate(self._params):
                     if p.grad is not None:  # a slot of the old buckets: move it into the new ones
-                        bucket_index, pos = self._slot[index]
-                        view = self._buckets[bucket_index].view(pos)
-                        view.copy_(p.grad)
-                        p.grad = view
+                        bucket, pos = self._slot[index]
+                        p.grad = bucket._views[pos].copy_(p.grad)
 
 
 def unused_parameters(outputs, params: list[nn.Parameter]) -> list[int]:
@@ -448,8 +383,7 @@ def unused_parameters(outputs, params: list[nn.Parameter]) -> list[int]:
         if fn is None or fn in seen:
             continue
         seen.add(fn)
-        variable = getattr(fn, "variable", None)  # AccumulateGrad nodes hold their leaf parameter
-        if variable is not None:
+        if (variable := getattr(fn, "variable", None)) is not None:  # AccumulateGrad nodes hold their parameter
             reached.add(id(variable))
         stack.extend(next_fn for next_fn, _ in fn.next_functions)
     return [i for i, p in enumerate(params) if id(p) not in reached]
