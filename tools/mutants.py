@@ -60,19 +60,19 @@ def T(*tests: str) -> tuple[str, ...]:
 
 # The curated list. Keep each `find` as short as stays unique, and the tests as few as catch it (speed).
 MUTANTS: list[Mutant] = [
-    # -- the DDP wrapper (app/parallel/ddp.py) ---------------------------------------------------------------------
+    # -- the DDP wrapper (app/parallel/ddp.py, reducer.py) ---------------------------------------------------------
     Mutant(
         "ddp-no-divide-by-world-size",
         "gradients summed over ranks, not averaged: every step is world_size times too big",
-        "app/parallel/ddp.py",
-        "divisor = self.world_size if self._comm_hook is None else 1",
-        "divisor = 1",
+        "app/parallel/reducer.py",
+        "torch.tensor(1.0 / self.world_size, dtype=torch.float64)",
+        "torch.tensor(1.0, dtype=torch.float64)",
         T("tests/integration/test_ddp.py::test_matches_single_process_training_step_by_step"),
     ),
     Mutant(
         "ddp-bucket-order-differs-by-rank",
         "odd ranks bucket parameters in another order: all-reduces pair up different gradients",
-        "app/parallel/ddp.py",
+        "app/parallel/reducer.py",
         "self._build_buckets(list(reversed(range(len(self._params)))))",
         "self._build_buckets(list(range(len(self._params))) if dist.get_rank() % 2 "
         "else list(reversed(range(len(self._params)))))",
@@ -105,7 +105,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ddp-bucket-closes-past-its-cap",
         "a bucket closes only once it exceeds its cap, not when it reaches it: buckets differ from PyTorch's",
-        "app/parallel/ddp.py",
+        "app/parallel/reducer.py",
         "if current_bytes >= cap:",
         "if current_bytes > cap:",
         T("tests/integration/test_ddp_api.py::test_buckets_are_cut_like_pytorchs"),

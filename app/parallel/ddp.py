@@ -1,12 +1,19 @@
 """DistributedDataParallel from scratch: the lesson's wrapper, grown into a drop-in for PyTorch's.
 
-Read this file top to bottom. The idea fits in four lines:
+Three files, read in this order, each top to bottom:
+
+- ``ddp.py`` (this one): the ``nn.Module`` front: PyTorch's constructor, the initial broadcast, ``forward``,
+  ``no_sync()``, ``register_comm_hook``, the buffer sync; it decides *whether* a backward synchronises;
+- ``reducer.py``: the ``Reducer``: buckets, per-parameter hooks, the asynchronous all-reduce and the write-back
+  into ``p.grad``, unused parameters, static graph; it does the synchronising (PyTorch's C++ ``Reducer``);
+- ``comm_stats.py``: the ``Clock`` and the ``CommStats`` the trainer turns into metrics.
+
+The idea fits in four lines:
 
     1. every rank starts from rank 0's parameters and buffers (one broadcast at construction);
     2. every rank runs forward and backward on its own shard of the batch;
-    3. as backward produces each parameter's gradient, a hook copies it into a flat *bucket*; a full bucket is
-       all-reduced (SUM, then divide by the world size) *asynchronously*, while backward goes on computing the
-       gradients of earlier layers;
+    3. as backward produces each parameter's gradient, a hook copies it, divided by the world size, into a flat
+       *bucket*; a full bucket is all-reduced (SUM) *asynchronously*, while backward computes earlier layers';
     4. when backward ends, we wait for the outstanding buckets and copy the averages back into ``p.grad``.
 
 So ``loss.backward(); optimizer.step()`` works exactly as with ``torch.nn.parallel.DistributedDataParallel``, and
@@ -14,16 +21,19 @@ because every rank applies the same averaged gradient to the same parameters, th
 
     hooks (one per parameter)   buckets (reverse order, <= bucket_cap_mb)     async all-reduce        end of backward
     p_n.grad ready ─┐
-    p_n-1.grad ready├──► bucket 0 full ──► all_reduce(SUM)/world ──► (runs while backward continues) ─┐
+    p_n-1.grad ready├──► bucket 0 full ──► all_reduce(SUM)       ──► (runs while backward continues) ─┐
     ...             ┘                                                                                  ├─► wait all,
     p_1.grad ready ─┐                                                                                  │   copy into
-    p_0.grad ready ─┴──► bucket k full ──► all_reduce(SUM)/world ─────────────────────────────────────┘   p.grad
+    p_0.grad ready ─┴──► bucket k full ──► all_reduce(SUM) ───────────────────────────────────────────┘   p.grad
 
 The constructor is PyTorch 2.13's, argument for argument (``DistributedDataParallel(model, device_ids=[rank])``
 works by changing the import only); docs/ddp.md maps each argument to what it does here. With
 ``gradient_as_bucket_view=True`` step 4 disappears: ``p.grad`` *is* a slice of the bucket, so the gradient exists
 once. With ``static_graph=True`` the first iteration is studied once (unused parameters, the order gradients
 arrive in) and later iterations reuse it.
+
+Buffers (BatchNorm's running stats) are broadcast from rank 0 exactly when PyTorch's DDP does it: before the first
+forward and before each forward that follows a synchronising one (under ``no_sync()``: the first micro-batch's).
 
 Try it: ``make demo`` (4 CPU ranks under torchrun, compared step by step with single-process training).
 """
@@ -32,16 +42,17 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import time
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
+from app.parallel.comm_stats import Clock, CommStats
+from app.parallel.reducer import CommHook, GradBucket, Reducer
+
+__all__ = ["DistributedDataParallel", "GradBucket", "CommStats", "Clock", "Reducer", "CommHook"]
 
 DEFAULT_BUCKET_CAP_MB = 25  # PyTorch's default, used when bucket_cap_mb is None
 # With the default bucket size, the first bucket is capped lower than the rest, as in PyTorch
@@ -60,134 +71,6 @@ _NOT_IMPLEMENTED = {
     "bucket_cap_mb_list": None,
     "batched_grad_copy": False,
 }
-
-
-class _Clock:
-    """Timestamps for one synchronised backward: ``perf_counter`` on CPU, CUDA events on a GPU.
-
-    On CUDA a collective's future completes when the collective is *enqueued*, and ``fut.wait()`` only makes the
-    current stream wait; host clocks would time the launch, not the communication. CUDA events recorded on the
-    streams that the collective's completion is synchronised with time the real thing; they are read (a host sync
-    per event, already complete by then) only when the stats are read, after the step's own synchronisation.
-    """
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def now(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()  # on the current stream: in a future's callback, one synchronised with the collective
-        return event
-
-    def seconds(self, start, end) -> float:
-        if not self.cuda:
-            return end - start
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-
-
-class CommStats:
-    """What the wrapper did on the wire; the trainer turns these into Prometheus metrics.
-
-    Counters are cumulative since construction; ``last_*`` fields describe the most recent synchronised backward.
-    On CUDA the times are computed from CUDA events the first time a time field is read (after the step has
-    synchronised, reading costs nothing; before, it waits for the step's communication).
-    """
-
-    def __init__(self):
-        self.sync_calls = 0  # backward passes that synchronised gradients (no_sync() passes are not counted)
-        self.buckets_reduced = 0  # buckets handed to the comm hook
-        self.bytes_reduced = 0  # bytes of bucket buffers handed to the comm hook (before any compression)
-        self.last_bucket_bytes: list[int] = []
-        self._allreduce_seconds = 0.0  # sum over buckets of launch -> result ready
-        self._wait_seconds = 0.0  # time the end of backward blocked on communication ("exposed" comm)
-        self._last_bucket_seconds: list[float] = []  # per bucket, in launch order
-        self._last_wait_seconds = 0.0
-        # First bucket's launch -> last bucket's completion: the wall time the reduction took. Buckets overlap and
-        # queue behind each other, so the sum of last_bucket_seconds double-counts; bandwidth uses this span.
-        self._last_comm_span_seconds = 0.0
-        self._pending: Callable[[], tuple[list[float], float, float]] | None = None
-
-    def _record(self, bucket_bytes: list[int], timings: Callable[[], tuple[list[float], float, float]]) -> None:
-        self._resolve()  # the previous step's times, if nobody read them
-        self.sync_calls += 1
-        self.buckets_reduced += len(bucket_bytes)
-        self.bytes_reduced += sum(bucket_bytes)
-        self.last_bucket_bytes = bucket_bytes
-        self._pending = timings
-
-    def _resolve(self) -> None:
-        if self._pending is None:
-            return
-        bucket_seconds, wait, span = self._pending()
-        self._pending = None
-        self._allreduce_seconds += sum(bucket_seconds)
-        self._wait_seconds += wait
-        self._last_bucket_seconds, self._last_wait_seconds, self._last_comm_span_seconds = bucket_seconds, wait, span
-
-    def __getstate__(self):  # CUDA events do not pickle: resolve them first
-        self._resolve()
-        return self.__dict__
-
-    def _resolved(name: str):  # noqa: N805 (a property factory used in the class body, not a method)
-        return property(lambda self: (self._resolve(), getattr(self, name))[1])
-
-    allreduce_seconds = _resolved("_allreduce_seconds")
-    wait_seconds = _resolved("_wait_seconds")
-    last_bucket_seconds = _resolved("_last_bucket_seconds")
-    last_wait_seconds = _resolved("_last_wait_seconds")
-    last_comm_span_seconds = _resolved("_last_comm_span_seconds")
-    del _resolved
-
-
-class GradBucket:
-    """One flat buffer holding the gradients of several parameters, with PyTorch's ``GradBucket`` accessors.
-
-    Flattening is what makes buckets pay: one all-reduce of 25 MB costs about one latency floor, while a thousand
-    all-reduces of 25 KB each pay it a thousand times.
-    """
-
-    def __init__(self, index: int, params: list[nn.Parameter], param_indices: list[int], is_last: bool):
-        self._index = index
-        self._params = params
-        self.param_indices = param_indices  # positions of our parameters in the wrapper's parameter list
-        self._is_last = is_last
-        self._numels = [p.numel() for p in params]
-        self._offsets = [sum(self._numels[:i]) for i in range(len(params))]
-        # All parameters of one bucket share dtype and device (see _build_buckets), so one buffer fits all.
-        self._buffer = torch.zeros(sum(self._numels), dtype=params[0].dtype, device=params[0].device)
-        # Views made once: slicing per gradient per step would cost Python time on the backward's critical path.
-        self._views = [self._buffer[o : o + n].view_as(p) for o, n, p in zip(self._offsets, self._numels, params)]
-
-    # -- PyTorch's GradBucket interface, what comm hooks may call ------------------------------------------------
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._buffer.copy_(tensor)
-
-    def is_last(self) -> bool:
-        return self._is_last
-
-    def parameters(self) -> list[nn.Parameter]:
-        return list(self._params)
-
-    def gradients(self) -> list[torch.Tensor]:
-        return [self.view(i) for i in range(len(self._params))]
-
-    # -- ours ----------------------------------------------------------------------------------------------------
-    def view(self, i: int) -> torch.Tensor:
-        """The slice of the flat buffer that belongs to parameter ``i``, shaped like the parameter."""
-        return self._views[i]
-
-    @property
-    def nbytes(self) -> int:
-        return self._buffer.numel() * self._buffer.element_size()
 
 
 def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group) -> None:
@@ -249,9 +132,8 @@ class DistributedDataParallel(nn.Module):
         init_sync: at construction, check that every rank wraps the same model and broadcast rank 0's parameters
             (and buffers) to all. ``False`` skips both: the ranks must already agree.
         process_group: the group to synchronise over; ``None`` is the default (world) group.
-        bucket_cap_mb: bucket size in MiB; ``None`` is 25. Bigger buckets mean fewer all-reduces (less latency
-            paid) but a later start of the first one (less overlap with backward). With ``None`` the first bucket
-            is capped at 1 MiB, as in PyTorch; a bucket closes once it holds at least its cap (PyTorch's rule).
+        bucket_cap_mb: bucket size in MiB; ``None`` is 25, with a first bucket of 1 MiB (as PyTorch). Bigger buckets:
+            fewer all-reduces (less latency paid) but a later start of the first (less overlap with backward).
         find_unused_parameters: walk the autograd graph after each forward and mark parameters it did not reach as
             ready, so their buckets still complete. Costs a graph walk and a small all-reduce per step; needed only
             when forward skips parameters. Without it such a backward raises an error naming them.
@@ -259,15 +141,13 @@ class DistributedDataParallel(nn.Module):
         gradient_as_bucket_view: ``p.grad`` becomes a view into its bucket after the first synchronised backward:
             the gradient is stored once, and the copy back from the bucket disappears (so does the copy into it
             when ``p.grad`` is kept between steps, e.g. ``zero_grad(set_to_none=False)``).
-        static_graph: the set of used parameters and the order gradients arrive in never change. The first
-            iteration finds both (as ``find_unused_parameters`` would); later ones skip the graph walk and the
-            used-flags all-reduce, and buckets are rebuilt once in rank 0's arrival order so each fills up and
-            launches in turn.
+        static_graph: the used parameters and the order gradients arrive in never change. The first iteration finds
+            both; later ones skip the graph walk and used-flags all-reduce, in buckets rebuilt in rank 0's order.
         skip_all_reduce_unused_params: with ``find_unused_parameters`` or ``static_graph``: trust that every rank
             leaves the same parameters unused; skip the used-flags all-reduce and buckets holding only unused
             parameters. Ranks that disagree would hang, as in PyTorch.
-        forward_sync_buffers: broadcast rank 0's buffers (BatchNorm running stats) before each synchronising
-            forward. ``None``: ``True``. Buffers are broadcast at construction either way (with ``init_sync``).
+        forward_sync_buffers: broadcast rank 0's buffers (BatchNorm running stats) before the first forward and
+            each one after a synchronising forward, as PyTorch. ``None``: ``True``. Always at init (``init_sync``).
         delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, device_mesh,
             bucket_cap_mb_list, batched_grad_copy: not implemented; a non-default value raises
             ``NotImplementedError`` naming it.
@@ -334,7 +214,8 @@ class DistributedDataParallel(nn.Module):
         self.bucket_bytes_cap = self.bucket_cap_bytes  # PyTorch's attribute name
         self.first_bucket_cap_bytes = FIRST_BUCKET_BYTES if first_bucket_capped else self.bucket_cap_bytes
         self.require_backward_grad_sync = True  # False inside no_sync()
-        self.stats = CommStats()
+        # Whether the next forward starts by broadcasting rank 0's buffers (PyTorch's name and rule, see forward).
+        self.require_forward_param_sync = True
 
         # module.parameters() yields a tied (shared) parameter once, so it gets one hook and one bucket slot.
         # Frozen parameters get no gradient: they are left out of buckets and hooks alike.
@@ -348,7 +229,6 @@ class DistributedDataParallel(nn.Module):
             )
         self.device = self._params[0].device
         self.device_ids, self.output_device = self._check_devices(device_ids, output_device)
-        self._clock = _Clock(self.device)
 
         if init_sync:
             self._check_same_model_everywhere()
@@ -358,35 +238,21 @@ class DistributedDataParallel(nn.Module):
                 [p.data for p in module.parameters()] + buffers, src=self._src_rank, group=self.process_group
             )
 
-        self._buckets, self._slot = self._build_buckets(list(reversed(range(len(self._params)))))
-        self._bucket_sizes = [b.nbytes for b in self._buckets]
-        self._comm_hook: CommHook | None = None  # None: the built-in all-reduce (see _launch_ready_buckets)
-        self._comm_state: Any = self.process_group
+        # 2. The reducer: buckets in reverse parameter order and one hook per parameter (see reducer.py).
+        self.reducer = Reducer(
+            self._params,
+            self._param_names,
+            self.process_group,
+            first_bucket_cap_bytes=self.first_bucket_cap_bytes,
+            bucket_cap_bytes=self.bucket_cap_bytes,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+        )
+        self.stats: CommStats = self.reducer.stats
 
-        # What static_graph learns in its first synchronised iteration (None until then).
-        self._static_unused: list[int] | None = None
-        self._static_used_flags: list[bool] | None = None
-        self._arrival_order: list[int] = []
-
-        # Per-backward state, reset by _prepare_for_backward() in each synchronising forward.
-        self._sync_this_backward = False
-        self._pending: list[int] = []  # per bucket: parameters not yet ready
-        self._ready: list[bool] = []  # per parameter: gradient already copied into its bucket
-        self._next_bucket = 0  # buckets are launched strictly in index order (see _launch_ready_buckets)
-        self._futures: list[torch.futures.Future | None] = []
-        self._launch_times: list = []
-        self._done_times: list = []
-        self._unused: list[int] = []  # not reached by this forward's graph (find_unused_parameters)
-        self._locally_unused: list[int] = []  # ... and without any gradient accumulated under no_sync()
-        self._callback_queued = False
-
-        # 2. One hook per parameter, fired by autograd right after the parameter's .grad has been accumulated.
-        for index, p in enumerate(self._params):
-            p.register_post_accumulate_grad_hook(self._make_grad_hook(index))
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Construction helpers
-    # ------------------------------------------------------------------------------------------------------------
+    # -- Construction helpers ------------------------------------------------------------------------------------------
     def _check_devices(self, device_ids, output_device) -> tuple[list[int] | None, int | None]:
         """PyTorch's rules for ``device_ids``/``output_device``, plus: the one device must be the module's."""
         if device_ids is not None and len(device_ids) > 1:
@@ -433,50 +299,14 @@ class DistributedDataParallel(nn.Module):
                 f"build the same model on every rank"
             )
 
-    def _build_buckets(self, order: list[int]) -> tuple[list[GradBucket], list[tuple[int, int]]]:
-        """Group parameters, taken in ``order``, into buckets of at most ``bucket_cap_bytes``.
-
-        The order is the *reverse* registration order at construction: backward runs roughly from the last layer
-        to the first, so the last-registered parameters get their gradients first, and putting them in bucket 0
-        lets the first all-reduce start while the earlier layers' gradients are still being computed. That is the
-        overlap. (static_graph later rebuilds with the order really observed.) Bucket 0 is capped at
-        ``first_bucket_cap_bytes``.
-
-        PyTorch's rule (``dist._compute_bucket_assignment_by_size``): a parameter joins the open bucket, which
-        closes once it holds at least its cap. So a bucket may overshoot its cap by its last parameter, and a
-        last layer of 1 MiB + bias fills a 1 MiB first bucket rather than leaving the bias alone in it.
-        """
-        groups: list[list[int]] = []
-        current: list[int] = []
-        current_bytes = 0
-        for index in order:
-            p = self._params[index]
-            first = self._params[current[0]] if current else None
-            if first is not None and (p.dtype, p.device) != (first.dtype, first.device):
-                groups.append(current)  # one dtype and device per bucket: it is one flat tensor
-                current, current_bytes = [], 0
-            current.append(index)
-            current_bytes += p.numel() * p.element_size()
-            cap = self.first_bucket_cap_bytes if not groups else self.bucket_cap_bytes
-            if current_bytes >= cap:
-                groups.append(current)
-                current, current_bytes = [], 0
-        if current:
-            groups.append(current)
-
-        buckets = [
-            GradBucket(i, [self._params[j] for j in g], g, is_last=(i == len(groups) - 1)) for i, g in enumerate(groups)
-        ]
-        slot = [(0, 0)] * len(self._params)  # parameter index -> (bucket index, position in bucket)
-        for b in buckets:
-            for pos, index in enumerate(b.param_indices):
-                slot[index] = (b.index(), pos)
-        return buckets, slot
-
     @property
     def bucket_sizes(self) -> list[int]:
         """Bytes per bucket, in launch order (for logs, metrics and tests)."""
-        return self._bucket_sizes
+        return self.reducer.bucket_sizes
+
+    def bucket_layout(self) -> list[list[int]]:
+        """Per bucket, in launch order, the indices (into ``parameters()`` that require grad) of its parameters."""
+        return [list(b.param_indices) for b in self.reducer.buckets]
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -489,23 +319,17 @@ class DistributedDataParallel(nn.Module):
 
     def gradient_bytes(self) -> int:
         """Bytes held by gradients and buckets together, each storage counted once (a view costs nothing)."""
-        storages = {b.buffer().untyped_storage().data_ptr(): b.nbytes for b in self._buckets}
+        storages = {b.buffer().untyped_storage().data_ptr(): b.nbytes for b in self.reducer.buckets}
         for p in self._params:
             if p.grad is not None:
-                s = p.grad.untyped_storage()
-                storages[s.data_ptr()] = s.nbytes()
+                storages[p.grad.untyped_storage().data_ptr()] = p.grad.untyped_storage().nbytes()
         return sum(storages.values())
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Public API (as PyTorch's)
-    # ------------------------------------------------------------------------------------------------------------
+    # -- Public API (as PyTorch's) -------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self):
-        """Skip gradient synchronisation: gradients accumulate locally in ``p.grad``.
-
-        The *forward* must run inside the context, as with PyTorch: whether a backward syncs is decided when its
-        forward runs. The first backward after leaving the context syncs everything accumulated so far.
-        """
+        """Skip gradient synchronisation: gradients accumulate locally in ``p.grad``. The *forward* must run inside
+        it, as with PyTorch (it decides); the first backward after leaving it syncs everything accumulated."""
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         try:
@@ -514,258 +338,38 @@ class DistributedDataParallel(nn.Module):
             self.require_backward_grad_sync = previous
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
-        """Replace the default all-reduce of each bucket by ``hook(state, bucket) -> Future[Tensor]``.
-
-        The future must resolve to the bucket's *averaged* gradients (the hook divides by the world size).
-        ``app.parallel.comm_hooks`` has plain, fp16 and bf16 hooks; PyTorch's ``ddp_comm_hooks`` work too.
-        """
-        if self._comm_hook is not None:
-            # As PyTorch: swapping reductions between steps would silently mix two averaging schemes.
-            raise RuntimeError("register_comm_hook can be called only once, before training")
-        self._comm_hook = hook
-        self._comm_state = state
+        """Replace the default all-reduce of each bucket by ``hook(state, bucket) -> Future[Tensor]``, resolving to
+        the *averaged* gradients (``app.parallel.comm_hooks``; PyTorch's ``ddp_comm_hooks`` work too)."""
+        self.reducer.register_comm_hook(state, hook)
 
     def _set_static_graph(self) -> None:
         """PyTorch's older way to ask for ``static_graph=True`` after construction (before the first forward)."""
         self.static_graph = True
+        self.reducer.set_static_graph()
+
+    def _sync_buffers(self) -> None:
+        """Broadcast rank 0's buffers in place: each rank's forwards update BatchNorm's stats locally; rank 0's win."""
+        self._buffers_to_sync = list(self.module.buffers())  # re-read, as PyTorch: a module may reassign a buffer
+        # Keep the buffers' autograd version counters (as PyTorch): an earlier forward may have saved them for its
+        # backward (BatchNorm in eval mode), and a bumped counter would fail that backward.
+        with torch.autograd._unsafe_preserve_version_counter(tuple(self._buffers_to_sync)):
+            _broadcast_coalesced(self._buffers_to_sync, src=self._src_rank, group=self.process_group)
 
     def forward(self, *inputs, **kwargs):
         if self.device_ids:
             inputs, kwargs = _to_device(inputs, self.device), _to_device(kwargs, self.device)
-        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-        if sync and self.forward_sync_buffers and self._buffers_to_sync:
-            # BatchNorm's running stats are updated locally by each rank's forward; rank 0's win. Done only for
-            # forwards that will sync, like PyTorch (buffers are not re-sent inside no_sync()).
-            _broadcast_coalesced(self._buffers_to_sync, src=self._src_rank, group=self.process_group)
+        if self.require_forward_param_sync and self.forward_sync_buffers and self._buffers_to_sync:
+            self._sync_buffers()
         output = self.module(*inputs, **kwargs)
-        self._sync_this_backward = sync
+        # PyTorch's post-forward: this forward decides whether its backward syncs, and whether the *next* forward
+        # starts by syncing buffers (only if this one synchronises; no_sync() and no-grad forwards do not).
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self.require_forward_param_sync = sync
         if sync:
-            self._prepare_for_backward(output)
-        return output
-
-    # ------------------------------------------------------------------------------------------------------------
-    # One synchronised backward
-    # ------------------------------------------------------------------------------------------------------------
-    def _prepare_for_backward(self, output) -> None:
-        n = len(self._buckets)
-        self._pending = [len(b.parameters()) for b in self._buckets]
-        self._ready = [False] * len(self._params)
-        self._next_bucket = 0
-        self._futures = [None] * n
-        self._launch_times = [None] * n
-        self._done_times = [None] * n
-        self._callback_queued = False
-        self._arrival_order = []
-        if self._static_unused is not None:
-            self._unused = self._static_unused  # static graph: learned in the first iteration, no walk
-        elif self.find_unused_parameters or self.static_graph:
-            self._unused = self._find_unused(output)
+            self.reducer.prepare_for_backward(output)  # arms this backward: its hooks will all-reduce
         else:
-            self._unused = []
-
-    def _learning_static_graph(self) -> bool:
-        return self.static_graph and self._static_unused is None
-
-    def _find_unused(self, output) -> list[int]:
-        """Indices of parameters this forward's autograd graph does not reach (their hooks will never fire)."""
-        reached: set[int] = set()
-        seen: set = set()
-        stack = [t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None]
-        while stack:
-            fn = stack.pop()
-            if fn is None or fn in seen:
-                continue
-            seen.add(fn)
-            variable = getattr(fn, "variable", None)  # AccumulateGrad nodes hold their leaf parameter
-            if variable is not None:
-                reached.add(id(variable))
-            stack.extend(next_fn for next_fn, _ in fn.next_functions)
-        return [i for i, p in enumerate(self._params) if id(p) not in reached]
-
-    def _make_grad_hook(self, index: int):
-        def hook(param: torch.Tensor) -> None:
-            if not self._sync_this_backward:
-                return  # inside no_sync(): leave the local gradient to accumulate in p.grad
-            if not self._callback_queued:
-                # First hook of this backward: ask autograd to call us once the whole backward pass is done.
-                # (PyTorch's Reducer does the same from C++.)
-                self._callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
-                # Parameters the forward never reached count as ready now, as PyTorch does at the first hook, so
-                # their buckets can complete. Their slot gets what p.grad holds: zeros, or gradient accumulated
-                # under no_sync() by earlier micro-batches that did use them (it must still be averaged).
-                self._locally_unused = [i for i in self._unused if self._params[i].grad is None]
-                for unused in self._unused:
-                    self._mark_ready(unused)
-            self._mark_ready(index)
-
-        return hook
-
-    def _mark_ready(self, index: int) -> None:
-        if self._ready[index]:
-            # A parameter used twice in one graph still gets one hook call after accumulation. A second call means
-            # the graph walk called it unused, yet backward reached it: the loss used it outside forward's output.
-            raise RuntimeError(
-                f"parameter {self._param_names[id(self._params[index])]!r} got a gradient although "
-                f"forward's output does not depend on it (find_unused_parameters marked it unused): "
-                f"the loss uses it outside forward; route every use through forward"
-            )
-        self._ready[index] = True
-        if self._learning_static_graph():
-            self._arrival_order.append(index)
-        bucket_index, pos = self._slot[index]
-        bucket = self._buckets[bucket_index]
-        param, view = self._params[index], bucket.view(pos)
-        # (Autograd runs hooks with grad mode off, and the buffer is no leaf of any graph: a plain copy suffices.)
-        if param.grad is None:
-            view.zero_()
-        elif param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)
-            if self.gradient_as_bucket_view:
-                # From now on p.grad *is* the bucket slot: the separate gradient tensor is freed, and while p.grad
-                # is kept (zero_grad(set_to_none=False), no_sync()), autograd accumulates straight into the bucket.
-                param.grad = view
-        # else: p.grad already is the bucket slot (gradient_as_bucket_view), nothing to copy.
-        self._pending[bucket_index] -= 1
-        if self._pending[bucket_index] == 0:
-            self._launch_ready_buckets()
-
-    def _launch_ready_buckets(self) -> None:
-        """Launch every full bucket, in index order.
-
-        Collectives are matched by call order on every rank, so all ranks must launch bucket 0, then 1, ... even if
-        some gradients arrive in a different order here than there; a full bucket waits for its predecessors.
-        """
-        while self._next_bucket < len(self._buckets) and self._pending[self._next_bucket] == 0:
-            i = self._next_bucket
-            bucket = self._buckets[i]
-            self._launch_times[i] = self._clock.now()
-            if self._skips(bucket):
-                # Only unused parameters, on every rank by the caller's promise: nothing to reduce.
-                fut = torch.futures.Future()
-                fut.set_result(bucket.buffer())
-            elif self._comm_hook is None:
-                # Built-in path: all-reduce with SUM, in place. The division by the world size happens when the
-                # result is copied back into p.grad (_finalize_backward): fused into that copy, it costs no extra
-                # pass over the gradients (PyTorch's Reducer fuses it into its copy *into* the bucket instead).
-                fut = dist.all_reduce(
-                    bucket.buffer(), op=dist.ReduceOp.SUM, group=self.process_group, async_op=True
-                ).get_future()
-            else:
-                fut = self._comm_hook(self._comm_state, bucket)  # the hook averages, as with PyTorch's DDP
-
-            def record_done(f: torch.futures.Future, i=i) -> torch.Tensor:
-                # Runs when the reduction completes (gloo: on its thread, once the data is back; CUDA: on a stream
-                # synchronised with the collective, so the event completes with it). launch -> done is the
-                # all-reduce latency the metrics report, independent of when backward gets around to waiting.
-                self._done_times[i] = self._clock.now()
-                value = f.value()
-                return value[0] if isinstance(value, list) else value  # all_reduce's future holds a list
-
-            self._futures[i] = fut.then(record_done)
-            self._next_bucket += 1
-
-    def _skips(self, bucket: GradBucket) -> bool:
-        if not self.skip_all_reduce_unused_params or not self._locally_unused:
-            return False
-        unused = set(self._locally_unused)
-        return all(i in unused for i in bucket.param_indices)
-
-    def _finalize_backward(self) -> None:
-        """Called by autograd after the last gradient of this backward: wait, then write averages to ``p.grad``."""
-        if self._next_bucket < len(self._buckets):
-            missing = [self._param_names[id(p)] for p, ready in zip(self._params, self._ready) if not ready]
-            self._sync_this_backward = False
-            raise RuntimeError(
-                f"parameters that received no gradient in this backward: {', '.join(missing)}; every rank would "
-                f"wait forever for their buckets. Pass find_unused_parameters=True to DistributedDataParallel if "
-                f"forward skips them on purpose, or make sure the loss depends on them"
-            )
-
-        globally_used = self._globally_used_flags()
-        # The built-in all-reduce leaves the SUM in the bucket; a comm hook leaves the average.
-        divisor = self.world_size if self._comm_hook is None else 1
-        waits = []
-        with torch.no_grad():
-            for bucket, fut in zip(self._buckets, self._futures):
-                # Wait bucket by bucket and write each out as soon as it is back: the write of bucket i overlaps
-                # the reduction of bucket i+1. Only the waiting counts as exposed communication.
-                before = self._clock.now()
-                averaged = fut.wait()
-                waits.append((before, self._clock.now()))
-                if averaged.data_ptr() != bucket.buffer().data_ptr():
-                    bucket.buffer().copy_(averaged)  # hooks may return a new tensor rather than the buffer
-                self._write_back(bucket, globally_used, divisor)
-        self._record_stats(waits)
-        if self._learning_static_graph():
-            self._learn_static_graph(globally_used)
-        self._sync_this_backward = False
-
-    def _write_back(self, bucket: GradBucket, globally_used: list[bool] | None, divisor: int) -> None:
-        """Make ``p.grad`` hold the bucket's averages: a copy, or (gradient_as_bucket_view) the slot itself."""
-        if self.gradient_as_bucket_view and divisor != 1:
-            bucket.buffer().div_(divisor)  # p.grad is the slot: divide in place, one pass over the bucket
-        for pos, (p, index) in enumerate(zip(bucket.parameters(), bucket.param_indices)):
-            if globally_used is not None and not globally_used[index]:
-                continue  # no rank used it: leave p.grad untouched (None), as PyTorch does
-            view = bucket.view(pos)
-            if self.gradient_as_bucket_view:
-                if p.grad is None:
-                    p.grad = view  # unused here but used elsewhere: the average arrives only through the bucket
-            elif p.grad is None:
-                p.grad = view / divisor if divisor != 1 else view.clone()
-            elif divisor != 1:
-                torch.div(view, divisor, out=p.grad)  # SUM ÷ world size, written straight into p.grad
-            else:
-                p.grad.copy_(view)
-
-    def _globally_used_flags(self) -> list[bool] | None:
-        """Which parameters some rank used (only those get a gradient); ``None`` when all are, by construction."""
-        if self._static_used_flags is not None:
-            return self._static_used_flags  # static graph: the first iteration's answer holds for every iteration
-        if not (self.find_unused_parameters or self.static_graph):
-            return None
-        used = torch.ones(len(self._params), dtype=torch.int32, device=self.device)
-        used[self._locally_unused] = 0  # not reached by this forward and no gradient accumulated under no_sync()
-        if not self.skip_all_reduce_unused_params:
-            # One tiny extra all-reduce, as in PyTorch. int32 rather than bool: NCCL and gloo both SUM int32.
-            dist.all_reduce(used, op=dist.ReduceOp.SUM, group=self.process_group)
-        return used.bool().tolist()
-
-    def _record_stats(self, waits: list) -> None:
-        clock, launches, dones = self._clock, self._launch_times, self._done_times
-
-        def timings() -> tuple[list[float], float, float]:
-            seconds = [clock.seconds(start, end) for start, end in zip(launches, dones)]
-            waited = sum(clock.seconds(start, end) for start, end in waits)
-            # Buckets launch in index order, so bucket 0's launch is the first.
-            span = max(clock.seconds(launches[0], end) for end in dones)
-            return seconds, waited, span
-
-        self.stats._record(list(self.bucket_sizes), timings)
-        if not clock.cuda:
-            self.stats._resolve()  # host clocks are final already
-
-    def _learn_static_graph(self, globally_used: list[bool] | None) -> None:
-        """End of the first iteration under static_graph: keep what it found, rebuild buckets in arrival order."""
-        self._static_unused = list(self._unused)
-        self._static_used_flags = globally_used if globally_used is not None else [True] * len(self._params)
-        # Every rank must bucket identically (collectives match by call order): rank 0's order is the order.
-        order = torch.tensor(self._arrival_order, dtype=torch.int64, device=self.device)
-        dist.broadcast(order, src=self._src_rank, group=self.process_group)
-        order_list = order.tolist()
-        if order_list == [i for b in self._buckets for i in b.param_indices]:
-            return  # gradients arrived in bucket order already
-        self._buckets, self._slot = self._build_buckets(order_list)
-        self._bucket_sizes = [b.nbytes for b in self._buckets]
-        if self.gradient_as_bucket_view:
-            with torch.no_grad():
-                for index, p in enumerate(self._params):
-                    if p.grad is not None:  # a slot of the old buckets: move it into the new ones
-                        bucket_index, pos = self._slot[index]
-                        view = self._buckets[bucket_index].view(pos)
-                        view.copy_(p.grad)
-                        p.grad = view
+            self.reducer.expect_autograd_hooks = False  # no_sync() or no grad: the hooks leave p.grad alone
+        return output
 
 
 def _refuse_not_implemented(arguments: dict) -> None:
@@ -792,14 +396,3 @@ def _buffer_sync_flags(broadcast_buffers: bool | None, forward_sync_buffers: boo
         return forward_sync_buffers, True
     effective = broadcast_buffers if broadcast_buffers is not None else True
     return effective, effective
-
-
-def _tensors_in(output) -> list[torch.Tensor]:
-    """Every tensor inside a (possibly nested) forward output."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _tensors_in(item)]
-    return []

@@ -116,8 +116,7 @@ class TimedStage(PipelineStage):
             # and backwards of different micro-batches. So, like PyTorch's PipelineStage with
             # reducer.prepare_for_backward, arm the sync right before the last micro-batch's backward: its hooks
             # then all-reduce p.grad, which by then holds the sum over all M micro-batches.
-            self.submod._prepare_for_backward(bwd_kwargs["stage_output"])
-            self.submod._sync_this_backward = True
+            self.submod.reducer.prepare_for_backward(bwd_kwargs["stage_output"])
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
 

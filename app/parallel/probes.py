@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.parallel.ddp import DistributedDataParallel, _Clock
+from app.parallel.comm_stats import Clock
+from app.parallel.ddp import DistributedDataParallel
 
 
 @dataclass
@@ -71,7 +72,7 @@ class TorchCommProbe:
     def __init__(self, ddp_model, process_group=None):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        self._clock = _Clock(next(ddp_model.parameters()).device)
+        self._clock = Clock(next(ddp_model.parameters()).device)
         self._marks: list[tuple] = []  # per bucket: (launch, done) timestamps (floats, or CUDA events)
         self._bytes: list[int] = []
         self._first_launch = None

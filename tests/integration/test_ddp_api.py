@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from app.parallel import reducer as reducer_module
 from app.parallel.comm_hooks import allreduce_hook
 from app.parallel.ddp import FIRST_BUCKET_BYTES
 from app.parallel.ddp import DistributedDataParallel as DDP
@@ -214,7 +215,7 @@ def bucket_view_training(rank, world, set_to_none, accumulate, model_kind):
             opts[name].step()
         ours = wrapped["ours"]
         grad_ptrs.append([None if p.grad is None else p.grad.data_ptr() for p in models["ours"].parameters()])
-    bucket_storages = {b.buffer().untyped_storage().data_ptr() for b in ours._buckets}
+    bucket_storages = {b.buffer().untyped_storage().data_ptr() for b in ours.reducer.buckets}
     grads_in_buckets = [
         p.grad is None or p.grad.untyped_storage().data_ptr() in bucket_storages for p in models["ours"].parameters()
     ]
@@ -272,9 +273,6 @@ def static_graph_training(rank, world, model_kind):
         for name, cls in (("ours", DDP), ("torch", TorchDDP))
     }
     ours = wrapped["ours"]
-    walks = []
-    real_walk = ours._find_unused
-    ours._find_unused = lambda output: (walks.append(1), real_walk(output))[1]
     launches = []
     grads_seen = []
 
@@ -286,17 +284,25 @@ def static_graph_training(rank, world, model_kind):
     for p in models["ours"].parameters():
         p.register_post_accumulate_grad_hook(lambda p: grads_seen.append(1))
     opts = {n: torch.optim.SGD(w.parameters(), lr=0.1) for n, w in wrapped.items()}
-    bucket_orders = [[b.param_indices for b in ours._buckets]]  # as constructed: reverse registration order
-    for step in range(4):
-        x, y = batch(step, 4 * world, features)
-        for name, ddp in wrapped.items():
-            opts[name].zero_grad()
-            F.mse_loss(ddp(x[rank * 4 : (rank + 1) * 4]), y[rank * 4 : (rank + 1) * 4]).backward()
-            opts[name].step()
-        bucket_orders.append([b.param_indices for b in ours._buckets])
-        grads_seen.clear()
-        if step < 3:
-            launches.clear()
+    bucket_orders = [ours.bucket_layout()]  # as constructed: reverse registration order
+    # Count the graph walks: the reducer calls the module-level function, so wrapping it sees every call. The
+    # ranks' processes serve later tests too: the real function is put back whatever happens.
+    walks = []
+    real_walk = reducer_module.unused_parameters
+    reducer_module.unused_parameters = lambda outputs, params: (walks.append(1), real_walk(outputs, params))[1]
+    try:
+        for step in range(4):
+            x, y = batch(step, 4 * world, features)
+            for name, ddp in wrapped.items():
+                opts[name].zero_grad()
+                F.mse_loss(ddp(x[rank * 4 : (rank + 1) * 4]), y[rank * 4 : (rank + 1) * 4]).backward()
+                opts[name].step()
+            bucket_orders.append(ours.bucket_layout())
+            grads_seen.clear()
+            if step < 3:
+                launches.clear()
+    finally:
+        reducer_module.unused_parameters = real_walk
     return {
         "diff": max_diff(models["ours"], models["torch"]),
         "walks": len(walks),

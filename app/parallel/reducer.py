@@ -1,0 +1,400 @@
+"""The reducer of our DistributedDataParallel: gradients into buckets, buckets all-reduced while backward runs.
+
+Second of three files (read ``ddp.py`` first, this next, ``comm_stats.py`` last). ``ddp.py`` decides *whether* a
+backward synchronises; this file does the synchronising, as PyTorch's C++ ``Reducer`` does for its DDP:
+
+1. at construction, parameters are grouped into flat ``GradBucket`` buffers, in reverse registration order, and one
+   hook per parameter is registered with autograd (``register_post_accumulate_grad_hook``);
+2. ``prepare_for_backward(outputs)`` arms the next backward: its hooks copy each gradient, divided by the world
+   size, into its bucket slot, and a full bucket is all-reduced (SUM) asynchronously while backward goes on;
+3. at the end of that backward (an autograd callback) every bucket is waited for and copied into ``p.grad``.
+
+The hooks run once per parameter per step, on backward's critical path, so they do as little Python as possible:
+everything that can be computed once (views, slots, divisors) is, and the copy back is one call per bucket.
+Unused parameters (``find_unused_parameters``), ``static_graph`` and ``gradient_as_bucket_view`` are handled here
+too. Nothing in this file knows about ``no_sync()``: a backward that was not prepared leaves ``p.grad`` alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from app.parallel.comm_stats import BackwardTimes, Clock, CommStats
+
+CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
+
+
+class GradBucket:
+    """One flat buffer holding the gradients of several parameters, with PyTorch's ``GradBucket`` accessors.
+
+    Flattening is what makes buckets pay: one all-reduce of 25 MB costs about one latency floor, while a thousand
+    all-reduces of 25 KB each pay it a thousand times. ``compressed`` (ours): the buffer holds each gradient already
+    divided by the world size and cast to the comm hook's ``wire_dtype`` (see ``app/parallel/comm_hooks.py``).
+    """
+
+    def __init__(
+        self, index: int, params: list[nn.Parameter], param_indices: list[int], is_last: bool, wire_dtype=None
+    ):
+        self._index = index
+        self._params = params
+        self.param_indices = param_indices  # positions of our parameters in the wrapper's parameter list
+        self._is_last = is_last
+        numels = [p.numel() for p in params]
+        offsets = [sum(numels[:i]) for i in range(len(params))]
+        # All parameters of one bucket share dtype and device (see assign_buckets), so one buffer fits all.
+        self.compressed = wire_dtype is not None
+        self._buffer = torch.zeros(sum(numels), dtype=wire_dtype or params[0].dtype, device=params[0].device)
+        # Views made once: slicing per gradient per step would cost Python time on the backward's critical path.
+        self._views = [self._buffer[o : o + n].view_as(p) for o, n, p in zip(offsets, numels, params)]
+
+    # -- PyTorch's GradBucket interface, what comm hooks may call ------------------------------------------------
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer.copy_(tensor)
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self._params)
+
+    def gradients(self) -> list[torch.Tensor]:
+        return list(self._views)
+
+    @property
+    def nbytes(self) -> int:
+        return self._buffer.numel() * self._buffer.element_size()
+
+
+def assign_buckets(params: list[nn.Parameter], order: list[int], first_cap: int, bucket_cap: int) -> list[list[int]]:
+    """Group parameter indices, taken in ``order``, into buckets: bucket 0 of ``first_cap`` bytes, the rest
+    ``bucket_cap``.
+
+    The order is the *reverse* registration order at construction: backward runs roughly from the last layer to
+    the first, so the last-registered parameters get their gradients first, and putting them in bucket 0 lets the
+    first all-reduce start while the earlier layers' gradients are still being computed: the overlap. PyTorch's rule
+    (``dist._compute_bucket_assignment_by_size``): a bucket closes once it holds at least its cap.
+    """
+    groups: list[list[int]] = []
+    current: list[int] = []
+    current_bytes = 0
+    for index in order:
+        p = params[index]
+        first = params[current[0]] if current else None
+        if first is not None and (p.dtype, p.device) != (first.dtype, first.device):
+            groups.append(current)  # one dtype and device per bucket: it is one flat tensor
+            current, current_bytes = [], 0
+        current.append(index)
+        current_bytes += p.numel() * p.element_size()
+        cap = first_cap if not groups else bucket_cap
+        if current_bytes >= cap:
+            groups.append(current)
+            current, current_bytes = [], 0
+    if current:
+        groups.append(current)
+    return groups
+
+
+class Reducer:
+    """Buckets, hooks and the all-reduce of one wrapped module's gradients (PyTorch's ``Reducer``, in Python).
+
+    ``DistributedDataParallel`` builds one and calls ``prepare_for_backward(outputs)`` after each synchronising
+    forward. Everything else happens inside autograd: hooks as gradients arrive, a callback when backward ends.
+
+    Attributes:
+        expect_autograd_hooks: whether the next backward synchronises. ``prepare_for_backward`` sets it, the end of
+            that backward clears it; while it is ``False`` the hooks return at once and gradients accumulate
+            locally in ``p.grad`` (that is all ``no_sync()`` needs). PyTorch's Reducer calls it the same.
+        stats: a ``CommStats``, updated at the end of every synchronised backward.
+    """
+
+    def __init__(self, params: list[nn.Parameter], param_names: dict[int, str], process_group, **options):
+        self._params = params
+        self._param_names = param_names
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        # Global rank of the group's rank 0: broadcast takes a global rank even inside a subgroup.
+        self._src_rank = dist.get_global_rank(process_group, 0)
+        self.device = params[0].device
+        self.first_bucket_cap_bytes: int = options["first_bucket_cap_bytes"]
+        self.bucket_cap_bytes: int = options["bucket_cap_bytes"]
+        self.find_unused_parameters: bool = options["find_unused_parameters"]
+        self.gradient_as_bucket_view: bool = options["gradient_as_bucket_view"]
+        self.static_graph: bool = options["static_graph"]
+        self.skip_all_reduce_unused_params: bool = options["skip_all_reduce_unused_params"]
+        self.stats = CommStats()
+        self._clock = Clock(self.device)
+        self._comm_hook: CommHook | None = None  # None: the built-in all-reduce (see _launch_ready_buckets)
+        self._comm_state: Any = process_group
+        # The built-in all-reduce SUMs, so each gradient is multiplied by 1 / world size in its copy into the bucket,
+        # as PyTorch's Reducer does (by a 0-dim tensor made once: a Python number would be wrapped into a tensor on
+        # every call, costing as much as the copy of a small gradient). None: no scaling (a comm hook averages).
+        self._scale: torch.Tensor | None = torch.tensor(1.0 / self.world_size, dtype=torch.float64)
+        self._wire_dtype: torch.dtype | None = None  # a compressed bucket's dtype, if the comm hook asks for one
+        self._buckets, self._slot = self._build_buckets(list(reversed(range(len(self._params)))))
+
+        # What static_graph learns in its first synchronised iteration (None until then).
+        self._static_unused: list[int] | None = None
+        self._static_used_flags: list[bool] | None = None
+
+        self.expect_autograd_hooks = False  # the rest of the per-backward state is set by prepare_for_backward
+
+        # One hook per parameter, fired by autograd right after the parameter's .grad has been accumulated.
+        for index, p in enumerate(self._params):
+            p.register_post_accumulate_grad_hook(self._make_grad_hook(index))
+
+    def _build_buckets(self, order: list[int]) -> tuple[list[GradBucket], list[tuple[GradBucket, int]]]:
+        groups = assign_buckets(self._params, order, self.first_bucket_cap_bytes, self.bucket_cap_bytes)
+        # A compressed bucket cannot hold p.grad itself (another dtype): with gradient_as_bucket_view the hook
+        # compresses a full-precision bucket instead.
+        dtype = None if self.gradient_as_bucket_view else self._wire_dtype
+        buckets = [
+            GradBucket(i, [self._params[j] for j in g], g, is_last=(i == len(groups) - 1), wire_dtype=dtype)
+            for i, g in enumerate(groups)
+        ]
+        slot: list = [None] * len(self._params)  # parameter index -> (its bucket, its position in the bucket)
+        for b in buckets:
+            for pos, index in enumerate(b.param_indices):
+                slot[index] = (b, pos)
+        # Full-precision bytes (what the stats and logs report, compressed or not).
+        self._bucket_sizes = [sum(p.numel() * p.element_size() for p in b._params) for b in buckets]
+        return buckets, slot
+
+    # -- What the wrapper (and a pipeline stage) call ------------------------------------------------------------------
+    @property
+    def bucket_sizes(self) -> list[int]:
+        """Bytes per bucket, in launch order (for logs, metrics and tests)."""
+        return self._bucket_sizes
+
+    @property
+    def buckets(self) -> tuple[GradBucket, ...]:
+        """The current buckets, in launch order (read-only: static_graph may rebuild them after iteration 1)."""
+        return tuple(self._buckets)
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        if self._comm_hook is not None:
+            # As PyTorch: swapping reductions between steps would silently mix two averaging schemes.
+            raise RuntimeError("register_comm_hook can be called only once, before training")
+        self._comm_hook, self._comm_state = hook, state
+        # A hook with a wire_dtype gets buckets cast (and divided) in the copy into them, and cast back in the copy
+        # out: two passes over the gradients fewer. Others get full precision and divide, as with PyTorch's DDP.
+        self._wire_dtype = getattr(hook, "wire_dtype", None)
+        if self._wire_dtype is not None and not self.gradient_as_bucket_view:
+            self._buckets, self._slot = self._build_buckets([i for b in self._buckets for i in b.param_indices])
+        else:
+            self._scale = None
+
+    def set_static_graph(self) -> None:
+        """PyTorch's older way to ask for ``static_graph=True`` after construction (before the first forward)."""
+        self.static_graph = True
+
+    def prepare_for_backward(self, outputs) -> None:
+        """Arm the next backward to synchronise: called after a synchronising forward, or by a pipeline stage
+        before its last micro-batch's backward. ``outputs`` (any nesting of tensors) is what that backward starts
+        from: with ``find_unused_parameters`` (or static_graph's first iteration) its graph is walked."""
+        n = len(self._buckets)
+        self.expect_autograd_hooks = True
+        self._pending = [len(b.param_indices) for b in self._buckets]  # per bucket: parameters not yet ready
+        self._ready = [False] * len(self._params)  # per parameter: gradient already copied into its bucket
+        self._next_bucket = 0  # buckets are launched strictly in index order (see _launch_ready_buckets)
+        self._futures: list[torch.futures.Future | None] = [None] * n
+        self._times = BackwardTimes(self._clock, n)
+        self._callback_queued = False
+        self._arrival_order: list[int] = []
+        self._locally_unused: list[int] = []  # unused (below) and no gradient accumulated under no_sync()
+        # Not reached by this forward's graph (find_unused_parameters); static graph: the first iteration's set.
+        walk = self._static_unused is None and (self.find_unused_parameters or self.static_graph)
+        self._unused = unused_parameters(outputs, self._params) if walk else (self._static_unused or [])
+
+    # -- During backward: hooks, launches ------------------------------------------------------------------------------
+    def _make_grad_hook(self, index: int):
+        def hook(param: torch.Tensor) -> None:
+            if not self.expect_autograd_hooks:
+                return  # inside no_sync(): leave the local gradient to accumulate in p.grad
+            if not self._callback_queued:
+                self._first_hook()
+            self._mark_ready(index)
+
+        return hook
+
+    def _first_hook(self) -> None:
+        """First hook of this backward: ask autograd to call us once the whole backward pass is done."""
+        self._callback_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)  # as PyTorch's, from C++
+        # Parameters the forward never reached are ready now, as in PyTorch, so their buckets complete. Their slot
+        # gets p.grad: zeros, or what earlier micro-batches accumulated under no_sync() (still to be averaged).
+        self._locally_unused = [i for i in self._unused if self._params[i].grad is None]
+        for unused in self._unused:
+            self._mark_ready(unused)
+
+    def _mark_ready(self, index: int) -> None:
+        if self._ready[index]:
+            # One hook call per parameter per backward, even if used twice; a second means the graph walk called it
+            # unused, yet backward reached it: the loss used it outside forward's output.
+            raise RuntimeError(
+                f"parameter {self._param_names[id(self._params[index])]!r} got a gradient although "
+                f"forward's output does not depend on it (find_unused_parameters marked it unused): "
+                f"the loss uses it outside forward; route every use through forward"
+            )
+        self._ready[index] = True
+        if self.static_graph and self._static_unused is None:
+            self._arrival_order.append(index)
+        bucket, pos = self._slot[index]
+        param, view = self._params[index], bucket._views[pos]
+        grad = param.grad
+        # (Autograd runs hooks with grad mode off, and the buffer is no leaf of any graph: plain ops suffice.)
+        if grad is None:
+            view.zero_()
+        elif self.gradient_as_bucket_view:
+            if grad.data_ptr() != view.data_ptr():
+                # From now on p.grad *is* the bucket slot: the separate gradient tensor is freed, and while p.grad
+                # is kept (zero_grad(set_to_none=False), no_sync()), autograd accumulates straight into the bucket.
+                view.copy_(grad)
+                param.grad = view
+            if self._scale is not None:
+                view.mul_(self._scale)  # the slot is p.grad: scale it in place, while it is still in cache
+        elif self._scale is not None:
+            torch.mul(grad, self._scale, out=view)  # copy, scale and (wire_dtype) cast: one pass
+        else:
+            view.copy_(grad)
+        self._pending[bucket._index] -= 1
+        if self._pending[bucket._index] == 0:
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        """Launch every full bucket, in index order: collectives are matched by call order on every rank, so all
+        ranks must launch bucket 0, then 1, ...; a full bucket waits for its predecessors."""
+        while self._next_bucket < len(self._buckets) and self._pending[self._next_bucket] == 0:
+            i = self._next_bucket
+            bucket = self._buckets[i]
+            self._times.launches[i] = self._clock.now()
+            unused = self._locally_unused
+            if self.skip_all_reduce_unused_params and unused and set(bucket.param_indices) <= set(unused):
+                # Only unused parameters, on every rank by the caller's promise: nothing to reduce.
+                fut = torch.futures.Future()
+                fut.set_result(bucket.buffer())
+            elif self._comm_hook is None:
+                # Built-in path: all-reduce with SUM, in place (each slot was divided by the world size already).
+                fut = dist.all_reduce(
+                    bucket.buffer(), op=dist.ReduceOp.SUM, group=self.process_group, async_op=True
+                ).get_future()
+            else:
+                fut = self._comm_hook(self._comm_state, bucket)  # the hook averages, as with PyTorch's DDP
+
+            def record_done(f: torch.futures.Future, i=i, times=self._times) -> torch.Tensor:
+                # Runs when the reduction completes (gloo: on its thread; CUDA: on a stream synchronised with the
+                # collective): launch -> done is the latency the metrics report, whenever backward gets to waiting.
+                times.dones[i] = self._clock.now()
+                value = f.value()
+                return value[0] if isinstance(value, list) else value  # all_reduce's future holds a list
+
+            self._futures[i] = fut.then(record_done)
+            self._next_bucket += 1
+
+    # -- End of backward: wait, write p.grad ---------------------------------------------------------------------------
+    def _finalize_backward(self) -> None:
+        """Called by autograd after the last gradient of this backward: wait, then write averages to ``p.grad``."""
+        self.expect_autograd_hooks = False
+        if self._next_bucket < len(self._buckets):
+            missing = [self._param_names[id(p)] for p, ready in zip(self._params, self._ready) if not ready]
+            raise RuntimeError(
+                f"parameters that received no gradient in this backward: {', '.join(missing)}; every rank would "
+                f"wait forever for their buckets. Pass find_unused_parameters=True to DistributedDataParallel if "
+                f"forward skips them on purpose, or make sure the loss depends on them"
+            )
+        globally_used = self._globally_used_flags()
+        with torch.no_grad():
+            for bucket, fut in zip(self._buckets, self._futures):
+                # Wait bucket by bucket and write each out as soon as it is back: the write of bucket i overlaps
+                # the reduction of bucket i+1. Only the waiting counts as exposed communication.
+                before = self._clock.now()
+                averaged = fut.wait()
+                self._times.waits.append((before, self._clock.now()))
+                if averaged.data_ptr() != bucket.buffer().data_ptr():
+                    bucket.buffer().copy_(averaged)  # hooks may return a new tensor rather than the buffer
+                self._write_back(bucket, globally_used)
+        self.stats.record(list(self._bucket_sizes), self._times)
+        if self.static_graph and self._static_unused is None:
+            self._learn_static_graph(globally_used)
+
+    def _write_back(self, bucket: GradBucket, globally_used: list[bool] | None) -> None:
+        """Make ``p.grad`` hold the bucket's averages: one copy per bucket, or (gradient_as_bucket_view) nothing."""
+        grads = [p.grad for p in bucket._params]
+        if globally_used is None and all(g is not None for g in grads):  # every parameter used: the fast path
+            if not self.gradient_as_bucket_view:  # (with it, every p.grad is its slot already)
+                torch._foreach_copy_(grads, bucket._views)  # one call (and cast) for the whole bucket
+            return
+        for p, view, index in zip(bucket._params, bucket._views, bucket.param_indices):
+            if globally_used is not None and not globally_used[index]:
+                continue  # no rank used it: leave p.grad untouched (None), as PyTorch does
+            if p.grad is None:  # unused here but used elsewhere: the average arrives only through the bucket
+                p.grad = view if self.gradient_as_bucket_view else view.to(p.dtype, copy=True)
+            elif p.grad.data_ptr() != view.data_ptr():
+                p.grad.copy_(view)
+
+    def _globally_used_flags(self) -> list[bool] | None:
+        """Which parameters some rank used (only those get a gradient); ``None`` when all are, by construction."""
+        if self._static_used_flags is not None:
+            return self._static_used_flags  # static graph: the first iteration's answer holds for every iteration
+        if not (self.find_unused_parameters or self.static_graph):
+            return None
+        used = torch.ones(len(self._params), dtype=torch.int32, device=self.device)
+        used[self._locally_unused] = 0  # not reached by this forward and no gradient accumulated under no_sync()
+        if not self.skip_all_reduce_unused_params:
+            # One tiny extra all-reduce, as in PyTorch. int32 rather than bool: NCCL and gloo both SUM int32.
+            dist.all_reduce(used, op=dist.ReduceOp.SUM, group=self.process_group)
+        return used.bool().tolist()
+
+    def _learn_static_graph(self, globally_used: list[bool] | None) -> None:
+        """End of the first iteration under static_graph: keep what it found, rebuild buckets in arrival order."""
+        self._static_unused = list(self._unused)
+        self._static_used_flags = globally_used if globally_used is not None else [True] * len(self._params)
+        # Every rank must bucket identically (collectives match by call order): rank 0's order is the order.
+        order = torch.tensor(self._arrival_order, dtype=torch.int64, device=self.device)
+        dist.broadcast(order, src=self._src_rank, group=self.process_group)
+        if order.tolist() == [i for b in self._buckets for i in b.param_indices]:
+            return  # gradients arrived in bucket order already
+        self._buckets, self._slot = self._build_buckets(order.tolist())
+        if self.gradient_as_bucket_view:
+            with torch.no_grad():
+                for index, p in enumerate(self._params):
+                    if p.grad is not None:  # a slot of the old buckets: move it into the new ones
+                        bucket, pos = self._slot[index]
+                        p.grad = bucket._views[pos].copy_(p.grad)
+
+
+def unused_parameters(outputs, params: list[nn.Parameter]) -> list[int]:
+    """Indices of ``params`` that the autograd graph behind ``outputs`` does not reach (their hooks never fire)."""
+    reached: set[int] = set()
+    seen: set = set()
+    stack = [t.grad_fn for t in _tensors_in(outputs) if t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if (variable := getattr(fn, "variable", None)) is not None:  # AccumulateGrad nodes hold their parameter
+            reached.add(id(variable))
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return [i for i, p in enumerate(params) if id(p) not in reached]
+
+
+def _tensors_in(output) -> list[torch.Tensor]:
+    """Every tensor inside a (possibly nested) forward output."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors_in(item)]
+    return []
