@@ -106,7 +106,8 @@ def build(
         raise SpecError(f"spec {spec!r}: calling it raised {_one_line(e)}") from None
     if returns is not None and not isinstance(result, returns):
         wanted = what or " or ".join(t.__name__ for t in (returns if isinstance(returns, tuple) else (returns,)))
-        raise SpecError(f"spec {spec!r}: returned a {type(result).__name__}, not {wanted}")
+        got = type(result).__name__
+        raise SpecError(f"spec {spec!r}: returned {'an' if got[0] in 'aeiouAEIOU' else 'a'} {got}, not {wanted}")
     return result
 
 

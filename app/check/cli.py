@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from app import exit_codes
@@ -32,23 +33,36 @@ def parse_args(argv=None) -> argparse.Namespace:
         ),
     )
     p.add_argument("model", help=f"package.module:callable returning an nn.Module, or one of {', '.join(MODEL_SPECS)}")
-    p.add_argument("--model-kwargs", default="{}", help='keyword arguments for the model, JSON (\'{"hidden": 32}\')')
+    p.add_argument("--model-kwargs", default="{}", help="keyword arguments for the model, JSON ('{\"hidden\": 32}')")
     p.add_argument("--data", help="package.module:callable returning (inputs, targets) tensors or a map-style data set")
     p.add_argument("--data-kwargs", default="{}", help="keyword arguments for --data, JSON")
-    p.add_argument("--loss", help="package.module:callable, loss(output, target); default: cross-entropy for integer "
-                   "targets, else MSE (a class is instantiated with --loss-kwargs, a function gets them bound)")
+    p.add_argument(
+        "--loss",
+        help="package.module:callable, loss(output, target); default: cross-entropy for integer "
+        "targets, else MSE (a class is instantiated with --loss-kwargs, a function gets them bound)",
+    )
     p.add_argument("--loss-kwargs", default="{}", help="keyword arguments for --loss, JSON")
     p.add_argument("--ranks", type=int, default=2, help="DDP ranks, gloo on CPU (default 2)")
-    p.add_argument("--accum", type=int, default=1, help="micro-batches per rank per step, no_sync() on all but the last")
+    p.add_argument(
+        "--accum", type=int, default=1, help="micro-batches per rank per step, no_sync() on all but the last"
+    )
     p.add_argument("--micro-batch", type=int, default=8, help="samples per micro-batch (default 8)")
     p.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw", help="default adamw")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--wrapper", choices=["ours", "torch", "both"], default="both", help="which DDP (default both)")
-    p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
-                   help=f"max |parameter - reference| and |loss gap| still equal (default {DEFAULT_TOLERANCE:.0e})")
-    p.add_argument("--eval", action="store_true", help="train with the model in eval mode (no dropout, BatchNorm "
-                   "uses running stats): to compare a model whose train-mode forward is random")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=DEFAULT_TOLERANCE,
+        help=f"max |parameter - reference| and |loss gap| still equal (default {DEFAULT_TOLERANCE:.0e})",
+    )
+    p.add_argument(
+        "--eval",
+        action="store_true",
+        help="train with the model in eval mode (no dropout, BatchNorm "
+        "uses running stats): to compare a model whose train-mode forward is random",
+    )
     p.add_argument("--find-unused-parameters", action="store_true", help="pass find_unused_parameters=True to DDP")
     p.add_argument("--seed", type=int, default=0, help="seed of the model's start and the synthetic data")
     p.add_argument("--timeout", type=float, default=600, help="seconds before the ranks count as hung (default 600)")
@@ -112,7 +126,7 @@ def prepare(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace, setup, model, data_note: str) -> int:
-    from app.check.diagnose import compare, likely_causes, observe
+    from app.check.diagnose import compare, observe
     from app.check.runs import rank_main, run_reference
     from app.demos.world import spawn_world
 
@@ -127,37 +141,43 @@ def run(args: argparse.Namespace, setup, model, data_note: str) -> int:
     )
     reference = run_reference(setup)
     obs = observe(setup, model, reference)
-    verdicts = []
+    verdicts = {}
     for wrapper in wrappers:
         print(f"\n{WRAPPER_NAMES[wrapper]} DDP{' (find_unused_parameters=True)' if setup.wrapper_kwargs else ''}")
         try:
             results = spawn_world(rank_main, args.ranks, setup, [wrapper], timeout=args.timeout)
         except Exception as e:  # a rank raised or hung: the verdict is FAIL, the probes may say why
-            verdicts.append(_report_crash(wrapper, e, obs, model))
+            verdicts[wrapper] = _report_crash(wrapper, e, obs, model)
             continue
         comp = compare(reference, [r[wrapper] for r in results], args.tolerance)
         _print_table(comp)
-        verdicts.append(_report(wrapper, comp, obs, model, args))
-    ok = all(verdicts)
-    print(f"\n{'PASS' if ok else 'FAIL'}: {', '.join(w for w, v in zip(wrappers, verdicts) if v) or 'no wrapper'} "
-          f"{'equal' if ok else 'equals'} one process" + ("" if ok else f"; {', '.join(w for w, v in zip(wrappers, verdicts) if not v)} not"))  # fmt: skip
+        verdicts[wrapper] = _report(wrapper, comp, obs, model, args)
+    ok = all(v == "equal" for v in verdicts.values())
+    summary = "; ".join(f"{w}: {v}" for w, v in verdicts.items())
+    print(f"\n{'PASS' if ok else 'FAIL'}: {args.ranks} ranks vs one process, {args.steps} steps ({summary})")
     return exit_codes.OK if ok else exit_codes.FAILED
 
 
 def _print_table(comp) -> None:
     print(f"{'step':>4}  {'ref loss':>10}  {'rank0 loss':>10}  {'worst gap':>9}  {'max |dp|':>9}  {'same':>4}  digest")
     for step, ref_loss, loss, gap, dp, same, digest in comp.rows:
-        print(f"{step:>4}  {ref_loss:>10.6f}  {loss:>10.6f}  {gap:>9.2e}  {dp:>9.2e}  {'yes' if same else 'NO':>4}  {digest}")
+        print(
+            f"{step:>4}  {ref_loss:>10.6f}  {loss:>10.6f}  {gap:>9.2e}  {dp:>9.2e}  {'yes' if same else 'NO':>4}  "
+            f"{digest}"
+        )
 
 
-def _report(wrapper: str, comp, obs, model, args) -> bool:
+def _report(wrapper: str, comp, obs, model, args) -> str:
     from app.check.diagnose import likely_causes
 
     if comp.ok:
         print(f"PASS ({wrapper}): max |dp| {comp.worst_dp:.2e}, worst loss gap {comp.worst_gap:.2e} <= "
               f"{args.tolerance:.0e}, parameters identical on all ranks every step")  # fmt: skip
-        return True
-    print(f"FAIL ({wrapper}): max |dp| {comp.worst_dp:.2e}, worst loss gap {comp.worst_gap:.2e} (tolerance {args.tolerance:.0e})")
+        return "equal"
+    print(
+        f"FAIL ({wrapper}): max |dp| {comp.worst_dp:.2e}, worst loss gap {comp.worst_gap:.2e} "
+        f"(tolerance {args.tolerance:.0e})"
+    )
     if comp.diverged:
         firsts = ", ".join(f"{n} (step {s})" for n, s in list(comp.diverged.items())[:6])
         print(f"  diverge from one process: {firsts}{' ...' if len(comp.diverged) > 6 else ''}")
@@ -165,16 +185,23 @@ def _report(wrapper: str, comp, obs, model, args) -> bool:
         firsts = ", ".join(f"{n} (step {s})" for n, s in list(comp.ranks_differ.items())[:6])
         print(f"  differ across ranks: {firsts}")
     _print_causes(likely_causes(obs, comp, model))
-    return False
+    return "differs"
 
 
-def _report_crash(wrapper: str, error: Exception, obs, model) -> bool:
+def _report_crash(wrapper: str, error: Exception, obs, model) -> str:
     from app.check.diagnose import likely_causes
 
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    print(f"FAIL ({wrapper}): the ranks stopped: {lines[-1] if lines else type(error).__name__}")
+    print(f"FAIL ({wrapper}): the ranks stopped: {_exception_line(error)}")
     _print_causes(likely_causes(obs, None, model))
-    return False
+    return "stopped"
+
+
+def _exception_line(error: Exception) -> str:
+    """The raising rank's ``SomeError: message`` line out of the traceback spawn_world passes on, shortened."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    raised = [line for line in lines if re.match(r"[\w.]+(Error|Exception): ", line)]
+    line = (raised or lines or [type(error).__name__])[-1]
+    return line if len(line) <= 300 else line[:297] + "..."
 
 
 def _print_causes(causes: list[str]) -> None:

@@ -48,7 +48,10 @@ def compare(reference: list[StepRecord], ranks: list[list[StepRecord]], toleranc
             max_dp = max(max_dp, dp)
             if not dp <= tolerance:  # NaN counts as diverged
                 c.diverged.setdefault(name, step)
-        for digests, differ in ((lambda r: r.param_digests, c.ranks_differ), (lambda r: r.buffer_digests, c.buffers_differ)):
+        for digests, differ in (
+            (lambda r: r.param_digests, c.ranks_differ),
+            (lambda r: r.buffer_digests, c.buffers_differ),
+        ):
             for name in digests(rank0):
                 if len({digests(r).get(name) for r in mine}) > 1:
                     differ.setdefault(name, step)

@@ -55,7 +55,9 @@ def synthetic_data(model: nn.Module, needed: int, seed: int) -> tuple[torch.Tens
     classification, so the default loss is cross-entropy. Float inputs get N(0, 1) targets: MSE.
     """
     g = torch.Generator().manual_seed(seed)
-    first = next((m for m in model.modules() if isinstance(m, nn.Linear | nn.Embedding | nn.modules.conv._ConvNd)), None)
+    first = next(
+        (m for m in model.modules() if isinstance(m, nn.Linear | nn.Embedding | nn.modules.conv._ConvNd)), None
+    )
     if isinstance(first, nn.Embedding):
         inputs = torch.randint(0, first.num_embeddings, (needed, SEQ_LEN), generator=g)
         shape = f"token ids in [0, {first.num_embeddings}) of shape [N, {SEQ_LEN}]"
@@ -68,7 +70,9 @@ def synthetic_data(model: nn.Module, needed: int, seed: int) -> tuple[torch.Tens
         inputs = torch.randn(needed, first.in_channels, *side, generator=g)
         shape = f"N(0, 1) of shape [N, {first.in_channels}, {', '.join(map(str, side))}]"
     else:
-        raise InputError(f"{type(model).__name__} has no Linear, Embedding or Conv layer to infer an input from: --data")
+        raise InputError(
+            f"{type(model).__name__} has no Linear, Embedding or Conv layer to infer an input from: --data"
+        )
     name = next(n for n, m in model.named_modules() if m is first)
     out = _forward_once(model, inputs[:2], f"the synthetic input ({shape}, from {name})")
     if inputs.dtype == torch.long:
@@ -77,7 +81,11 @@ def synthetic_data(model: nn.Module, needed: int, seed: int) -> tuple[torch.Tens
     else:
         targets = torch.randn(needed, *out.shape[1:], generator=g)
         target_kind = "N(0, 1) shaped like the output"
-    return inputs, targets, f"synthetic: inputs {shape}, inferred from {name} ({type(first).__name__}); targets {target_kind}"
+    return (
+        inputs,
+        targets,
+        f"synthetic: inputs {shape}, inferred from {name} ({type(first).__name__}); targets {target_kind}",
+    )
 
 
 def _forward_once(model: nn.Module, x: torch.Tensor, what: str) -> torch.Tensor:
