@@ -22,4 +22,4 @@ Modules: ``cli`` (flags, table, verdict), ``inputs`` (data, synthetic input, los
 reference), ``diagnose`` (comparison, probes, causes).
 """
 
-DEFAULT_TOLERANCE = 1e-5
+DEFAULT_TOLERANCE = {"float32": 2e-4, "float64": 1e-9}  # see above: measured, with the margin to the broken models

@@ -8,7 +8,7 @@ import re
 import sys
 
 from app import exit_codes
-from app.check import DEFAULT_TOLERANCE
+from app.check import DEFAULT_TOLERANCE  # by dtype
 from app.specs import MODEL_SPECS, SpecError
 
 WRAPPER_NAMES = {"ours": "ours (app.parallel.ddp)", "torch": "PyTorch's (torch.nn.parallel)"}
@@ -54,14 +54,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--tolerance",
         type=float,
-        default=DEFAULT_TOLERANCE,
-        help=f"max |parameter - reference| and |loss gap| still equal (default {DEFAULT_TOLERANCE:.0e})",
+        help="max |parameter - reference| and |loss gap| that still count as equal (default: "
+        + ", ".join(f"{v:.0e} in {k}" for k, v in DEFAULT_TOLERANCE.items())
+        + ", measured on the built-in models, see docs/check.md)",
     )
     p.add_argument(
         "--eval",
         action="store_true",
         help="train with the model in eval mode (no dropout, BatchNorm "
         "uses running stats): to compare a model whose train-mode forward is random",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float64"],
+        default="float32",
+        help="of parameters and float data (default float32); float64 shrinks rounding to ~1e-16: to tell a real "
+        "difference from float32 rounding that AdamW amplified",
     )
     p.add_argument("--find-unused-parameters", action="store_true", help="pass find_unused_parameters=True to DDP")
     p.add_argument("--seed", type=int, default=0, help="seed of the model's start and the synthetic data")
@@ -70,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, low in (("ranks", 1), ("accum", 1), ("micro_batch", 1), ("steps", 1)):
         if getattr(args, name) < low:
             p.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    if args.tolerance is None:
+        args.tolerance = DEFAULT_TOLERANCE[args.dtype]
     if not (args.lr > 0 and args.tolerance >= 0 and args.timeout > 0):
         p.error("--lr and --timeout must be > 0, --tolerance >= 0")
     for flag in ("model_kwargs", "data_kwargs", "loss_kwargs"):
@@ -106,13 +116,15 @@ def prepare(args: argparse.Namespace):
     torch.set_num_threads(1)  # as every rank: the same kernels, and several processes share the cores
     model_spec = expand(args.model, MODEL_SPECS)
     torch.manual_seed(args.seed)
-    model = build_model(model_spec, args.model_kwargs)
+    dtype = getattr(torch, args.dtype)
+    model = build_model(model_spec, args.model_kwargs).to(dtype)
     model.train(not args.eval)
     needed = args.steps * args.ranks * args.accum * args.micro_batch
     if args.data:
         inputs, targets, note = build_data(args.data, args.data_kwargs, needed)
     else:
         inputs, targets, note = synthetic_data(model, needed, args.seed)
+    inputs, targets = (t.to(dtype) if t.is_floating_point() else t for t in (inputs, targets))
     loss_fn = build_loss(args.loss, args.loss_kwargs)
     check_loss(loss_fn, model, inputs[: args.micro_batch], targets[: args.micro_batch], "the first micro-batch")
     kwargs = {"find_unused_parameters": True} if args.find_unused_parameters else {}
@@ -120,7 +132,7 @@ def prepare(args: argparse.Namespace):
         model_spec=model_spec, model_kwargs=args.model_kwargs, loss_spec=args.loss, loss_kwargs=args.loss_kwargs,
         inputs=inputs, targets=targets, initial_state=model.state_dict(), world_size=args.ranks, accum=args.accum,
         micro_batch=args.micro_batch, steps=args.steps, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
-        eval_mode=args.eval, wrapper_kwargs=kwargs,
+        eval_mode=args.eval, dtype=args.dtype, wrapper_kwargs=kwargs,
     )  # fmt: skip
     return setup, model, note
 
@@ -136,7 +148,7 @@ def run(args: argparse.Namespace, setup, model, data_note: str) -> int:
     print(
         f"{args.ranks} ranks x {args.accum} micro-batch(es) of {args.micro_batch} = global batch {g}; reference: one "
         f"process, the whole batch; {args.optimizer} lr {args.lr:g}, {args.steps} steps, "
-        f"{'eval' if args.eval else 'train'} mode, tolerance {args.tolerance:.0e}",
+        f"{'eval' if args.eval else 'train'} mode, {args.dtype}, tolerance {args.tolerance:.0e}",
         flush=True,
     )
     reference = run_reference(setup)
@@ -147,7 +159,7 @@ def run(args: argparse.Namespace, setup, model, data_note: str) -> int:
         try:
             results = spawn_world(rank_main, args.ranks, setup, [wrapper], timeout=args.timeout)
         except Exception as e:  # a rank raised or hung: the verdict is FAIL, the probes may say why
-            verdicts[wrapper] = _report_crash(wrapper, e, obs, model)
+            verdicts[wrapper] = _report_crash(wrapper, e, obs, model, args)
             continue
         comp = compare(reference, [r[wrapper] for r in results], args.tolerance)
         _print_table(comp)
@@ -184,15 +196,15 @@ def _report(wrapper: str, comp, obs, model, args) -> str:
     if comp.ranks_differ:
         firsts = ", ".join(f"{n} (step {s})" for n, s in list(comp.ranks_differ.items())[:6])
         print(f"  differ across ranks: {firsts}")
-    _print_causes(likely_causes(obs, comp, model))
+    _print_causes(likely_causes(obs, comp, model, args.optimizer))
     return "differs"
 
 
-def _report_crash(wrapper: str, error: Exception, obs, model) -> str:
+def _report_crash(wrapper: str, error: Exception, obs, model, args) -> str:
     from app.check.diagnose import likely_causes
 
     print(f"FAIL ({wrapper}): the ranks stopped: {_exception_line(error)}")
-    _print_causes(likely_causes(obs, None, model))
+    _print_causes(likely_causes(obs, None, model, args.optimizer))
     return "stopped"
 
 

@@ -21,6 +21,8 @@ from torch import nn
 
 from app.check.runs import Setup, StepRecord, micro_batches, run_reference
 
+ADAMW_EPS = 1e-8  # torch.optim.AdamW's default, the one the check uses
+
 
 @dataclass
 class Comparison:
@@ -28,6 +30,8 @@ class Comparison:
     diverged: dict[str, int] = field(default_factory=dict)  # parameter -> first step beyond the tolerance
     ranks_differ: dict[str, int] = field(default_factory=dict)  # parameter -> first step not equal on all ranks
     buffers_differ: dict[str, int] = field(default_factory=dict)  # buffer -> first step not equal on all ranks
+    # parameter -> the reference's |gradient| at its worst element, the step it first diverged (AdamW's noise case)
+    worst_grad: dict[str, float] = field(default_factory=dict)
     worst_dp: float = 0.0
     worst_gap: float = 0.0
 
@@ -46,8 +50,11 @@ def compare(reference: list[StepRecord], ranks: list[list[StepRecord]], toleranc
             a, b = ref.params.get(name), rank0.params.get(name)
             dp = math.inf if a is None or b is None or a.shape != b.shape else (a - b).abs().max().item()
             max_dp = max(max_dp, dp)
-            if not dp <= tolerance:  # NaN counts as diverged
-                c.diverged.setdefault(name, step)
+            if not dp <= tolerance and name not in c.diverged:  # NaN counts as diverged
+                c.diverged[name] = step
+                if math.isfinite(dp) and name in ref.grads:
+                    worst = (a - b).abs().argmax()
+                    c.worst_grad[name] = ref.grads[name].flatten()[worst].abs().item()
         for digests, differ in (
             (lambda r: r.param_digests, c.ranks_differ),
             (lambda r: r.buffer_digests, c.buffers_differ),
@@ -112,7 +119,7 @@ def _names(d: dict, limit: int = 4) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def likely_causes(obs: Observations, comp: Comparison | None, model: nn.Module) -> list[str]:
+def likely_causes(obs: Observations, comp: Comparison | None, model: nn.Module, optimizer: str) -> list[str]:
     """Advice lines, most specific first; empty when nothing observed explains a difference."""
     causes = []
     if obs.created_in_forward:
@@ -147,7 +154,24 @@ def likely_causes(obs: Observations, comp: Comparison | None, model: nn.Module) 
         )
     if comp is not None and comp.buffers_differ:
         causes.append(_buffer_cause(comp.buffers_differ, model))
+    if not causes and comp is not None and optimizer == "adamw":
+        causes += _adam_noise_cause(comp)
     return causes
+
+
+def _adam_noise_cause(comp: Comparison) -> list[str]:
+    """Where the exact gradient is zero (attention's key bias: softmax ignores a constant added to every key), the
+    computed one is rounding noise; AdamW divides by sqrt(v) + eps, so noise below eps becomes an update of up to
+    lr * noise / eps, different on N ranks than in one process. Named only when every diverged element is such."""
+    tiny = {n: g for n, g in comp.worst_grad.items() if g < 10 * ADAMW_EPS}
+    diverged = [n for n in comp.diverged if n != "(loss)"]
+    if not diverged or set(diverged) != set(tiny):
+        return []
+    return [
+        f"float32 rounding amplified by AdamW: where {_names(tiny)} differ most, the reference's gradient is "
+        f"~0 (|g| = {max(tiny.values()):.1e} < 10 x eps), i.e. rounding noise that Adam normalises into an update "
+        f"-> confirm with --dtype float64 (the difference should shrink to ~1e-12), or raise --tolerance"
+    ]
 
 
 def _buffer_cause(buffers: dict[str, int], model: nn.Module) -> str:

@@ -62,12 +62,12 @@ def synthetic_data(model: nn.Module, needed: int, seed: int) -> tuple[torch.Tens
         inputs = torch.randint(0, first.num_embeddings, (needed, SEQ_LEN), generator=g)
         shape = f"token ids in [0, {first.num_embeddings}) of shape [N, {SEQ_LEN}]"
     elif isinstance(first, nn.Linear):
-        inputs = torch.randn(needed, first.in_features, generator=g)
+        inputs = torch.randn(needed, first.in_features, generator=g, dtype=first.weight.dtype)
         shape = f"N(0, 1) of shape [N, {first.in_features}]"
     elif first is not None:
         dims = len(first.kernel_size)
         side = (CONV_SIDE[dims],) * dims
-        inputs = torch.randn(needed, first.in_channels, *side, generator=g)
+        inputs = torch.randn(needed, first.in_channels, *side, generator=g, dtype=first.weight.dtype)
         shape = f"N(0, 1) of shape [N, {first.in_channels}, {', '.join(map(str, side))}]"
     else:
         raise InputError(
@@ -79,7 +79,7 @@ def synthetic_data(model: nn.Module, needed: int, seed: int) -> tuple[torch.Tens
         targets = torch.randint(0, out.shape[-1], (needed, *out.shape[1:-1]), generator=g)
         target_kind = f"class ids in [0, {out.shape[-1]})"
     else:
-        targets = torch.randn(needed, *out.shape[1:], generator=g)
+        targets = torch.randn(needed, *out.shape[1:], generator=g, dtype=out.dtype)
         target_kind = "N(0, 1) shaped like the output"
     return (
         inputs,

@@ -45,6 +45,7 @@ class Setup:
     lr: float
     seed: int
     eval_mode: bool
+    dtype: str = "float32"  # of the parameters and of floating-point data
     wrapper_kwargs: dict = field(default_factory=dict)
 
     @property
@@ -62,6 +63,7 @@ class StepRecord:
     buffers: dict[str, torch.Tensor] | None = None
     shard_losses: list[float] | None = None  # reference only: its loss on each rank's share, before its step
     no_grad: dict[str, int] | None = None  # reference only: parameter -> a rank whose micro-batch left it gradless
+    grads: dict[str, torch.Tensor] | None = None  # reference only: the gradient this step applied
 
 
 def micro_batches(setup: Setup, step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -109,6 +111,16 @@ def _record(model: nn.Module, loss: float, keep: bool) -> StepRecord:
     )
 
 
+def fresh_model(setup: Setup, seed: int, load: bool) -> nn.Module:
+    """The model as the spec builds it from ``seed``, in ``setup.dtype``; with ``load``, at the reference's start."""
+    torch.manual_seed(seed)
+    model = build_model(setup.model_spec, setup.model_kwargs).to(getattr(torch, setup.dtype))
+    if load:
+        model.load_state_dict(setup.initial_state)
+    model.train(not setup.eval_mode)
+    return model
+
+
 def _step_seed(setup: Setup, step: int, rank: int) -> int:
     # Each rank its own stream (dropout masks must differ across ranks in real training), each step reseeded so two
     # runs of the same side draw the same numbers: only randomness torch's seed does not control makes them differ.
@@ -137,10 +149,7 @@ def _probe_shards(model: nn.Module, setup: Setup, step: int, loss_fn) -> tuple[l
 
 def run_reference(setup: Setup, probe: bool = True) -> list[StepRecord]:
     """One process, the whole global batch per step, from ``setup.initial_state``."""
-    torch.manual_seed(setup.seed)
-    model = build_model(setup.model_spec, setup.model_kwargs)
-    model.load_state_dict(setup.initial_state)
-    model.train(not setup.eval_mode)
+    model = fresh_model(setup, setup.seed, load=True)
     loss_fn = build_loss(setup.loss_spec, setup.loss_kwargs)
     opt = build_optimizer(setup, model.parameters())
     records = []
@@ -151,6 +160,7 @@ def run_reference(setup: Setup, probe: bool = True) -> list[StepRecord]:
         torch.manual_seed(_step_seed(setup, step, 0))
         record = _record(model, train_step(model, opt, batch, loss_fn), keep=True)
         record.shard_losses, record.no_grad = shard_losses, no_grad
+        record.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         records.append(record)
     return records
 
@@ -159,11 +169,8 @@ def rank_main(rank: int, world_size: int, setup: Setup, wrappers: list[str]) -> 
     """On every rank: for each wrapper, a fresh model, wrapped, trained ``setup.steps`` steps on this rank's share."""
     results = {}
     for wrapper in wrappers:
-        torch.manual_seed(setup.seed + 100 + rank)  # a different start on every rank: the broadcast must fix it
-        model = build_model(setup.model_spec, setup.model_kwargs)
-        if rank == 0:
-            model.load_state_dict(setup.initial_state)
-        model.train(not setup.eval_mode)
+        # A different start on every rank but 0 (the reference's): the broadcast at construction must fix it.
+        model = fresh_model(setup, setup.seed + 100 + rank, load=rank == 0)
         ddp = wrap_model(model, wrapper, **setup.wrapper_kwargs)
         loss_fn = build_loss(setup.loss_spec, setup.loss_kwargs)
         opt = build_optimizer(setup, ddp.parameters())
