@@ -19,7 +19,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(exit_codes.BAD_CONFIG, f"{self.prog}: error: {message}\n")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     from app.check import __doc__ as doc
 
     p = _Parser(
@@ -74,6 +74,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--find-unused-parameters", action="store_true", help="pass find_unused_parameters=True to DDP")
     p.add_argument("--seed", type=int, default=0, help="seed of the model's start and the synthetic data")
     p.add_argument("--timeout", type=float, default=600, help="seconds before the ranks count as hung (default 600)")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, checked: a bad one exits 2 with one line naming it (``_Parser.error``)."""
+    p = build_parser()
     args = p.parse_args(argv)
     for name, low in (("ranks", 1), ("accum", 1), ("micro_batch", 1), ("steps", 1)):
         if getattr(args, name) < low:
