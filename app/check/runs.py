@@ -6,8 +6,8 @@ cuts it into ``accum`` micro-batches; the reference takes all ``G`` in one forwa
 samples and the rank's loss is divided by ``accum``, so the ranks' averaged gradient is the gradient of the mean loss
 over the ``G`` samples: the reference's, up to float rounding.
 
-What each side returns is a list of ``StepRecord``: the losses, the parameters and buffers after the step (rank 0
-and the reference keep the tensors, every rank a per-tensor digest), so the parent can compare without collectives.
+What each side returns is a list of ``StepRecord``: the loss, a digest of each parameter and buffer after the step,
+and (rank 0 and the reference) the parameters themselves, so the parent compares without collectives.
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ class StepRecord:
     param_digests: dict[str, str]
     buffer_digests: dict[str, str]
     params: dict[str, torch.Tensor] | None = None  # kept by rank 0 and the reference only
-    buffers: dict[str, torch.Tensor] | None = None
     shard_losses: list[float] | None = None  # reference only: its loss on each rank's share, before its step
     no_grad: dict[str, int] | None = None  # reference only: parameter -> a rank whose micro-batch left it gradless
     grads: dict[str, torch.Tensor] | None = None  # reference only: the gradient this step applied
@@ -107,7 +106,6 @@ def _record(model: nn.Module, loss: float, keep: bool) -> StepRecord:
         param_digests={n: _digest(t) for n, t in params.items()},
         buffer_digests={n: _digest(t) for n, t in buffers.items()},
         params=params if keep else None,
-        buffers=buffers if keep else None,
     )
 
 

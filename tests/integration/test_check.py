@@ -20,7 +20,8 @@ BROKEN = "tests.models_broken"
 
 
 def run_check(capsys, *args: str) -> tuple[int, str]:
-    rc = main([*args, "--steps", "3"])
+    """``python -m app.check ARGS`` in this process, 3 steps, our DDP unless ``args`` say otherwise (the last wins)."""
+    rc = main(["--steps", "3", "--wrapper", "ours", *args])
     return rc, capsys.readouterr().out
 
 
