@@ -224,6 +224,6 @@ def _exception_line(error: Exception) -> str:
 
 def _print_causes(causes: list[str]) -> None:
     if not causes:
-        print("  likely cause: none this check can observe (see docs/check.md: a loss that is not a mean, ...)")
+        print("  likely cause: none this check can observe (docs/check.md: what it cannot see)")
     for cause in causes:
         print(f"  likely cause: {cause}")
