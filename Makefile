@@ -29,6 +29,13 @@ demo: venv ## the proof: WORKERS CPU ranks under torchrun vs single-process trai
 	$(TORCHRUN) --standalone --nproc-per-node=$(strip $(WORKERS)) -m app.demos.demo \
 	  --steps $(strip $(STEPS)) --bucket-cap-mb $(strip $(BUCKET_MB)) --wrapper $(strip $(WRAPPER))
 
+# `make check MODEL_SPEC=mypkg.models:build CHECK_ARGS="--data mypkg.data:build --accum 2"`: before a long job.
+MODEL_SPEC ?= mini_mlp  # package.module:callable returning an nn.Module, or mini_mlp | deep_mlp | tiny_transformer
+CHECK_ARGS ?=           # any other flags of app.check, e.g. "--ranks 4 --accum 2 --eval"; python -m app.check --help
+.PHONY: check
+check: venv ## does MODEL_SPEC train the same on N CPU ranks as on one process? table, diagnosis (docs/check.md)
+	$(PY) -m app.check $(strip $(MODEL_SPEC)) $(CHECK_ARGS)
+
 test: venv ## the test suite: unit, integration (real gloo ranks, Prometheus), e2e (Docker: one-line skip until make docker-setup)
 	$(PY) -m pytest $(PYTEST_ARGS)
 

@@ -1,0 +1,156 @@
+"""``python -m app.check``: real gloo ranks against one process, for good models and for models broken in each of
+the five ways it diagnoses (``tests/models_broken.py``); bad input exits 2 with one line before any rank starts.
+
+Most cases call ``main(argv)`` in this process (the ranks are spawned for real either way): it saves a Python start
+and a torch import per case on a shared 2-core machine. The first and the bad-input cases run the command itself.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from app.check.cli import main
+from tests.trainer_run import REPO
+
+BROKEN = "tests.models_broken"
+
+
+def run_check(capsys, *args: str) -> tuple[int, str]:
+    """``python -m app.check ARGS`` in this process, 3 steps, our DDP unless ``args`` say otherwise (the last wins)."""
+    rc = main(["--steps", "3", "--wrapper", "ours", *args])
+    return rc, capsys.readouterr().out
+
+
+def causes(out: str) -> list[str]:
+    """The head of each ``likely cause:`` line, e.g. ``randomness in forward``."""
+    return [m.group(1) for m in re.finditer(r"^  likely cause: ([^:]+):", out, re.M)]
+
+
+def table_rows(out: str) -> list[list[str]]:
+    return [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s+-?\d+\.\d+\s", line)]
+
+
+def test_a_good_model_passes_with_both_wrappers_and_accumulation():
+    result = subprocess.run(
+        [sys.executable, "-m", "app.check", "app.worker.models:MiniMLP", "--accum", "2", "--steps", "3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = table_rows(result.stdout)
+    assert len(rows) == 6  # 3 steps, ours then PyTorch's
+    assert all(row[5] == "yes" and float(row[4]) <= 1e-5 for row in rows)
+    assert "PASS (ours)" in result.stdout and "PASS (torch)" in result.stdout
+    assert result.stdout.strip().splitlines()[-1].startswith("PASS: 2 ranks vs one process, 3 steps")
+
+
+def test_a_transformer_passes_on_token_input_inferred_from_its_embedding(capsys):
+    rc, out = run_check(capsys, "tiny_transformer", "--model-kwargs", '{"layers": 2}', "--wrapper", "torch")
+    assert rc == 0, out
+    assert "token ids in [0, 64)" in out and "inferred from tok (Embedding)" in out
+    assert causes(out) == []
+
+
+def test_float32_noise_that_adamw_amplifies_is_told_from_a_real_difference(capsys):
+    # At a tolerance below the measured float32 one, the transformer's attention projections differ: where their
+    # exact gradient is zero, the computed one is rounding noise that AdamW normalises into an update.
+    args = ("tiny_transformer", "--model-kwargs", '{"layers": 2}', "--wrapper", "ours")
+    rc, out = run_check(capsys, *args, "--tolerance", "1e-5")
+    assert rc == 1, out
+    assert causes(out) == ["float32 rounding amplified by AdamW"]
+    assert "attn.in_proj" in out and "--dtype float64" in out
+    rc, out = run_check(capsys, *args, "--dtype", "float64")
+    assert rc == 0, out
+
+
+def test_data_from_a_spec_a_data_set_and_a_loss_class(capsys):
+    rc, out = run_check(
+        capsys,
+        "tests.models_broken:WithDropout",
+        "--eval",
+        "--data",
+        f"{BROKEN}:ClassificationDataset",
+        "--loss",
+        "torch.nn:CrossEntropyLoss",
+        "--loss-kwargs",
+        '{"label_smoothing": 0.1}',
+    )
+    assert rc == 0, out
+    assert "ClassificationDataset data set" in out
+
+
+def test_a_parameter_without_a_gradient_stops_the_ranks_and_is_named(capsys):
+    rc, out = run_check(capsys, f"{BROKEN}:UnusedParameter", "--wrapper", "both")
+    assert rc == 1, out
+    assert "FAIL (ours): the ranks stopped: RuntimeError" in out
+    assert "FAIL (torch): the ranks stopped: RuntimeError" in out
+    assert causes(out) == ["parameters without a gradient"] * 2
+    assert "unused_head.weight" in out and "find_unused_parameters=True" in out
+
+
+def test_find_unused_parameters_is_the_fix_it_names(capsys):
+    rc, out = run_check(
+        capsys, f"{BROKEN}:UnusedParameter", "--find-unused-parameters", "--data", f"{BROKEN}:regression_data"
+    )
+    assert rc == 0, out
+
+
+def test_batch_norm_buffers_differ_across_ranks(capsys):
+    rc, out = run_check(capsys, f"{BROKEN}:WithBatchNorm")
+    assert rc == 1, out
+    assert "diverge from one process: net.0.bias (step 0)" in out
+    assert causes(out) == ["buffers differ across ranks after step 0"]
+    assert "BatchNorm1d net.1" in out and "SyncBatchNorm" in out and "broadcast_buffers" in out
+
+
+def test_dropout_is_randomness_in_forward_and_eval_mode_compares(capsys):
+    rc, out = run_check(capsys, f"{BROKEN}:WithDropout")
+    assert rc == 1, out
+    assert causes(out) == ["randomness in forward"]
+    assert "--eval" in out
+    rc, out = run_check(capsys, f"{BROKEN}:WithDropout", "--eval")
+    assert rc == 0, out
+
+
+def test_non_deterministic_ops_make_two_single_process_runs_differ(capsys):
+    rc, out = run_check(capsys, f"{BROKEN}:NonDeterministic")
+    assert rc == 1, out
+    assert causes(out) == ["non-deterministic ops"]
+    assert "use_deterministic_algorithms(True)" in out
+
+
+def test_parameters_created_in_forward(capsys):
+    rc, out = run_check(capsys, f"{BROKEN}:CreatesInForward")
+    assert rc == 1, out
+    assert causes(out) == ["parameters created in forward"]
+    assert "late.weight, late.bias" in out and "differ across ranks: late.weight (step 0)" in out
+    assert [row[5] for row in table_rows(out)] == ["NO"] * 3
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["app.worker.models.MiniMLP"], "expected 'package.module:callable' (no ':' in it)"),
+        (["no_such_package.models:Net"], "module 'no_such_package.models' does not import"),
+        (["app.worker.models:Nope"], "has no attribute 'Nope'"),
+        (["mini_mlp", "--model-kwargs", '{"depth": 3}'], "unexpected keyword argument 'depth'"),
+        ([f"{BROKEN}:not_a_model"], "returned a list, not a torch.nn.Module"),
+        (["mini_mlp", "--data", f"{BROKEN}:regression_data", "--data-kwargs", '{"size": 10}'], "10 samples"),
+        (["mini_mlp", "--model-kwargs", "[1]"], "--model-kwargs: expected a JSON object"),
+        (["mini_mlp", "--ranks", "0"], "--ranks must be >= 1"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line_before_any_rank(args, message):
+    result = subprocess.run(
+        [sys.executable, "-m", "app.check", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout == ""  # nothing printed: no table, no rank started
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert message in result.stderr
