@@ -29,6 +29,11 @@ demo: venv ## the proof: WORKERS CPU ranks under torchrun vs single-process trai
 	$(TORCHRUN) --standalone --nproc-per-node=$(strip $(WORKERS)) -m app.demos.demo \
 	  --steps $(strip $(STEPS)) --bucket-cap-mb $(strip $(BUCKET_MB)) --wrapper $(strip $(WRAPPER))
 
+STAGE ?= 2            # ZeRO stage of `make zero`: 1 (optimizer state) | 2 (+ gradients) | 3 (+ parameters)
+.PHONY: zero
+zero: venv ## ZeRO stage STAGE on WORKERS CPU ranks vs one process and our DDP, step by step; PASS/FAIL (docs/sharding.md)
+	$(TORCHRUN) --standalone --nproc-per-node=$(strip $(WORKERS)) -m app.demos.zero_demo --stage $(strip $(STAGE))
+
 # `make check MODEL_SPEC=mypkg.models:build CHECK_ARGS="--data mypkg.data:build --accum 2"`: before a long job.
 MODEL_SPEC ?= mini_mlp  # package.module:callable returning an nn.Module, or mini_mlp | deep_mlp | tiny_transformer
 CHECK_ARGS ?=           # any other flags of app.check, e.g. "--ranks 4 --accum 2 --eval"; python -m app.check --help
