@@ -367,6 +367,41 @@ def render_mutants(doc: dict) -> list[str]:
     return lines
 
 
+def render_mutation(doc: dict) -> list[str]:
+    """The generated-mutant run of ``make mutants`` (tools/mutation.py): score, per area, survivors and triage."""
+    score = doc["score"]
+    target = doc["settings"].get("target", 0.85)
+    shown = f"{score:.0%}" if score is not None else "n/a"
+    held = "yes" if score is not None and score >= target else "no"
+    not_run = ", ".join(f"{n} {what}" for what, n in doc["not_run"].items() if n) or "none"
+    secs = sorted(r["seconds"] for r in doc["mutants"] if r.get("seconds"))
+    median = f"{secs[len(secs) // 2]:.0f} s" if secs else "n/a"
+    lines = [
+        f"Score: **{doc['killed']} killed of {doc['ran'] - doc['equivalent']}** non-equivalent mutants that ran "
+        f"(**{shown}**; target {target:.0%}: {'held' if held == 'yes' else 'not held'}). {doc['library']}, "
+        f"seed {doc['seed']}: {doc['sample']} drawn of {doc['generated']} generated, {doc['ran']} ran, "
+        f"{doc['equivalent']} judged equivalent; not counted: {not_run}. Wall time {doc['wall_seconds'] / 60:.0f} "
+        f"min with {doc['settings'].get('jobs', 1)} at once, median {median} a mutant.",
+        "",
+        "| area | killed | counted | score |",
+        "|---|---:|---:|---:|",
+    ]
+    for area, a in doc["by_area"].items():
+        lines.append(f"| `{area}` | {a['killed']} | {a['counted']} | {a['killed'] / a['counted']:.0%} |")
+    survivors = [r for r in doc["mutants"] if r["outcome"] == "survived"]
+    lines += [
+        "",
+        "| survivor | where | mutant | verdict | why / the test that would kill it |",
+        "|---|---|---|---|---|",
+    ]
+    for r in survivors:
+        t = r.get("triage", {})
+        why = t.get("reason", "") + (f" Kill: {t['kill']}" if t.get("kill") else "")
+        change = f"`{r['before']}` → `{r['after']}`".replace("|", "\\|")
+        lines.append(f"| `{r['id']}` | `{r['path']}:{r['line']}` | {change} | {t.get('verdict', '?')} | {why} |")
+    return lines
+
+
 def render_chaos(doc: dict) -> list[str]:
     s = doc["settings"]
     codes, dtype = doc["exit_codes"], doc.get("dtype", "float32")  # results before the dtype setting: float32
@@ -460,6 +495,7 @@ RENDERERS = {
     "pipeline-bubble": render_pipeline_bubble,
     "metrics-overhead": render_metrics_overhead,
     "mutants": render_mutants,
+    "mutation": render_mutation,
 }
 
 
