@@ -53,7 +53,7 @@ import yaml
 
 from bench.provenance import describe_output, git_commit, load_average, output_path, provenance
 from tools.mutants import PYTHON, REPO, check_imports_from_copy, copy_tree, env_for
-from tools.mutation_gen import Candidate, all_candidates, apply_alert, apply_python, expand, selection_for
+from tools.mutation_gen import Candidate, all_candidates, apply_alert, apply_python, draw, expand, selection_for
 
 TRIAGE = REPO / "tools" / "mutation_triage.yaml"
 VERDICTS = ("equivalent", "real")
@@ -173,6 +173,8 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p.add_argument("--target", type=float, default=0.85, help="score to reach for exit status 0 (default 0.85)")
     p.add_argument("--list", action="store_true", help="print the sample and each mutant's tests, run nothing")
     p.add_argument("--out", type=Path, default=None, help="JSON to write (default: bench/results/ at the defaults)")
+    p.add_argument("--show", metavar="ID", help="print one mutant (file, line, the change, its tests), run nothing")
+    p.add_argument("--rescore", type=Path, metavar="JSON", help="apply the triage file anew to a result, run nothing")
     args = p.parse_args(argv)
     if args.sample < 1 or args.jobs < 1 or args.timeout <= 0 or args.budget < 0:
         p.error("--sample and --jobs must be at least 1, --timeout positive, --budget 0 (none) or more")
@@ -210,13 +212,37 @@ def run_all(sample: list[Candidate], args) -> tuple[list[dict], dict]:
     return rows, copied_at
 
 
+def rescore(path: Path, triage: dict[str, dict]) -> int:
+    """A triage judgement made after the run, applied to its result (the mutants' outcomes are kept)."""
+    doc = json.loads(path.read_text())
+    for r in doc["mutants"]:
+        r.pop("triage", None)
+    doc.update(score(doc["mutants"], triage))
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    untriaged = [r["id"] for r in doc["mutants"] if r.get("triage", {}).get("verdict") == "untriaged"]
+    print(f"{path}: score {doc['score']}, {doc['equivalent']} equivalent, untriaged: {' '.join(untriaged) or 'none'}")
+    return 0
+
+
+def show(candidates: list[Candidate], mutant_id: str) -> int:
+    c = next((c for c in candidates if c.id == mutant_id), None)
+    if c is None:
+        raise SystemExit(f"mutation: no generated mutant has the id {mutant_id} (the code changed?)")
+    (apply_alert if c.path.endswith(".yml") else apply_python)(c, (REPO / c.path).read_text())
+    print(f"{c.id} {c.path}:{c.line} in {c.where} ({c.operator})\n  - {c.before}\n  + {c.after}")
+    print(f"  tests: {' '.join(selection_for(c.path))}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser, args = parse_args(argv)
-    seed = args.seed if args.seed is not None else secrets.randbelow(10**6)
     triage = load_triage()
+    if args.rescore:
+        return rescore(args.rescore, triage)
+    seed = args.seed if args.seed is not None else secrets.randbelow(10**6)
     candidates = all_candidates(REPO)
-    from tools.mutation_gen import draw
-
+    if args.show:
+        return show(candidates, args.show)
     sample = draw(candidates, args.sample, seed)
     print(f"seed {seed}: {len(sample)} of {len(candidates)} generated mutants (rerun: --seed {seed})", flush=True)
     if args.list:
