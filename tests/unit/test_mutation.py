@@ -99,6 +99,19 @@ def test_python_mutants_keep_their_ids_when_code_moves_to_another_file_of_the_ar
     assert "return a >= b" in apply_python(lt, code) and lt.after == "return a >= b"
 
 
+def test_an_except_clause_mutant_runs_without_cosmic_ray_and_catches_nothing(tmp_path):
+    pytest.importorskip("cosmic_ray")
+    from tools.mutation_gen import apply_python, python_candidates
+
+    code = "def f():\n    try:\n        return 1 // 0\n    except ZeroDivisionError:\n        return None\n"
+    (tmp_path / "m.py").write_text(code)
+    (c,) = [c for c in python_candidates(tmp_path, "m.py", {}) if c.operator == "core/ExceptionReplacer"]
+    space: dict = {}
+    exec(apply_python(c, code), space)  # no NameError: the class it names exists without cosmic-ray's worker
+    with pytest.raises(ZeroDivisionError):
+        space["f"]()
+
+
 def test_the_score_leaves_out_equivalent_survivors_and_counts_untriaged_ones_as_real(tmp_path):
     rows = [
         {"id": "k", "path": "app/worker/a.py", "outcome": "killed"},
@@ -110,7 +123,7 @@ def test_the_score_leaves_out_equivalent_survivors_and_counts_untriaged_ones_as_
     result = score(rows, {"e": {"verdict": "equivalent", "reason": "r"}})
     assert (result["killed"], result["ran"], result["equivalent"], result["score"]) == (2, 4, 1, round(2 / 3, 4))
     assert rows[3]["triage"] == {"verdict": "untriaged"}
-    assert result["by_area"]["app/parallel"] == {"killed": 0, "counted": 1}
+    assert result["by_area"] == {"app/parallel": {"killed": 0, "counted": 1}, "app/worker": {"killed": 2, "counted": 2}}
     bad = tmp_path / "triage.yaml"
     bad.write_text("mutants:\n  abc123:\n    verdict: maybe\n    reason: unsure\n")
     with pytest.raises(SystemExit, match="abc123"):
