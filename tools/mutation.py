@@ -72,24 +72,29 @@ def load_triage(path: Path = TRIAGE) -> dict[str, dict]:
 
 
 def run_selection(copy: Path, c: Candidate, timeout: float) -> tuple[str, float, str, list[str]]:
-    """(outcome, seconds, output tail, the failed tests) of mutant ``c``'s tests, already applied in ``copy``."""
+    """(outcome, seconds, output tail, the failed tests) of mutant ``c``'s tests, already applied in ``copy``: its
+    ``promtool`` commands, then pytest on the rest of the selection, stopping at the first that fails."""
     tests = c.tests()
-    if tests[0].startswith("promtool "):
-        cmd = tests[0].split()
-    else:
-        cmd = [PYTHON, "-m", "pytest", "-x", "-q", "-rfE", "-p", "no:cacheprovider", *expand(tests, copy)]
-    started = time.monotonic()
-    try:
-        r = subprocess.run(cmd, cwd=copy, env=env_for(copy), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return "killed (timeout)", time.monotonic() - started, "", []
-    out = r.stdout + r.stderr
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+?)(?: - .*)?$", out, re.M)
-    if cmd[0] == "promtool":
-        failed = ["promtool"] if r.returncode else []
-    # pytest: 1 = a test failed, 2 = collection failed (the mutated module no longer imports); others: our error.
-    outcome = {0: "survived", 1: "killed", 2: "killed"}.get(r.returncode, "error")
-    return outcome, time.monotonic() - started, out[-1200:], [f.split("[")[0] for f in failed]
+    cmds = [t.split() for t in tests if t.startswith("promtool ")]
+    rest = expand(tuple(t for t in tests if not t.startswith("promtool ")), copy)
+    if rest:
+        cmds.append([PYTHON, "-m", "pytest", "-x", "-q", "-rfE", "-p", "no:cacheprovider", *rest])
+    started, out = time.monotonic(), ""
+    for cmd in cmds:
+        left = timeout - (time.monotonic() - started)
+        try:
+            r = subprocess.run(cmd, cwd=copy, env=env_for(copy), capture_output=True, text=True, timeout=left)
+        except subprocess.TimeoutExpired:
+            return "killed (timeout)", time.monotonic() - started, "", []
+        out = r.stdout + r.stderr
+        if cmd[0] == "promtool" and r.returncode:
+            return "killed", time.monotonic() - started, out[-1200:], ["promtool"]
+        if cmd[0] != "promtool" and r.returncode:
+            # pytest: 1 = a test failed, 2 = collection failed (the mutated module no longer imports); else ours.
+            failed = [f.split("[")[0] for f in re.findall(r"^(?:FAILED|ERROR) (\S+?)(?: - .*)?$", out, re.M)]
+            outcome = "killed" if r.returncode in (1, 2) else "error"
+            return outcome, time.monotonic() - started, out[-1200:], failed
+    return "survived", time.monotonic() - started, out[-1200:], []
 
 
 def run_mutant(copy: Path, c: Candidate, timeout: float) -> dict:

@@ -54,7 +54,10 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     (("app/cluster/k8s_launch*",), ("tests/unit/test_k8s_launch*.py", "tests/integration/test_k8s_launch*.py")),
     (("app/cluster/rendezvous_store*",), ("tests/integration/test_rendezvous_store*.py",)),
     (("app/cluster/*",), ("tests/integration/test_launch*.py",)),
-    (("docker/prometheus/alerts.yml",), ("promtool test rules docker/prometheus/alerts.test.yml",)),
+    (
+        ("docker/prometheus/alerts.yml",),
+        ("promtool test rules docker/prometheus/alerts.test.yml", "tests/unit/test_mutation_kills_alerts*.py"),
+    ),
 ]
 MUTATED = ("app/worker/**.py", "app/parallel/**.py", "app/cluster/**.py", "docker/prometheus/alerts.yml")
 # VariableReplacer/VariableInserter need settings per project; without them cosmic-ray's own `init` skips them too.
