@@ -372,13 +372,15 @@ def render_mutation(doc: dict) -> list[str]:
     score = doc["score"]
     target = doc["settings"].get("target", 0.85)
     shown = f"{score:.0%}" if score is not None else "n/a"
-    held = "yes" if score is not None and score >= target else "no"
+    held = "held" if score is not None and score >= target else "not held"
     not_run = ", ".join(f"{n} {what}" for what, n in doc["not_run"].items() if n) or "none"
     secs = sorted(r["seconds"] for r in doc["mutants"] if r.get("seconds"))
+    timeouts = sum(r["outcome"] == "killed (timeout)" for r in doc["mutants"])
     median = f"{secs[len(secs) // 2]:.0f} s" if secs else "n/a"
     lines = [
         f"Score: **{doc['killed']} killed of {doc['ran'] - doc['equivalent']}** non-equivalent mutants that ran "
-        f"(**{shown}**; target {target:.0%}: {'held' if held == 'yes' else 'not held'}). {doc['library']}, "
+        f"(**{shown}**, {timeouts} of the kills by timeout; target {target:.0%}: "
+        f"{held}). {doc['library']}, "
         f"seed {doc['seed']}: {doc['sample']} drawn of {doc['generated']} generated, {doc['ran']} ran, "
         f"{doc['equivalent']} judged equivalent; not counted: {not_run}. Wall time {doc['wall_seconds'] / 60:.0f} "
         f"min with {doc['settings'].get('jobs', 1)} at once, median {median} a mutant.",
