@@ -29,7 +29,7 @@ from pathlib import Path
 SLOW = "not (stop_that_cannot_finish or hung_peer or tiny_transformer or two_plain_runs or torchrun_reaches)"
 AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     (("app/worker/checkpoint*",), ("tests/unit/test_checkpoint*.py", "tests/integration/test_resume*.py")),
-    (("app/worker/config*",), ("tests/unit/test_config*.py",)),
+    (("app/worker/config*",), ("tests/unit/test_config*.py", "tests/unit/test_mutation_kills_config*.py")),
     (("app/worker/data*",), ("tests/unit/test_data*.py",)),
     (("app/worker/metrics*",), ("tests/integration/test_metrics*.py", "-k", "not real_prometheus")),
     (("app/worker/pipeline_trainer*",), ("tests/integration/test_train_pipeline*.py",)),
