@@ -54,6 +54,19 @@ FINISHED = """
         exp_alerts: []
 """
 
+# Re-formations older than the rule's 15 minutes do not count: two early ones, twenty quiet minutes, one more.
+# Kills a look-back that reaches further back than the one the alert's summary states.
+OLD_RESTARTS = """
+  - interval: 1m
+    input_series:
+      - series: 'ddp_world_generation{rank="0"}'
+        values: '1 2 3 3x20 4 4'
+    alert_rule_test:
+      - eval_time: 24m
+        alertname: DDPRestartStorm
+        exp_alerts: []
+"""
+
 
 def promtool_test(tmp_path: Path, cases: str) -> subprocess.CompletedProcess:
     path = shutil.which("promtool")
@@ -67,7 +80,9 @@ def promtool_test(tmp_path: Path, cases: str) -> subprocess.CompletedProcess:
     return subprocess.run([path, "test", "rules", str(test)], capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.parametrize("cases", [RANK_GONE, FINISHED], ids=["rank-gone-within-for", "finished-job"])
+@pytest.mark.parametrize(
+    "cases", [RANK_GONE, FINISHED, OLD_RESTARTS], ids=["rank-gone-within-for", "finished-job", "old-restarts"]
+)
 def test_the_alert_waits_as_documented(tmp_path, cases):
     result = promtool_test(tmp_path, cases)
     assert result.returncode == 0, result.stdout + result.stderr
