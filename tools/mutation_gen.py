@@ -29,7 +29,14 @@ from pathlib import Path
 SLOW = "not (stop_that_cannot_finish or hung_peer or tiny_transformer or two_plain_runs or torchrun_reaches)"
 AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     (("app/worker/checkpoint*",), ("tests/unit/test_checkpoint*.py", "tests/integration/test_resume*.py")),
-    (("app/worker/config*",), ("tests/unit/test_config*.py", "tests/unit/test_mutation_kills_config*.py")),
+    (
+        ("app/worker/config*",),
+        (
+            "tests/unit/test_config*.py",
+            "tests/unit/test_mutation_kills_config*.py",
+            "tests/integration/test_train_pipeline*.py::test_bad_input_is_one_line_and_exit_2",  # the pipeline checks
+        ),
+    ),
     (("app/worker/data*",), ("tests/unit/test_data*.py",)),
     (("app/worker/metrics*",), ("tests/integration/test_metrics*.py", "-k", "not real_prometheus")),
     (("app/worker/pipeline_trainer*",), ("tests/integration/test_train_pipeline*.py",)),
@@ -53,7 +60,7 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     ),
     (("app/cluster/k8s_launch*",), ("tests/unit/test_k8s_launch*.py", "tests/integration/test_k8s_launch*.py")),
     (("app/cluster/rendezvous_store*",), ("tests/integration/test_rendezvous_store*.py",)),
-    (("app/cluster/*",), ("tests/integration/test_launch*.py",)),
+    (("app/cluster/*",), ("tests/unit/test_mutation_kills_launch*.py", "tests/integration/test_launch*.py")),
     (
         ("docker/prometheus/alerts.yml",),
         ("promtool test rules docker/prometheus/alerts.test.yml", "tests/unit/test_mutation_kills_alerts*.py"),
@@ -108,8 +115,9 @@ def expand(tests: tuple[str, ...], root: Path) -> list[str]:
     for t in tests:
         if t.startswith("-") or (files and files[-1] == "-k"):
             files.append(t)
-        elif "*" in t:
-            files += sorted(str(p.relative_to(root)) for p in root.glob(t))
+        elif "*" in t:  # a glob of files, or of one test in them ("tests/x/test_y*.py::test_z")
+            pattern, sep, name = t.partition("::")
+            files += sorted(str(p.relative_to(root)) + sep + name for p in root.glob(pattern))
         elif (root / t).exists():
             files.append(t)
     return list(dict.fromkeys(files))

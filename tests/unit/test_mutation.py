@@ -67,6 +67,11 @@ def test_a_file_without_a_rule_is_named_and_globs_that_match_nothing_are_dropped
     (tmp_path / "tests" / "unit").mkdir(parents=True)
     (tmp_path / "tests" / "unit" / "test_config.py").write_text("")
     assert expand(("tests/unit/test_config*.py", "tests/unit/test_gone*.py"), tmp_path) == ["tests/unit/test_config.py"]
+    assert expand(("tests/unit/test_conf*.py::test_a", "-k", "not slow"), tmp_path) == [
+        "tests/unit/test_config.py::test_a",
+        "-k",
+        "not slow",
+    ]
 
 
 def test_alert_mutants_change_one_expression_or_duration_and_keep_their_ids_when_lines_move(tmp_path):
