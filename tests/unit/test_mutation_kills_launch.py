@@ -24,3 +24,10 @@ def test_a_lost_store_is_named_with_its_address(what):
 
     e = RendezvousConnectionError("gone") if what == "connection" else RuntimeError("the TCP store went away")
     assert explain(e, STORE, "job").startswith("lost the rendezvous store store:29400 (")
+
+
+@pytest.mark.parametrize("code, says", [(-1, "was killed by SIGHUP"), (-9, "was killed by SIGKILL"), (2, "bad config")])
+def test_an_exit_by_signal_is_named_by_its_signal(code, says):
+    from app.cluster.launch import describe_exit
+
+    assert says in describe_exit(code)
