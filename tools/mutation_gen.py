@@ -37,7 +37,7 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
             "tests/integration/test_train_pipeline*.py::test_bad_input_is_one_line_and_exit_2",  # the pipeline checks
         ),
     ),
-    (("app/worker/data*",), ("tests/unit/test_data*.py",)),
+    (("app/worker/data*",), ("tests/unit/test_data*.py", "tests/unit/test_mutation_kills_data*.py")),
     (("app/worker/metrics*",), ("tests/integration/test_metrics*.py", "-k", "not real_prometheus")),
     (("app/worker/pipeline_trainer*",), ("tests/integration/test_train_pipeline*.py",)),
     (
