@@ -48,6 +48,14 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     (("app/parallel/accum*",), ("tests/integration/test_accum*.py", "-k", "not make_accum_writes")),
     (("app/parallel/model_parallel*",), ("tests/integration/test_model_parallel*.py",)),
     (("app/parallel/tensor_parallel*",), ("tests/integration/test_tensor_parallel*.py",)),
+    (
+        ("app/parallel/probes*",),
+        (
+            "tests/integration/test_metrics*.py::test_torch_ddp_bus_bandwidth_uses_first_launch_to_last_completion",
+            "tests/integration/test_metrics*.py::test_our_ddp_bus_bandwidth_uses_the_wrappers_comm_span",
+            "tests/integration/test_ddp_api*.py::test_a_known_delay_before_the_all_reduce_shows_in_the_reported_latency",
+        ),
+    ),
     (("app/parallel/pipeline*",), ("tests/integration/test_pipeline.py", "tests/integration/test_train_pipeline*.py")),
     (
         ("app/parallel/*",),
