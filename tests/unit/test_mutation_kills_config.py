@@ -32,3 +32,17 @@ def test_the_elastic_range_is_read_from_torchruns_nnodes_in_either_spelling(flag
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["4", "8"], "2..4 nodes of 2 ranks each: a world of 4 to 8 ranks"
+
+
+@pytest.mark.parametrize("microbatches, ok", [(4, True), (8, True), (32, True), (5, False), (3, False)])
+def test_pipeline_micro_batches_are_accepted_exactly_when_they_divide_the_micro_batch(microbatches, ok):
+    from app.worker.config import ConfigError, TrainConfig
+
+    def make():
+        return TrainConfig(parallel="pipeline", micro_batch=32, pipeline_microbatches=microbatches)
+
+    if ok:
+        assert make().pipeline_microbatches == microbatches
+    else:
+        with pytest.raises(ConfigError, match=f"pipeline_microbatches={microbatches} does not divide micro_batch=32"):
+            make()
