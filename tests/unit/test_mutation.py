@@ -53,6 +53,10 @@ def test_the_sample_takes_one_variant_per_site_and_at_most_every_site():
         ("app/worker/steps.py", "tests/integration/test_train.py"),  # split out of the trainer
         ("app/parallel/reducer.py", "tests/integration/test_ddp.py"),  # split out of ddp.py
         ("app/parallel/accum.py", "tests/integration/test_accum*.py"),
+        (
+            "app/parallel/probes.py",
+            "tests/integration/test_metrics*.py::test_our_ddp_bus_bandwidth_uses_the_wrappers_comm_span",
+        ),
         ("app/cluster/k8s_launch.py", "tests/unit/test_k8s_launch*.py"),
         ("docker/prometheus/alerts.yml", "promtool test rules docker/prometheus/alerts.test.yml"),
     ],
