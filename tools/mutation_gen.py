@@ -47,7 +47,10 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     (("app/worker/*",), ("tests/integration/test_train.py", "tests/integration/test_resume*.py", "-k", SLOW)),
     (("app/parallel/accum*",), ("tests/integration/test_accum*.py", "-k", "not make_accum_writes")),
     (("app/parallel/model_parallel*",), ("tests/integration/test_model_parallel*.py",)),
-    (("app/parallel/tensor_parallel*",), ("tests/integration/test_tensor_parallel*.py",)),
+    (
+        ("app/parallel/tensor_parallel*",),
+        ("tests/unit/test_mutation_kills_parallel*.py", "tests/integration/test_tensor_parallel*.py"),
+    ),
     (
         ("app/parallel/probes*",),
         (
