@@ -45,7 +45,10 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
         ("tests/integration/test_world*.py", "tests/integration/test_train.py", "-k", SLOW),
     ),
     (("app/worker/*",), ("tests/integration/test_train.py", "tests/integration/test_resume*.py", "-k", SLOW)),
-    (("app/parallel/accum*",), ("tests/integration/test_accum*.py", "-k", "not make_accum_writes")),
+    (
+        ("app/parallel/accum*",),
+        ("tests/unit/test_data*.py", "tests/integration/test_accum*.py", "-k", "not make_accum_writes"),
+    ),
     (("app/parallel/model_parallel*",), ("tests/integration/test_model_parallel*.py",)),
     (
         ("app/parallel/tensor_parallel*",),
