@@ -126,7 +126,10 @@ def confirm_kills(copies: Queue[Path], rows: list[dict], timeout: float, jobs: i
         copy = copies.get()
         try:
             collect = ["--collect-only"] if len(t) == 1 and "::" not in t[0] else []  # a file that failed to import
-            cmd = [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", *collect, *expand(t, copy)]
+            selection = expand(t, copy)
+            if not selection:  # pytest with no argument would run the whole suite
+                return False
+            cmd = [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", *collect, *selection]
             r = subprocess.run(cmd, cwd=copy, env=env_for(copy), capture_output=True, text=True, timeout=timeout)
             return r.returncode != 0
         except subprocess.TimeoutExpired:

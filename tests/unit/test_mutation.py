@@ -71,6 +71,9 @@ def test_a_file_without_a_rule_is_named_and_globs_that_match_nothing_are_dropped
     (tmp_path / "tests" / "unit").mkdir(parents=True)
     (tmp_path / "tests" / "unit" / "test_config.py").write_text("")
     assert expand(("tests/unit/test_config*.py", "tests/unit/test_gone*.py"), tmp_path) == ["tests/unit/test_config.py"]
+    assert expand(("tests/unit/test_config.py::test_b", "tests/unit/gone.py::test_c"), tmp_path) == [
+        "tests/unit/test_config.py::test_b"
+    ], "a test id names an existing file: kept (the kills' recheck runs test ids)"
     assert expand(("tests/unit/test_conf*.py::test_a", "-k", "not slow"), tmp_path) == [
         "tests/unit/test_config.py::test_a",
         "-k",
