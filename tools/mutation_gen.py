@@ -133,7 +133,7 @@ def expand(tests: tuple[str, ...], root: Path) -> list[str]:
         elif "*" in t:  # a glob of files, or of one test in them ("tests/x/test_y*.py::test_z")
             pattern, sep, name = t.partition("::")
             files += sorted(str(p.relative_to(root)) + sep + name for p in root.glob(pattern))
-        elif (root / t).exists():
+        elif (root / t.partition("::")[0]).exists():  # a file, or a test in it
             files.append(t)
     return list(dict.fromkeys(files))
 
