@@ -101,13 +101,17 @@ bench-metrics: venv ## step time with Prometheus metrics on vs off (2 ranks, int
 world-drift: venv ## how far correct runs on 4 and on 3 ranks drift apart, float32 vs float64 (why chaos uses float64)
 	$(PY) -m bench.world_drift
 
-.PHONY: bench-report mutants
-MUTANTS_ARGS ?=      # e.g. MUTANTS_ARGS="--only ckpt-no-fsync --timeout 300"; --list shows the names
+.PHONY: bench-report mutants mutants-curated
+MUTANTS_ARGS ?=      # e.g. MUTANTS_ARGS="--seed 7 --sample 20 --jobs 2"; --list shows the sample (tools/mutation.py)
+CURATED_ARGS ?=      # e.g. CURATED_ARGS="--only ckpt-no-fsync --timeout 300"; --list shows the names
 bench-report: venv ## rewrite the docs' generated tables from bench/results/*.json
 	$(PY) -m tools.report
 
-mutants: venv ## plant one-line bugs (in a temporary copy), one at a time, run the tests meant to catch each; score
-	$(PY) -m tools.mutants $(MUTANTS_ARGS)
+mutants: venv ## a seeded sample of generated mutants (cosmic-ray), each vs its file's tests, in a copy; score, survivors
+	$(PY) -m tools.mutation $(MUTANTS_ARGS)
+
+mutants-curated: venv ## the hand-kept one-line bugs of tools/mutants.py, each vs the tests meant to catch it; score
+	$(PY) -m tools.mutants $(CURATED_ARGS)
 
 .PHONY: k8s-validate k8s-emulate k8s-rules
 k8s-validate: venv ## check what `kubectl apply -f k8s/` and each `apply -k k8s/<dir>/` send: schemas, client, wiring

@@ -1,7 +1,7 @@
 """Do the tests catch the bugs a user would notice? One-line mutants of the load-bearing lines, each run against
 the tests that should catch it.
 
-    make mutants                                          # every mutant; tens of minutes on 2 cores
+    make mutants-curated                                  # every mutant; tens of minutes on 2 cores
     .venv/bin/python -m tools.mutants --only ckpt-no-fsync,loss-not-divided-by-k   # a few, by name
     .venv/bin/python -m tools.mutants --list              # the mutants and whether each snippet is still found
 

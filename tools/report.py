@@ -30,7 +30,7 @@ from tools.renderers.cluster import render_chaos, render_drills, render_world_dr
 from tools.renderers.common import claims_table  # noqa: F401 (re-exported: renderers elsewhere import it from here)
 from tools.renderers.ddp import render_ddp_bench
 from tools.renderers.metrics import render_metrics_budget, render_metrics_overhead
-from tools.renderers.mutants import render_mutants
+from tools.renderers.mutants import render_mutants, render_mutation
 from tools.renderers.pipeline import render_pipeline_bubble
 from tools.renderers.sharding import render_zero
 
@@ -64,6 +64,7 @@ RENDERERS = {
     "pipeline-bubble": render_pipeline_bubble,
     "metrics-overhead": render_metrics_overhead,
     "mutants": render_mutants,
+    "mutation": render_mutation,
     "metrics-budget": render_metrics_budget,
     "scaling": render_scaling,
     "zero": render_zero,

@@ -1,0 +1,146 @@
+"""The generated-mutant tool's own logic: the seeded sample, the test selection per file, the stable ids the triage
+is keyed by, and the score (tools/mutation.py, tools/mutation_gen.py). Runs no mutant.
+
+.venv/bin/python -m pytest tests/unit/test_mutation.py
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tools.mutation import load_triage, score
+from tools.mutation_gen import Candidate, alert_candidates, apply_alert, draw, expand, selection_for
+
+RULES = """groups:
+  - name: g
+    rules:
+      - alert: A
+        expr: up == 0
+        for: 20s
+      - alert: B
+        expr: |
+          count(x) < max(y[10m])
+            unless on() z >= 3
+"""
+
+
+def candidates(n_sites: int, variants: int = 3) -> list[Candidate]:
+    return [
+        Candidate(f"id{s}-{v}", "app/worker/x.py", s, f"op{v}", "f", "x", site=f"site{s}")
+        for s in range(n_sites)
+        for v in range(variants)
+    ]
+
+
+def test_a_seed_draws_the_same_sample_whatever_the_input_order_and_another_seed_another():
+    pool = candidates(200)
+    first = [c.id for c in draw(pool, 50, seed=7)]
+    assert first == [c.id for c in draw(list(reversed(pool)), 50, seed=7)]
+    assert first != [c.id for c in draw(pool, 50, seed=8)]
+
+
+def test_the_sample_takes_one_variant_per_site_and_at_most_every_site():
+    sample = draw(candidates(40, variants=10), 30, seed=1)
+    assert len(sample) == 30 and len({c.site for c in sample}) == 30
+    assert len(draw(candidates(5), 30, seed=1)) == 5
+
+
+@pytest.mark.parametrize(
+    "path, test",
+    [
+        ("app/worker/config.py", "tests/unit/test_config*.py"),
+        ("app/worker/config/fields.py", "tests/unit/test_config*.py"),  # config.py turned into a package
+        ("app/worker/steps.py", "tests/integration/test_train.py"),  # split out of the trainer
+        ("app/parallel/reducer.py", "tests/integration/test_ddp.py"),  # split out of ddp.py
+        ("app/parallel/accum.py", "tests/integration/test_accum*.py"),
+        (
+            "app/parallel/probes.py",
+            "tests/integration/test_metrics*.py::test_our_ddp_bus_bandwidth_uses_the_wrappers_comm_span",
+        ),
+        ("app/cluster/k8s_launch.py", "tests/unit/test_k8s_launch*.py"),
+        ("docker/prometheus/alerts.yml", "promtool test rules docker/prometheus/alerts.test.yml"),
+    ],
+)
+def test_each_file_runs_the_tests_of_its_folder_and_name(path, test):
+    assert test in selection_for(path)
+
+
+def test_a_file_without_a_rule_is_named_and_globs_that_match_nothing_are_dropped(tmp_path):
+    with pytest.raises(KeyError, match="README.md"):
+        selection_for("README.md")
+    (tmp_path / "tests" / "unit").mkdir(parents=True)
+    (tmp_path / "tests" / "unit" / "test_config.py").write_text("")
+    assert expand(("tests/unit/test_config*.py", "tests/unit/test_gone*.py"), tmp_path) == ["tests/unit/test_config.py"]
+    assert expand(("tests/unit/test_config.py::test_b", "tests/unit/gone.py::test_c"), tmp_path) == [
+        "tests/unit/test_config.py::test_b"
+    ], "a test id names an existing file: kept (the kills' recheck runs test ids)"
+    assert expand(("tests/unit/test_conf*.py::test_a", "-k", "not slow"), tmp_path) == [
+        "tests/unit/test_config.py::test_a",
+        "-k",
+        "not slow",
+    ]
+
+
+def test_alert_mutants_change_one_expression_or_duration_and_keep_their_ids_when_lines_move(tmp_path):
+    rules = tmp_path / "docker" / "alerts.yml"
+    rules.parent.mkdir()
+    rules.write_text(RULES)
+    before = alert_candidates(tmp_path, "docker/alerts.yml", {})
+    ops = {c.operator for c in before}
+    assert {"alerts/cmp ==->!=", "alerts/for 20s->40s", "alerts/range [10m]->[5m]", "alerts/setop unless->and"} <= ops
+    c = next(c for c in before if c.operator == "alerts/cmp <->>")
+    assert "count(x) > max(y[10m])" in apply_alert(c, RULES)
+    rules.write_text(RULES.replace("rules:\n", "rules:\n      # a comment that moves every line down\n"))
+    after = alert_candidates(tmp_path, "docker/alerts.yml", {})
+    assert [c.id for c in after] == [c.id for c in before] and after[0].line == before[0].line + 1
+
+
+def test_python_mutants_keep_their_ids_when_code_moves_to_another_file_of_the_area(tmp_path):
+    pytest.importorskip("cosmic_ray")
+    from tools.mutation_gen import apply_python, python_candidates
+
+    code = "from __future__ import annotations\n\n\ndef f(a: int | None, b):\n    return a < b\n"
+    (tmp_path / "app" / "parallel").mkdir(parents=True)
+    (tmp_path / "app/parallel/ddp.py").write_text(code)
+    (tmp_path / "app/parallel/reducer.py").write_text("# moved here\n\n" + code)
+    one = python_candidates(tmp_path, "app/parallel/ddp.py", {})
+    moved = python_candidates(tmp_path, "app/parallel/reducer.py", {})
+    assert one and [c.id for c in one] == [c.id for c in moved]
+    assert not any("int" in c.before for c in one), "an annotation is never evaluated: mutating it is equivalent"
+    lt = next(c for c in one if c.operator == "core/ReplaceComparisonOperator_Lt_GtE")
+    assert "return a >= b" in apply_python(lt, code) and lt.after == "return a >= b"
+
+
+def test_an_except_clause_mutant_runs_without_cosmic_ray_and_catches_nothing(tmp_path):
+    pytest.importorskip("cosmic_ray")
+    from tools.mutation_gen import apply_python, python_candidates
+
+    code = "def f():\n    try:\n        return 1 // 0\n    except ZeroDivisionError:\n        return None\n"
+    (tmp_path / "m.py").write_text(code)
+    (c,) = [c for c in python_candidates(tmp_path, "m.py", {}) if c.operator == "core/ExceptionReplacer"]
+    space: dict = {}
+    exec(apply_python(c, code), space)  # no NameError: the class it names exists without cosmic-ray's worker
+    with pytest.raises(ZeroDivisionError):
+        space["f"]()
+
+
+def test_the_score_leaves_out_equivalent_survivors_and_counts_untriaged_ones_as_real(tmp_path):
+    rows = [
+        {"id": "k", "path": "app/worker/a.py", "outcome": "killed"},
+        {"id": "t", "path": "app/worker/a.py", "outcome": "killed (timeout)"},
+        {"id": "e", "path": "app/worker/a.py", "outcome": "survived"},
+        {"id": "u", "path": "app/parallel/b.py", "outcome": "survived"},
+        {"id": "n", "path": "app/parallel/b.py", "outcome": "not applied"},
+    ]
+    result = score(rows, {"e": {"verdict": "equivalent", "reason": "r"}})
+    assert (result["killed"], result["ran"], result["equivalent"], result["score"]) == (2, 4, 1, round(2 / 3, 4))
+    assert rows[3]["triage"] == {"verdict": "untriaged"}
+    assert result["by_area"] == {"app/parallel": {"killed": 0, "counted": 1}, "app/worker": {"killed": 2, "counted": 2}}
+    bad = tmp_path / "triage.yaml"
+    bad.write_text("mutants:\n  abc123:\n    verdict: maybe\n    reason: unsure\n")
+    with pytest.raises(SystemExit, match="abc123"):
+        load_triage(bad)
+
+
+def test_the_committed_triage_file_loads():
+    assert all(e["verdict"] in ("equivalent", "real") for e in load_triage().values())

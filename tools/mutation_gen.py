@@ -1,0 +1,290 @@
+"""The generated mutants of ``make mutants`` (``tools/mutation.py``): where they come from, which tests each runs,
+how a run's sample is drawn, and the stable id a triage judgement is keyed by.
+
+Python mutants are cosmic-ray's (its core operators: arithmetic, comparison, unary and boolean operators, numbers,
+``break``/``continue``, ``except`` clauses, decorators, loops run zero times), enumerated over the files of ``AREAS``.
+The alert rules are PromQL inside YAML, which no mutation library parses: ``alert_candidates`` mutates them with a
+small operator set of its own (comparisons, set operators, numbers, range and ``for:`` durations).
+
+A mutant's id is a hash of what it changes (operator, enclosing definition or alert, the line's text, and which of
+the identical changes in that file it is), never of a line number or a file name, so that code moving inside a file
+or to another file (the DDP split, the config package) keeps its triage judgements.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# What is mutated, and the tests each file's mutants run. First matching rule wins; globs match across folders
+# ("app/worker/config*" is config.py and a config/ package alike), and test globs are expanded in the copy at run
+# time, so files split or renamed by a reorganisation still find their rule and their tests. Unit tests first:
+# with -x the first failure ends the run, and a unit test fails in a second where a gloo test takes ten. A "-k"
+# leaves out the slowest tests of a file (forced-stop and hang timeouts, GPU-only, a real Prometheus): a survivor
+# runs its whole selection, and on 2 shared cores that has to stay within minutes.
+SLOW = "not (stop_that_cannot_finish or hung_peer or tiny_transformer or two_plain_runs or torchrun_reaches)"
+AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
+    (("app/worker/checkpoint*",), ("tests/unit/test_checkpoint*.py", "tests/integration/test_resume*.py")),
+    (
+        ("app/worker/config*",),
+        (
+            "tests/unit/test_config*.py",
+            "tests/unit/test_mutation_kills_config*.py",
+            "tests/unit/test_docs*.py::test_config_table_is_generated_from_train_config",  # the documented defaults
+            "tests/integration/test_train_pipeline*.py::test_bad_input_is_one_line_and_exit_2",  # the pipeline checks
+        ),
+    ),
+    (("app/worker/data*",), ("tests/unit/test_data*.py", "tests/unit/test_mutation_kills_data*.py")),
+    (("app/worker/metrics*",), ("tests/integration/test_metrics*.py", "-k", "not real_prometheus")),
+    (("app/worker/pipeline_trainer*",), ("tests/integration/test_train_pipeline*.py",)),
+    (
+        ("app/worker/dist*", "app/worker/elastic*"),
+        ("tests/integration/test_world*.py", "tests/integration/test_train.py", "-k", SLOW),
+    ),
+    (("app/worker/*",), ("tests/integration/test_train.py", "tests/integration/test_resume*.py", "-k", SLOW)),
+    (
+        ("app/parallel/accum*",),
+        ("tests/unit/test_data*.py", "tests/integration/test_accum*.py", "-k", "not make_accum_writes"),
+    ),
+    (("app/parallel/model_parallel*",), ("tests/integration/test_model_parallel*.py",)),
+    (
+        ("app/parallel/tensor_parallel*",),
+        ("tests/unit/test_mutation_kills_parallel*.py", "tests/integration/test_tensor_parallel*.py"),
+    ),
+    (
+        ("app/parallel/probes*",),
+        (
+            "tests/integration/test_metrics*.py::test_torch_ddp_bus_bandwidth_uses_first_launch_to_last_completion",
+            "tests/integration/test_metrics*.py::test_our_ddp_bus_bandwidth_uses_the_wrappers_comm_span",
+            "tests/integration/test_ddp_api*.py::test_a_known_delay_before_the_all_reduce_shows_in_the_reported_latency",
+        ),
+    ),
+    (("app/parallel/pipeline*",), ("tests/integration/test_pipeline.py", "tests/integration/test_train_pipeline*.py")),
+    (
+        ("app/parallel/*",),
+        (
+            "tests/integration/test_ddp.py",
+            "tests/integration/test_ddp_api*.py",
+            "-k",
+            "not (nccl or gpu_check or known_delay or powersgd)",
+        ),
+    ),
+    (("app/cluster/k8s_launch*",), ("tests/unit/test_k8s_launch*.py", "tests/integration/test_k8s_launch*.py")),
+    (("app/cluster/rendezvous_store*",), ("tests/integration/test_rendezvous_store*.py",)),
+    (("app/cluster/*",), ("tests/unit/test_mutation_kills_launch*.py", "tests/integration/test_launch*.py")),
+    (
+        ("docker/prometheus/alerts.yml",),
+        ("promtool test rules docker/prometheus/alerts.test.yml", "tests/unit/test_mutation_kills_alerts*.py"),
+    ),
+]
+MUTATED = ("app/worker/**.py", "app/parallel/**.py", "app/cluster/**.py", "docker/prometheus/alerts.yml")
+# VariableReplacer/VariableInserter need settings per project; without them cosmic-ray's own `init` skips them too.
+SKIPPED_OPERATORS = {"core/VariableReplacer", "core/VariableInserter"}
+# cosmic-ray's ExceptionReplacer names an exception class that only its own worker defines; a fresh class that
+# nothing raises is the same mutant ("this except clause catches nothing") in code that runs without cosmic-ray.
+CR_EXCEPTION = "CosmicRayTestingException"
+NOTHING_RAISES = 'type("NeverRaised", (Exception,), {})'
+
+
+@dataclass
+class Candidate:
+    id: str  # stable: see the module docstring
+    path: str  # relative to the repository root
+    line: int  # 1-based, where the change starts (for reading; not part of the id)
+    operator: str  # cosmic-ray's operator name, or alerts/<name>
+    where: str  # the enclosing function/class, or the alert's name
+    before: str  # the line as it is (stripped)
+    after: str = ""  # the line as mutated (stripped); Python mutants get it when applied
+    occurrence: int = -1  # cosmic-ray's index of this operator's position in the file
+    site: str = field(default="", repr=False)  # mutants at one site are variants of one change; one is drawn
+
+    def tests(self) -> tuple[str, ...]:
+        return selection_for(self.path)
+
+
+def stable_id(path: str, key: str, seen: dict[str, int]) -> str:
+    """A short hash of ``key``; the n-th identical key of one area gets its own id (a ``#n`` suffix, hashed)."""
+    # The area (app/parallel, app/worker, ...), not the file: an id survives a file split in two.
+    key = "/".join(path.split("/")[:2]) + "|" + key
+    n = seen.get(key, 0)
+    seen[key] = n + 1
+    return hashlib.sha1(f"{key}|#{n}".encode()).hexdigest()[:10]
+
+
+def selection_for(path: str) -> tuple[str, ...]:
+    """The test selection (pytest arguments, globs; or one promtool command) for a mutated file."""
+    for files, tests in AREAS:
+        if any(fnmatch.fnmatch(path, f) for f in files):
+            return tests
+    raise KeyError(f"{path}: no rule in tools/mutation_gen.py AREAS names its tests")
+
+
+def expand(tests: tuple[str, ...], root: Path) -> list[str]:
+    """Test globs as files that exist under ``root`` (a glob that matches nothing is dropped, not an error); a
+    ``-k EXPR`` pair is passed on as it is."""
+    files: list[str] = []
+    for t in tests:
+        if t.startswith("-") or (files and files[-1] == "-k"):
+            files.append(t)
+        elif "*" in t:  # a glob of files, or of one test in them ("tests/x/test_y*.py::test_z")
+            pattern, sep, name = t.partition("::")
+            files += sorted(str(p.relative_to(root)) + sep + name for p in root.glob(pattern))
+        elif (root / t.partition("::")[0]).exists():  # a file, or a test in it
+            files.append(t)
+    return list(dict.fromkeys(files))
+
+
+def mutated_files(root: Path) -> list[str]:
+    files = {str(p.relative_to(root)) for g in MUTATED for p in root.glob(g.replace("**.py", "**/*.py"))}
+    return sorted(f for f in files if not f.endswith("__init__.py") or (root / f).stat().st_size > 400)
+
+
+def _family(operator: str) -> str:
+    """ReplaceBinaryOperator_Add_Sub -> ReplaceBinaryOperator_Add: the variants of one change at one site."""
+    return operator.rsplit("_", 1)[0] if operator.count("_") >= 2 else operator
+
+
+def _in_annotation(node) -> bool:
+    """Whether a parso node sits in a type annotation (never evaluated under ``from __future__ import annotations``:
+    mutating it is equivalent by construction)."""
+    while node.parent is not None:
+        parent, prev = node.parent, node.get_previous_sibling()
+        value = getattr(prev, "value", None)
+        if (parent.type in ("annassign", "param", "tfpdef") and value == ":") or value == "->":
+            return True
+        node = parent
+    return False
+
+
+def python_candidates(root: Path, rel: str, seen: dict[str, int]) -> list[Candidate]:
+    """Every cosmic-ray mutant of one file, less the ones that cannot change behaviour (annotations, lines marked
+    ``# pragma: no mutate``)."""
+    from cosmic_ray.ast import ast_nodes, get_ast
+    from cosmic_ray.ast.ast_query import ASTQuery
+    from cosmic_ray.plugins import get_operator, operator_names
+
+    source = (root / rel).read_text()
+    lines = source.splitlines()
+    nodes = list(ast_nodes(get_ast(source)))
+    future = "from __future__ import annotations" in source
+    out = []
+    for name in operator_names():
+        if name in SKIPPED_OPERATORS:
+            continue
+        op = get_operator(name)()
+        occurrence = -1
+        for node in nodes:
+            for start, end in op.mutation_positions(node):
+                occurrence += 1  # counted over every position, as cosmic-ray's MutationVisitor counts them
+                text = lines[start[0] - 1].strip()
+                if "pragma: no mutate" in text or (future and _in_annotation(node)):
+                    continue
+                where = ASTQuery(node).get_definition_name() or "<module>"
+                key = f"{name}|{where}|{text}"
+                site = f"{rel}|{start}|{end}|{_family(name)}"
+                out.append(Candidate(stable_id(rel, key, seen), rel, start[0], name, where, text, "", occurrence, site))
+    return out
+
+
+def apply_python(c: Candidate, source: str) -> str | None:
+    """The source with mutant ``c`` applied (``c.after`` filled in), or None when cosmic-ray finds no such position."""
+    from cosmic_ray.mutating import mutate_code
+    from cosmic_ray.plugins import get_operator
+
+    mutated = mutate_code(source, get_operator(c.operator)(), c.occurrence)
+    if mutated is None:
+        return None
+    mutated = mutated.replace(CR_EXCEPTION, NOTHING_RAISES)
+    old, new = source.splitlines(), mutated.splitlines()
+    i = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+    c.after = new[i].strip() if i < len(new) and len(new) == len(old) else "(line removed)"
+    return mutated
+
+
+# -- the alert rules: a small operator set of our own --------------------------------------------------------------
+_CMP = {"==": ("!=",), "!=": ("==",), "<": ("<=", ">"), "<=": ("<",), ">": (">=", "<"), ">=": (">", "<")}
+_SETOP = {"and": ("or", "unless"), "or": ("and",), "unless": ("and",)}
+_TOKENS = re.compile(r"(==|!=|<=|>=|<|>)|\b(and|or|unless)\b|\[(\d+)([smhd])\]|(?<![\w.\[])(\d+)(?![\w.\]])")
+
+
+def _alert_variants(text: str):
+    """(operator, mutated line) for each mutation of one PromQL line."""
+    for m in _TOKENS.finditer(text):
+        head, tail = text[: m.start()], text[m.end() :]
+        if m[1]:
+            for r in _CMP[m[1]]:
+                yield f"alerts/cmp {m[1]}->{r}", head + r + tail
+        elif m[2]:
+            for r in _SETOP[m[2]]:
+                yield f"alerts/setop {m[2]}->{r}", head + r + tail
+        elif m[3]:
+            n = int(m[3])
+            for r in sorted({n * 2, max(1, n // 2)} - {n}):
+                yield f"alerts/range [{n}{m[4]}]->[{r}{m[4]}]", head + f"[{r}{m[4]}]" + tail
+        else:
+            n = int(m[5])
+            for r in (n + 1, n - 1):
+                yield f"alerts/number {n}->{r}", head + str(r) + tail
+
+
+def alert_candidates(root: Path, rel: str, seen: dict[str, int]) -> list[Candidate]:
+    """Mutants of the rules' ``expr:`` (one line or a ``|`` block) and ``for:`` lines."""
+    lines = (root / rel).read_text().splitlines()
+    out, alert, in_expr = [], "", False
+    for i, line in enumerate(lines, 1):
+        s = line.strip()
+        if s.startswith("- alert:"):
+            alert, in_expr = s.split(":", 1)[1].strip(), False
+            continue
+        if in_expr and (s.startswith("#") or not s or re.match(r"^[a-z_]+:", s)):
+            in_expr = False
+        variants: list[tuple[str, str]] = []
+        if s.startswith("expr:"):
+            in_expr = s.endswith("|")
+            variants = [(op, line.replace(s, "expr: " + v.strip(), 1)) for op, v in _alert_variants(s[5:])]
+        elif in_expr:
+            variants = list(_alert_variants(line))
+        elif alert and (m := re.match(r"^(\s*)for: (\d+)([smh])$", line)):
+            n = int(m[2])
+            variants = [(f"alerts/for {n}{m[3]}->{r}{m[3]}", f"{m[1]}for: {r}{m[3]}") for r in (n * 2, max(1, n // 2))]
+            variants.append((f"alerts/for {n}{m[3]}->none", f"{m[1]}for: 0s"))
+        for op, new in variants:
+            if new == line:
+                continue
+            key = f"{op}|{alert}|{s}"
+            out.append(Candidate(stable_id(rel, key, seen), rel, i, op, alert, s, new.strip(), site=f"{rel}|{i}|{op}"))
+    return out
+
+
+def apply_alert(c: Candidate, source: str) -> str | None:
+    lines = source.splitlines(keepends=True)
+    line = lines[c.line - 1]
+    if line.strip() != c.before:
+        return None
+    indent = line[: len(line) - len(line.lstrip())]
+    lines[c.line - 1] = indent + c.after + "\n"
+    return "".join(lines)
+
+
+def all_candidates(root: Path) -> list[Candidate]:
+    out: list[Candidate] = []
+    seen: dict[str, int] = {}  # over all files: two files of one area never share an id
+    for rel in mutated_files(root):
+        out += (alert_candidates if rel.endswith(".yml") else python_candidates)(root, rel, seen)
+    return out
+
+
+def draw(candidates: list[Candidate], n: int, seed: int) -> list[Candidate]:
+    """A seeded sample of ``n`` mutants: sites first (one place, one kind of change), then one variant per site,
+    so that an ``a + b`` with ten operator replacements weighs as much as one ``if a < b`` or one number."""
+    rng = random.Random(seed)
+    sites: dict[str, list[Candidate]] = {}
+    for c in sorted(candidates, key=lambda c: (c.site, c.id)):  # the order of the input must not matter
+        sites.setdefault(c.site, []).append(c)
+    chosen = rng.sample(sorted(sites), min(n, len(sites)))
+    # In the order drawn: a run cut short by --budget has run a smaller random sample, not the first files only.
+    return [rng.choice(sites[s]) for s in chosen]
