@@ -141,6 +141,9 @@ def project_env(name: str, args) -> dict[str, str]:
         **os.environ,
         "COMPOSE_BAKE": "false",
         "RUN_ID": name,
+        # One image for every project of a run (and the one `make image` builds, for --no-build): compose would
+        # otherwise name it after each project, and a project started with --no-build would find none.
+        "IMAGE_NAME": os.environ.get("IMAGE_NAME", "ddp-cluster"),
         "WORKERS": str(args.workers),
         "DDP_STEPS": str(args.steps),
         "DDP_EFFECTIVE_BATCH": str(args.effective_batch),

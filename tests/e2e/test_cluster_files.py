@@ -134,7 +134,7 @@ def test_compose_pins_third_party_images():
 
 @pytest.mark.parametrize("service", ["rendezvous", "worker"])
 def test_workers_and_store_are_one_image_running_as_non_root(service):
-    assert compose_services(COMPOSE)[service]["image"] == "${COMPOSE_PROJECT_NAME}:${IMAGE_TAG:-latest}"
+    assert compose_services(COMPOSE)[service]["image"] == "${IMAGE_NAME:-${COMPOSE_PROJECT_NAME}}:${IMAGE_TAG:-latest}"
     dockerfile = (ROOT / "docker/Dockerfile").read_text()
     final_stage = dockerfile.rsplit("\nFROM ", 1)[1]
     assert re.search(r"^USER 10001", final_stage, re.M), "the runtime stage must not run as root"
