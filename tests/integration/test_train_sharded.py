@@ -18,10 +18,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 from app.parallel.sharded_checkpoint import MANIFEST
 from app.worker.checkpoint import checkpoint_path, load_checkpoint
@@ -33,7 +35,6 @@ from tests.trainer_run import (
     finish,
     finished,
     free_port,
-    losses,
     run_process,
     start_ranks,
     torchrun,
@@ -104,8 +105,8 @@ def test_zero2_resumes_on_another_world_size_where_it_stopped(zero2_world4):
     log = _train(top / "resharded", 3, steps=12, parallel="zero2", dtype="float64")
     assert re.search(r"resumed from \S+manifest.json \(step 8, epoch \d+, saved by a world of 4", log), log
     assert "training mini_mlp from step 8 to 12" in log
-    # The same batches after the resume: the loss of step 12 is the uninterrupted run's.
-    assert losses(log)[12] == pytest.approx(losses(zero2_world4["whole_log"])[12], abs=1e-9)
+    # The logged loss is rank 0's own share (another share at world 3), so the parameters are what is compared:
+    # they match only if the resumed run took the same 4 global batches as the uninterrupted one.
     diff = _max_diff(sharded_params(top / "resharded"), sharded_params(top / "whole"))
     print(f"max |Δparam| zero2 4 -> 3 ranks vs 4 ranks throughout, float64, 12 steps: {diff:.3g}")
     assert diff < FLOAT64_TOLERANCE, f"max |Δparam| {diff:.3g}"
@@ -164,11 +165,21 @@ def test_fsdp_units_naming_no_module_is_a_config_error(tmp_path):
         TrainConfig(parallel="zero2", fsdp_units="Block")
 
 
-def test_only_the_zero_kinds_export_zero_series():
+def test_only_the_zero_kinds_export_zero_series_and_they_are_promtool_clean():
     m = TrainMetrics(rank=0, local_rank=0, world_size=2, node="0")
-    from prometheus_client import generate_latest
-
-    assert "ddp_zero" not in generate_latest(m.registry).decode()
+    assert "ddp_zero" not in generate_latest(m.registry).decode()  # until a zero step kind enables them
+    m.observe_zero(
+        collectives={"reduce_scatter": (4096, 0.001), "all_gather": (4096, 0.002)},
+        parameter_bytes=8192,
+        gradient_bytes=4096,
+        optimizer_state_bytes=8196,
+    )
+    text = generate_latest(m.registry).decode()
+    assert 'ddp_zero_reduce_scatter_bytes_total{rank="0"} 4096.0' in text
+    assert 'ddp_zero_gradient_bytes{rank="0"} 4096.0' in text
+    if shutil.which("promtool"):
+        check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+        assert check.returncode == 0 and not check.stdout.strip() and not check.stderr.strip(), check
 
 
 def test_zero2_metrics_after_a_short_run():
