@@ -2,10 +2,12 @@
 
 - Each stage trains like ``parallel=ddp``: the same 8 steps of a global batch of 50 on 2 ranks; every rank prints
   the same FINISHED checksum, and the final parameters (read back from the sharded checkpoint's files) agree with a
-  ddp run's to float rounding. Measured max |Δparam|: TOLERANCES_MEASURED below; ``TOLERANCE`` allows 1e-5.
+  ddp run's to float rounding. Measured max |Δparam| (at 6f01bc1): zero1 0, zero2 0 (bit for bit), zero3 4.3e-08
+  (it divides each micro-batch's gradient by N before adding); ``TOLERANCE`` allows 1e-5, over 200× that.
 - A zero2 checkpoint written by 4 ranks resumes on 3 (the shards are cut again) and ends where an uninterrupted
   4-rank run ends. In float64 (worlds 4 and 3 add in another order; in float32 that drifts, see test_invariance.py);
-  measured max |Δparam| RESHARD_MEASURED, ``FLOAT64_TOLERANCE`` allows 1e-12.
+  measured max |Δparam| 5.6e-17 after 12 steps, ``FLOAT64_TOLERANCE`` allows 1e-12. Without the sampler position
+  restored on resume the difference is 1.2e-02: the comparison sees which batches the resumed run took.
 - A checkpoint of another stage or kind, or a shard that no longer matches the manifest: ``config error: ...``, one
   line, exit 2, and the checkpoint directory unchanged. So is an ``fsdp_units`` naming no module.
 - ``ddp_zero_*`` metrics after a short zero2 run: exact bytes for MiniMLP's one bucket, wait times > 0.
