@@ -3,7 +3,7 @@
 - Each stage trains like ``parallel=ddp``: the same 8 steps of a global batch of 50 on 2 ranks; every rank prints
   the same FINISHED checksum, and the final parameters (read back from the sharded checkpoint's files) agree with a
   ddp run's to float rounding. Measured max |Δparam| (at 6f01bc1): zero1 0, zero2 0 (bit for bit), zero3 4.3e-08
-  (it divides each micro-batch's gradient by N before adding); ``TOLERANCE`` allows 1e-5, over 200× that.
+  (likely its per-micro-batch reduce-scatter, divided by N, then added); ``TOLERANCE`` allows 1e-5, over 200× that.
 - A zero2 checkpoint written by 4 ranks resumes on 3 (the shards are cut again) and ends where an uninterrupted
   4-rank run ends. In float64 (worlds 4 and 3 add in another order; in float32 that drifts, see test_invariance.py);
   measured max |Δparam| 5.6e-17 after 12 steps, ``FLOAT64_TOLERANCE`` allows 1e-12. Without the sampler position
