@@ -33,6 +33,8 @@ Try it: ``torchrun --standalone --nproc-per-node=2 -m app.demos.zero_demo --stag
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -63,8 +65,10 @@ class _Unit:
             return
         storage = self.full.untyped_storage()
         storage.resize_(self.full.numel() * self.full.element_size())
+        t0 = time.perf_counter()
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
             dist.all_gather_into_tensor(self.full, self.shard.detach().to(self.full.dtype), self.fsdp.process_group)
+        self.fsdp.comm_seconds["all_gather"] += time.perf_counter() - t0
         self.fsdp.comm_bytes["all_gather"] += self.full.numel() * self.full.element_size()
         self.gathered = True
 
@@ -117,6 +121,9 @@ class FullyShardedDataParallel(nn.Module):
             self._state_dict_names.setdefault(id(p), []).append(name)
         self._state_dict_keys = list(module.state_dict().keys())
         self.comm_bytes = {"all_gather": 0, "reduce_scatter": 0}
+        # Cumulative seconds this rank spent in each: the all-gathers are synchronous, the reduce-scatters async
+        # (only the wait at the end of backward is counted).
+        self.comm_seconds = {"all_gather": 0.0, "reduce_scatter": 0.0}
         self._works: list = []
         self._callback_queued = False
         assignment = assign_parameters(module, unit_modules)
@@ -205,12 +212,14 @@ class FullyShardedDataParallel(nn.Module):
                 f"in this backward; the ranks would hang waiting for their reduce-scatter. Make the loss depend "
                 f"on every trainable parameter, or freeze the unused ones before wrapping"
             )
+        t0 = time.perf_counter()
         with torch.no_grad():
             for unit, work, chunk in self._works:
                 work.wait()
                 # SUM / N in fp32: the shard is fp32, and so the mean is taken after the (possibly bf16) transfer.
                 chunk = chunk.float().div_(self.world_size)
                 unit.shard.grad = chunk if unit.shard.grad is None else unit.shard.grad.add_(chunk)
+        self.comm_seconds["reduce_scatter"] += time.perf_counter() - t0
         self._works = []
 
     # -- state ---------------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ Try it: ``torchrun --standalone --nproc-per-node=2 -m app.demos.zero_demo --stag
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -170,6 +171,9 @@ class ShardedGradDataParallel(nn.Module):
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_hook)
         self.comm_bytes = {"reduce_scatter": 0, "all_gather": 0}  # cumulative bytes handed to each collective
+        # Cumulative seconds this rank waited on each: the reduce-scatters run during backward, so only the wait at
+        # its end is counted; the all-gather after the step is waited for whole.
+        self.comm_seconds = {"reduce_scatter": 0.0, "all_gather": 0.0}
         self._works: list = []
         self._next_bucket = 0
         self._callback_queued = False
@@ -211,13 +215,14 @@ class ShardedGradDataParallel(nn.Module):
     @torch.no_grad()
     def gather_parameters(self) -> None:
         """All-gather every bucket's chunks into its flat buffer: each rank's parameters whole and equal again."""
-        works = []
+        works, t0 = [], time.perf_counter()
         for b in self._buckets:
             # The input is a copy: the shard is a view of the very buffer being gathered into.
             works.append(dist.all_gather_into_tensor(b.flat, b.shard.detach().clone(), self.process_group, True))
             self.comm_bytes["all_gather"] += b.nbytes
         for w in works:
             w.wait()
+        self.comm_seconds["all_gather"] += time.perf_counter() - t0
 
     # -- one synchronised backward -------------------------------------------------------------------------------
     def _grad_hook(self, param: torch.Tensor) -> None:
@@ -256,6 +261,7 @@ class ShardedGradDataParallel(nn.Module):
                 f"{', '.join(missing)}; every rank would wait for their buckets. Make the loss depend on them, "
                 f"or freeze them (requires_grad=False) before wrapping"
             )
+        t0 = time.perf_counter()
         with torch.no_grad():
             for b, (work, chunk) in zip(self._buckets, self._works):
                 work.wait()
@@ -263,6 +269,7 @@ class ShardedGradDataParallel(nn.Module):
                 b.grad = None  # free the flat gradient: this rank keeps only its chunk
                 # Two synchronised backwards without zero_grad add up, as p.grad does in plain PyTorch.
                 b.shard.grad = chunk if b.shard.grad is None else b.shard.grad.add_(chunk)
+        self.comm_seconds["reduce_scatter"] += time.perf_counter() - t0
 
     # -- what this rank holds (bench, checkpoint) ----------------------------------------------------------------
     def flat_shards(self) -> list[tuple[FlatShard, nn.Parameter]]:

@@ -24,11 +24,19 @@ decides), says when a save is due (``should_save``), gathers every rank's RNG st
 maps every tensor to the CPU and lets ``load_state_dict`` place it: the model's tensors are copied onto the model's
 device, while AdamW's ``step`` counters stay on the CPU where AdamW keeps them (on a GPU they would cost host syncs).
 
+The ZeRO step kinds (``parallel=zero1|zero2|zero3``, app.worker.sharded_step) hand over a ``ShardedState`` instead:
+their checkpoint is ``app.parallel.sharded_checkpoint``'s, one shard per rank and ``manifest.json`` in
+``checkpoint_dir`` (replaced whole by each save: one checkpoint, not ``keep``), the step, the sampler position, the
+RNG states, generation, wall time and global batch in the manifest's ``extra``. It resumes on any world size (the
+shards are cut again); a checkpoint of another stage or kind, or shards that do not match the manifest, is a
+``CheckpointMismatch`` (exit 2) before anything is loaded or written.
+
 Try it: ``make run`` with ``DDP_CHECKPOINT_DIR=/tmp/ckpt``, stop it with Ctrl-C, run it again: it resumes.
 """
 
 from __future__ import annotations
 
+import base64
 import errno
 import hashlib
 import json
@@ -43,6 +51,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from app.parallel.sharded_checkpoint import MANIFEST, CheckpointError, load_sharded, save_sharded
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +224,16 @@ class CheckpointMismatch(ValueError):
     """The checkpoint directory holds another run's checkpoints (a configuration problem: exit code 2)."""
 
 
+@dataclass
+class ShardedState:
+    """A ZeRO step kind's model *and* optimizer, as the Checkpointer receives them (for both ``model`` and
+    ``optimizer``): saved and loaded as shards by every rank, never as one ``state_dict`` on rank 0."""
+
+    model: Any  # the wrapper (our DDP for stage 1, ShardedGradDataParallel, FullyShardedDataParallel)
+    optimizer: Any
+    parallel: str  # zero1 | zero2 | zero3: named in the errors
+
+
 PROGRESS_FILE = "progress.json"  # the last step rank 0 logged: how many steps a resume trains again
 
 
@@ -277,6 +297,13 @@ class Checkpointer:
         """Every rank loads the checkpoint rank 0 found to be the newest valid one (a broadcast: all must call)."""
         if not self.directory:
             return None
+        if isinstance(self.model, ShardedState):
+            return self._resume_sharded(self.model)
+        if (Path(self.directory) / MANIFEST).exists():  # every rank looks: the storage is shared, nobody waits
+            raise CheckpointMismatch(
+                f"checkpoint_dir={self.directory!r} holds a sharded checkpoint (parallel=zero1|zero2|zero3, "
+                f"{MANIFEST}); resume it with the zero stage that wrote it, or use another checkpoint_dir"
+            )
         ctx = self.ctx
         found = load_latest(self.directory) if ctx.is_main else None
         chosen = torch.tensor([found[1]["step"] if found else -1], dtype=torch.int64, device=ctx.device)
@@ -303,6 +330,9 @@ class Checkpointer:
             group["lr"] = self.lr  # the configured lr wins over the saved one: changing it on resume is allowed
         self.batches.load_state_dict(state["data"])
         self._restore_rng(state["rng"], step)
+        return self._resumed(state, step, path)
+
+    def _resumed(self, state: dict[str, Any], step: int, path: Path) -> Resumed:
         self.generation = int(state.get("generation", 1)) + 1
         last_seen = self._last_seen_step()
         return Resumed(
@@ -315,6 +345,35 @@ class Checkpointer:
             global_batch=state.get("global_batch"),
             steps_redone=last_seen - step if last_seen is not None and last_seen > step else None,
         )
+
+    def _resume_sharded(self, sharded: ShardedState) -> Resumed | None:
+        """Every rank loads its part of the sharded checkpoint (collective), cut for this world's size."""
+        d = Path(self.directory)
+        if not (d / MANIFEST).exists():  # every rank looks (shared storage): all start fresh, or all load
+            if list_checkpoints(d):
+                raise CheckpointMismatch(
+                    f"checkpoint_dir={self.directory!r} holds step-*.pt checkpoints (parallel=ddp or pipeline), this "
+                    f"run is parallel={sharded.parallel} (sharded); resume with the parallel that wrote them, or use "
+                    f"another checkpoint_dir"
+                )
+            return None
+        try:
+            # Raises on every rank, before anything is changed, on another stage, model or a changed shard.
+            extra = load_sharded(d, sharded.model, sharded.optimizer)
+        except CheckpointError as e:
+            raise CheckpointMismatch(f"checkpoint_dir={self.directory!r}: {e}") from None
+        if extra.get("model_name") != self.model_name:
+            raise CheckpointMismatch(
+                f"checkpoint_dir={self.directory!r} holds {extra.get('model_name')} checkpoints "
+                f"but model={self.model_name}; use another checkpoint_dir or model"
+            )
+        for group in sharded.optimizer.param_groups:
+            group["lr"] = self.lr  # the configured lr wins, as for a plain checkpoint
+        self.batches.load_state_dict(extra["data"])
+        step = int(extra["step"])
+        rng = {kind: [_decode_rng(s) for s in states] for kind, states in extra["rng"].items()}
+        self._restore_rng(rng, step)
+        return self._resumed(extra, step, d / MANIFEST)
 
     def _load_on_peer(self, path: Path) -> dict[str, Any]:
         try:
@@ -356,6 +415,8 @@ class Checkpointer:
         cuda = [None] * ctx.world_size
         if ctx.device.type == "cuda":
             dist.all_gather_object(cuda, torch.cuda.get_rng_state(ctx.device))
+        if isinstance(self.model, ShardedState):
+            return self._save_sharded(self.model, step, cpu, cuda)
         written, failure = None, None
         if ctx.is_main:
             try:
@@ -389,6 +450,24 @@ class Checkpointer:
         path = save_checkpoint(self.directory, state, keep=self.keep)
         return path, time.perf_counter() - t0
 
+    def _save_sharded(self, sharded: ShardedState, step: int, cpu: list, cuda: list) -> tuple[Path, float] | None:
+        """Every rank writes its shard, rank 0 the manifest with what ``save`` puts in a plain checkpoint."""
+        t0 = time.perf_counter()
+        extra = {
+            "step": step,
+            "model_name": self.model_name,
+            "parallel": sharded.parallel,
+            "world_size": self.ctx.world_size,
+            "data": self.batches.state_dict(),
+            # base64 of the raw bytes: the manifest is JSON
+            "rng": {"cpu": [_encode_rng(t) for t in cpu], "cuda": [_encode_rng(t) for t in cuda if t is not None]},
+            "generation": self.generation,
+            "wall_time": time.time(),
+            "global_batch": self.global_batch,
+        }
+        save_sharded(self.directory, sharded.model, sharded.optimizer, extra=extra)
+        return (Path(self.directory) / MANIFEST, time.perf_counter() - t0) if self.ctx.is_main else None
+
     def note_progress(self, step: int) -> None:
         """Rank 0 records the last step it reached (cheap, not fsynced: losing it only loses a statistic)."""
         if not (self.directory and self.ctx.is_main):
@@ -402,5 +481,15 @@ class Checkpointer:
             tmp.unlink(missing_ok=True)
 
     def last_good(self) -> str:
+        if self.directory and (Path(self.directory) / MANIFEST).exists():
+            return f"Last good checkpoint kept: {Path(self.directory) / MANIFEST} (sharded)."
         found = list_checkpoints(self.directory) if self.directory else []
         return f"Last good checkpoint kept: {found[0][1]}." if found else "No checkpoint was written."
+
+
+def _encode_rng(state: torch.Tensor) -> str:
+    return base64.b64encode(state.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _decode_rng(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)

@@ -9,7 +9,10 @@ Elastic series (every rank of every world): ``ddp_world_size``, the range ``ddp_
 ``ddp_max_world_size``, ``ddp_elastic_restarts``, ``ddp_world_generation`` (worlds formed so far, carried in the
 checkpoints), ``ddp_reformation_seconds`` (newest checkpoint's wall time → this world's first finished step) and
 ``ddp_steps_redone_total``. Pipeline series (``ddp_pipeline_*``) appear only once a pipeline stage reports
-(``observe_pipeline``), so a data-parallel run exposes none of them.
+(``observe_pipeline``), so a data-parallel run exposes none of them. ZeRO series (``ddp_zero_*``) likewise appear
+only for ``parallel=zero1|zero2|zero3`` (``enable_zero``): per step, seconds and bytes of the reduce-scatters and
+all-gathers (stages 2-3; stage 1's all-reduce is ``ddp_allreduce_*``), and what this rank holds after the step:
+parameter, gradient and optimizer-state bytes.
 
 The communication numbers come from ``app.parallel.probes`` (one ``CommSample`` per step).
 
@@ -141,6 +144,7 @@ class TrainMetrics:
         self.world_size = world_size
         self._rank = str(rank)
         self._pipeline: dict | None = None
+        self._zero: dict | None = None
         self._server = None
 
     def serve(self, port: int) -> None:
@@ -276,6 +280,70 @@ class TrainMetrics:
         self._pipeline = {name: metric.labels(rank=rank) for name, metric in self._pipeline.items()}
         return self._pipeline
 
+    def enable_zero(self, stage: int) -> dict:
+        """Register the ``ddp_zero_*`` series (a ZeRO step kind does it when built); idempotent."""
+        if self._zero:
+            return self._zero
+        r, label = self.registry, ["rank"]
+
+        def hist(name, doc):
+            return Histogram(name, doc, label, registry=r, buckets=COMM_BUCKETS)
+
+        def counter(name, doc):
+            return Counter(name.removesuffix("_total"), doc, label, registry=r)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, label, registry=r)
+
+        zero = {
+            "stage": gauge("ddp_zero_stage", "ZeRO stage of this run: 1, 2 or 3 (parallel=zero1|zero2|zero3)"),
+            "reduce_scatter_seconds": hist(
+                "ddp_zero_reduce_scatter_seconds",
+                "Per step: seconds backward's end waited on the gradient reduce-scatters (they run during backward)",
+            ),
+            "all_gather_seconds": hist(
+                "ddp_zero_all_gather_seconds",
+                "Per step: seconds in parameter all-gathers (stage 2: after the optimizer step; 3: per unit use)",
+            ),
+            "reduce_scatter_bytes": counter(
+                "ddp_zero_reduce_scatter_bytes_total", "Bytes of flat gradients handed to reduce-scatter"
+            ),
+            "all_gather_bytes": counter("ddp_zero_all_gather_bytes_total", "Bytes of parameters all-gathered"),
+            "parameter_bytes": gauge("ddp_zero_parameter_bytes", "Parameter bytes this rank keeps between steps"),
+            "gradient_bytes": gauge("ddp_zero_gradient_bytes", "Gradient bytes this rank holds after a step"),
+            "optimizer_state_bytes": gauge(
+                "ddp_zero_optimizer_state_bytes", "Optimizer state bytes (AdamW's moments) this rank holds"
+            ),
+        }
+        self._zero = {name: metric.labels(rank=self._rank) for name, metric in zero.items()}
+        self._zero["stage"].set(stage)
+        return self._zero
+
+    def observe_zero(
+        self,
+        *,
+        collectives: dict[str, tuple[int, float]],
+        parameter_bytes: int,
+        gradient_bytes: int,
+        optimizer_state_bytes: int,
+    ) -> None:
+        """One ZeRO step: ``collectives`` is ``{"reduce_scatter"|"all_gather": (bytes, seconds)}`` of this step
+        (empty for stage 1), and the bytes this rank holds after it.
+
+        Example::
+
+            metrics.observe_zero(collectives={"reduce_scatter": (4096, 0.001), "all_gather": (4096, 0.002)},
+                                 parameter_bytes=4096, gradient_bytes=1024, optimizer_state_bytes=2048)
+        """
+        z = self._zero or self.enable_zero(0)
+        for name, (nbytes, seconds) in collectives.items():
+            z[f"{name}_seconds"].observe(seconds)
+            if nbytes:
+                z[f"{name}_bytes"].inc(nbytes)
+        z["parameter_bytes"].set(parameter_bytes)
+        z["gradient_bytes"].set(gradient_bytes)
+        z["optimizer_state_bytes"].set(optimizer_state_bytes)
+
 
 class NoMetrics:
     """Stands in for TrainMetrics when metrics_port is 0: the training loop does not branch on it."""
@@ -290,6 +358,8 @@ class NoMetrics:
     def observe_reformation(self, seconds: float) -> None: ...
     def observe_pipeline(self, **_) -> None: ...
     def enable_pipeline(self) -> None: ...
+    def enable_zero(self, stage: int) -> None: ...
+    def observe_zero(self, **_) -> None: ...
 
 
 def synchronize_for(device: torch.device):

@@ -17,7 +17,9 @@ The kinds (``STEP_KINDS``, chosen by ``cfg.parallel`` in ``build_step``):
 - ``DDPStep`` (``parallel=ddp``): ``accumulation_step`` (app.parallel.accum) through ``wrap_model`` (ours, torch
   or none);
 - ``DataParallelStep`` (``parallel=dp``): the same step through ``nn.DataParallel``; no DDP wrapper is built;
-- ``PipelineStep`` (``parallel=pipeline``, app.worker.pipeline_step): one stage per rank, replicas all-reduced.
+- ``PipelineStep`` (``parallel=pipeline``, app.worker.pipeline_step): one stage per rank, replicas all-reduced;
+- ``Zero1Step``/``Zero2Step``/``Zero3Step`` (``parallel=zero1|zero2|zero3``, app.worker.sharded_step): ``DDPStep``
+  with optimizer state / + gradients / + parameters sharded over the ranks, checkpointed as shards.
 
 A new kind plugs in by adding a class with these members to ``STEP_KINDS`` (and its name to the config's
 ``parallel`` choices): the ``Trainer`` does not change. Try one: ``python -m app.train --wrapper none --steps 20``.
@@ -193,10 +195,21 @@ def _pipeline_step(*args, **kwargs):
     return PipelineStep(*args, **kwargs)
 
 
+def _sharded_step(stage: str) -> Callable[..., TrainStep]:
+    def build(*args, **kwargs):
+        # Imported on use, as the pipeline's: sharded_step imports this module (DDPStep, StepOutcome).
+        from app.worker.sharded_step import STAGES
+
+        return STAGES[stage](*args, **kwargs)
+
+    return build
+
+
 STEP_KINDS: dict[str, Callable[..., TrainStep]] = {
     "ddp": DDPStep,
     "dp": DataParallelStep,
     "pipeline": _pipeline_step,
+    **{stage: _sharded_step(stage) for stage in ("zero1", "zero2", "zero3")},
 }
 
 

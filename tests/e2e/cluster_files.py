@@ -24,6 +24,8 @@ LOCAL_BASE = "local/python:3.11-slim"
 
 # The row whose panels read the ddp_pipeline_* series, which only a --parallel pipeline run exports.
 PIPELINE_ROW = "Pipeline"
+# Likewise the row of the ddp_zero_* series, exported only by a --parallel zero1|zero2|zero3 run.
+ZERO_ROW = "ZeRO"
 
 
 @dataclass(frozen=True)
@@ -38,13 +40,14 @@ def dashboard() -> dict:
     return json.loads(DASHBOARD.read_text())
 
 
-def panel_queries(dash: dict | None = None, pipeline: bool = False) -> list[PanelQuery]:
+def panel_queries(dash: dict | None = None, pipeline: bool = False, zero: bool = False) -> list[PanelQuery]:
     """Every target of every panel (rows' nested panels included).
 
     Args:
         dash: the dashboard (default: the compose dashboard's JSON).
         pipeline: also the panels of the row titled ``Pipeline…``, which show data only for a
             ``--parallel pipeline`` run; a data-parallel run leaves them empty.
+        zero: also the panels of the row titled ``ZeRO…`` (``--parallel zero1|zero2|zero3`` runs only).
 
     Example::
 
@@ -63,7 +66,9 @@ def panel_queries(dash: dict | None = None, pipeline: bool = False) -> list[Pane
             walk(p.get("panels", []), row)
 
     walk(dash["panels"], row)
-    return [q for q in out if pipeline or not q.row.startswith(PIPELINE_ROW)]
+    return [
+        q for q in out if (pipeline or not q.row.startswith(PIPELINE_ROW)) and (zero or not q.row.startswith(ZERO_ROW))
+    ]
 
 
 def annotation_queries(dash: dict | None = None) -> list[str]:
@@ -146,6 +151,7 @@ def exported_metric_names() -> set[str]:
 
     metrics = TrainMetrics(rank=0, local_rank=0, world_size=2, node="0", host="h")
     metrics.enable_pipeline()  # the ddp_pipeline_* series, registered by a --parallel pipeline run
+    metrics.enable_zero(2)  # the ddp_zero_* series, registered by a --parallel zero1|zero2|zero3 run
     return {s.name for family in metrics.registry.collect() for s in family.samples}
 
 

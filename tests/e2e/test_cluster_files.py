@@ -20,6 +20,7 @@ from tests.e2e.cluster_files import (
     DATASOURCES,
     PIPELINE_ROW,
     ROOT,
+    ZERO_ROW,
     annotation_queries,
     compose_services,
     dashboard,
@@ -33,7 +34,7 @@ def test_every_panel_query_reads_only_metrics_the_worker_exports():
     exported = exported_metric_names() | {"up"}  # `up`: Prometheus' own, one per scrape target
     recording = yaml.safe_load((ROOT / "docker/prometheus/recording.yml").read_text())["groups"]
     exported |= {r["record"] for g in recording for r in g["rules"]}  # their own inputs: test_prometheus_rules
-    queries = panel_queries(pipeline=True)
+    queries = panel_queries(pipeline=True, zero=True)
     assert len(queries) >= 15
     unknown = {
         f"{q.panel} [{q.ref}]": sorted(metric_names(q.expr) - exported)
@@ -52,6 +53,17 @@ def test_pipeline_panels_sit_in_their_own_row_and_the_rest_in_others():
     assert pipeline and all(q.row.startswith(PIPELINE_ROW) for q in pipeline)
     assert all("ddp_pipeline_" in q.expr for q in pipeline), "a pipeline-row panel on data-parallel metrics"
     assert not [q for q in data_parallel if "ddp_pipeline_" in q.expr], "pipeline metrics outside the Pipeline row"
+
+
+def test_zero_panels_sit_in_their_own_row_and_the_rest_in_others():
+    everything, data_parallel = panel_queries(zero=True), panel_queries()
+    zero = [q for q in everything if q not in data_parallel]
+    assert zero and all(q.row.startswith(ZERO_ROW) for q in zero)
+    assert all("ddp_zero_" in q.expr for q in zero), "a ZeRO-row panel on other metrics"
+    assert not [q for q in data_parallel if "ddp_zero_" in q.expr], "ZeRO metrics outside the ZeRO row"
+    shown = " ".join(q.expr for q in zero)
+    for metric in ("ddp_zero_parameter_bytes", "ddp_zero_gradient_bytes", "ddp_zero_optimizer_state_bytes"):
+        assert metric in shown, f"the ZeRO row does not show {metric}"
 
 
 def test_dashboard_shows_the_elastic_world_and_annotates_its_changes():

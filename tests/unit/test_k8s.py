@@ -84,6 +84,15 @@ CONTRACT_METRICS = {
     "ddp_pipeline_send_recv_seconds",
     "ddp_pipeline_bubble_ratio",
     "ddp_pipeline_activation_bytes_total",
+    # ZeRO stages (--parallel zero1|zero2|zero3)
+    "ddp_zero_stage",
+    "ddp_zero_reduce_scatter_seconds",
+    "ddp_zero_all_gather_seconds",
+    "ddp_zero_reduce_scatter_bytes_total",
+    "ddp_zero_all_gather_bytes_total",
+    "ddp_zero_parameter_bytes",
+    "ddp_zero_gradient_bytes",
+    "ddp_zero_optimizer_state_bytes",
     # elastic worlds
     "ddp_min_world_size",
     "ddp_max_world_size",

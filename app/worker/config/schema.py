@@ -20,7 +20,8 @@ from app.parallel import WRAPPERS
 
 MODEL_CHOICES = ("mini_mlp", "tiny_transformer")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-PARALLEL_CHOICES = ("ddp", "pipeline", "dp")
+PARALLEL_CHOICES = ("ddp", "pipeline", "dp", "zero1", "zero2", "zero3")
+ZERO_KINDS = ("zero1", "zero2", "zero3")  # the sharded step kinds (app.worker.sharded_step)
 SCHEDULE_CHOICES = ("gpipe", "1f1b")
 DTYPE_CHOICES = ("float32", "float64")
 PIPELINE_MAX_STAGES = {"mini_mlp": 3}  # its Linear layers: a stage without one would only pass activations on
@@ -53,8 +54,8 @@ class TrainConfig:
     )
     lr: float = _doc("AdamW learning rate", 0.003)
     dtype: str = _doc(
-        "precision of parameters, gradients and inputs: float32 | float64 (parallel=ddp only; float64 keeps runs on "
-        "different world sizes equal to ~1e-15, where float32 rounding can tip a ReLU: docs/cluster.md)",
+        "precision of parameters, gradients and inputs: float32 | float64 (parallel=ddp, zero1, zero2; float64 keeps "
+        "runs on different world sizes equal to ~1e-15, where float32 rounding can tip a ReLU: docs/cluster.md)",
         "float32",
     )
     seed: int = _doc(
@@ -69,8 +70,12 @@ class TrainConfig:
     bucket_cap_mb: float = _doc("DDP bucket size in MiB", 25.0)
     parallel: str = _doc(
         "how the ranks share the work: ddp (data parallel) | pipeline (one model stage per rank, "
-        "app.worker.pipeline_step) | dp (nn.DataParallel: one process, >= 2 GPUs)",
+        "app.worker.pipeline_step) | dp (nn.DataParallel: one process, >= 2 GPUs) | zero1 (optimizer state "
+        "sharded) | zero2 (+ gradients) | zero3 (+ parameters: FSDP, CPU only); zero*: app.worker.sharded_step",
         "ddp",
+    )
+    fsdp_units: str = _doc(
+        'parallel=zero3: comma list of module class names to shard as units ("" = each child of the root)', ""
     )
     pipeline_stages: int = _doc(
         "parallel=pipeline: stages per pipeline (0 = world size); the world holds world_size / stages replicas", 0
@@ -117,8 +122,16 @@ class TrainConfig:
         _choice("parallel", self.parallel, PARALLEL_CHOICES)
         _choice("pipeline_schedule", self.pipeline_schedule, SCHEDULE_CHOICES)
         _choice("dtype", self.dtype, DTYPE_CHOICES)
-        if self.dtype != "float32" and self.parallel != "ddp":
-            raise ConfigError(f"dtype={self.dtype} works with parallel=ddp only: set dtype=float32 for {self.parallel}")
+        if self.dtype != "float32" and self.parallel not in ("ddp", "zero1", "zero2"):
+            # zero3 keeps fp32 master shards whatever the model's dtype: float64 would be rounded at every step.
+            raise ConfigError(
+                f"dtype={self.dtype} works with parallel=ddp, zero1 or zero2 only: "
+                f"set dtype=float32 for {self.parallel}"
+            )
+        if self.fsdp_units and self.parallel != "zero3":
+            raise ConfigError(
+                f"fsdp_units={self.fsdp_units!r} is for parallel=zero3 only: unset it for {self.parallel}"
+            )
         _at_least("pipeline_stages", self.pipeline_stages, 0)
         _at_least("pipeline_microbatches", self.pipeline_microbatches, 1)
         if self.parallel == "pipeline":

@@ -1,0 +1,229 @@
+"""The ZeRO step kinds, ``--parallel zero1 | zero2 | zero3``: the ``parallel=ddp`` step with state sharded over ranks.
+
+    # stage 2 (gradients and AdamW state sharded), checkpointed as shards, resumable on another world size
+    torchrun --standalone --nproc-per-node=4 -m app.train --parallel zero2 --checkpoint-dir /tmp/z2
+    torchrun --standalone --nproc-per-node=3 -m app.train --parallel zero2 --checkpoint-dir /tmp/z2 --steps 400
+    # stage 3 (parameters too), one unit per Block of the transformer
+    torchrun --standalone --nproc-per-node=2 -m app.train --parallel zero3 --model tiny_transformer --fsdp-units Block
+
+What stays as for ``parallel=ddp`` (``DDPStep``, whose data dealing and batch description these kinds inherit): the
+same global batches, the loss weighted by ``grad_scale``, ``accumulation_step`` (app.parallel.accum) with its NaN/inf
+agreement through the Trainer's ``StepControl``. What each stage changes (app.parallel, docs/sharding.md):
+
+- ``zero1``: our DDP all-reduces the gradient; ``ZeroRedundancyOptimizer`` keeps 1/N of AdamW's state and
+  broadcasts each partition after its step. Micro-batches before the last run under DDP's ``no_sync``;
+- ``zero2``: ``ShardedGradDataParallel`` reduce-scatters the gradient in buckets during backward, each rank steps
+  its chunk, then all-gathers the parameters. ``no_sync`` on the non-final micro-batches, as for DDP;
+- ``zero3``: ``FullyShardedDataParallel``: parameters live as 1/N fp32 shards, each unit gathered only while it
+  computes. It has no ``no_sync`` (skipping the reduce-scatter would mean keeping the whole gradient, what stage 3
+  exists to avoid), so every micro-batch reduce-scatters and adds into the shard's gradient. Units: each child of
+  the root, or the classes named by ``fsdp_units``. CPU only (its buffers are CPU tensors).
+
+Checkpoints are sharded (``ShardedState``, saved by app.worker.checkpoint through app.parallel.sharded_checkpoint):
+every rank writes its own shard, rank 0 the manifest, and a world of another size cuts them again on load.
+FINISHED prints the whole model's checksum, the same on every rank (stage 3 gathers it first). The series
+``ddp_zero_*`` (app.worker.metrics) are registered only by these kinds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from app.parallel.accum import accumulation_step
+from app.parallel.fsdp import FullyShardedDataParallel
+from app.parallel.sharded_grad import ShardedGradDataParallel
+from app.parallel.zero import ZeroRedundancyOptimizer
+from app.worker.checkpoint import ShardedState
+from app.worker.config import ConfigError, TrainConfig
+from app.worker.dist import DistContext
+from app.worker.models import MODELS
+from app.worker.steps import DDPStep, MicroBatches, StepOutcome, nan_loss
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors an optimizer keeps per parameter (AdamW: ``exp_avg``, ``exp_avg_sq``, ``step``)."""
+    return tensor_bytes(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+
+
+class ShardedStep(DDPStep):
+    """What the three stages share: ``DDPStep``'s data and loop, another wrapper and optimizer, sharded checkpoints.
+
+    A stage sets ``stage`` and implements ``wrap`` (the wrapper, built once), ``build_optimizer`` and
+    ``memory_bytes``; ``comm_source`` is the wrapper whose ``comm_bytes``/``comm_seconds`` it reports (None: none).
+
+    Example::
+
+        step = STEP_KINDS["zero2"](cfg, ctx, model, loss_function(cfg.model), grad_accum_steps=2, metrics=metrics)
+        outcome = step.train_step(step.batches.next_micro_batches(), agree_nonfinite=lambda bad: bad)
+    """
+
+    stage = 0
+
+    def __init__(
+        self, cfg: TrainConfig, ctx: DistContext, model: nn.Module, loss_fn: Callable, *, grad_accum_steps, metrics
+    ):
+        super().__init__(cfg, ctx, model, loss_fn, grad_accum_steps=grad_accum_steps)
+        # DDPStep built an AdamW over the bare parameters (it allocates no state before a step): replaced here.
+        self.optimizer = self.build_optimizer()
+        self.model_state = self.optimizer_state = ShardedState(self.wrapped, self.optimizer, cfg.parallel)
+        self.metrics = metrics
+        metrics.enable_zero(self.stage)
+        self._seen = self._comm_totals()
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    def memory_bytes(self) -> tuple[int, int, int]:
+        """``(parameters, gradients, optimizer state)`` bytes this rank holds after a step."""
+        raise NotImplementedError
+
+    @property
+    def comm_source(self):
+        return None
+
+    def _comm_totals(self) -> dict[str, tuple[int, float]]:
+        src = self.comm_source
+        if src is None:
+            return {}
+        return {name: (src.comm_bytes[name], src.comm_seconds[name]) for name in ("reduce_scatter", "all_gather")}
+
+    def micro_batch_syncs(self, micro_batches: MicroBatches, counted: int) -> int:
+        return counted  # accumulation_step counts the synchronised backwards of a wrapper with no_sync
+
+    def train_step(
+        self, micro_batches: MicroBatches, agree_nonfinite: Callable[[bool], bool], inject_nan: bool = False
+    ) -> StepOutcome:
+        """One optimizer step; raises ``NonFiniteLossError`` on every rank when any rank's loss is NaN/inf."""
+        result = accumulation_step(
+            self.wrapped,
+            self.optimizer,
+            micro_batches,
+            nan_loss(self.loss_fn) if inject_nan else self.loss_fn,
+            synchronize=self.synchronize,
+            grad_scale=self.batches.grad_scale,
+            agree_nonfinite=agree_nonfinite,
+        )
+        comm = self.probe.take()  # stage 1: our DDP's all-reduce buckets (ddp_allreduce_*); stages 2-3: empty
+        now = self._comm_totals()
+        delta = {k: (now[k][0] - self._seen[k][0], now[k][1] - self._seen[k][1]) for k in now}
+        self._seen = now
+        params, grads, opt_state = self.memory_bytes()
+        self.metrics.observe_zero(
+            collectives=delta, parameter_bytes=params, gradient_bytes=grads, optimizer_state_bytes=opt_state
+        )
+        zero_seconds = sum(seconds for _, seconds in delta.values())
+        return StepOutcome(
+            loss=result.loss,
+            samples=result.samples,
+            syncs=self.micro_batch_syncs(micro_batches, result.syncs),
+            forward_seconds=result.forward_seconds,
+            backward_seconds=result.backward_seconds,
+            optimizer_seconds=result.optimizer_seconds,
+            comm=comm,
+            comm_seconds=comm.seconds + zero_seconds,
+            exposed_seconds=comm.wait_seconds if self.stage == 1 else delta["reduce_scatter"][1],
+            lr=self.optimizer.param_groups[0]["lr"],
+        )
+
+
+class Zero1Step(ShardedStep):
+    """``parallel=zero1``: the model whole on every rank, gradients all-reduced, AdamW's state 1/N per rank."""
+
+    stage = 1
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        return ZeroRedundancyOptimizer(self.model.parameters(), optimizer_class=torch.optim.AdamW, lr=self.cfg.lr)
+
+    def memory_bytes(self) -> tuple[int, int, int]:
+        params = list(self.model.parameters())
+        return tensor_bytes(params), tensor_bytes(p.grad for p in params), optimizer_state_bytes(self.optimizer.optim)
+
+
+class Zero2Step(ShardedStep):
+    """``parallel=zero2``: parameters whole, gradients reduce-scattered (1/N kept), AdamW over this rank's shards."""
+
+    stage = 2
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return ShardedGradDataParallel(model, bucket_cap_mb=self.cfg.bucket_cap_mb)
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        # The wrapper's own builder: AdamW over the shards, all-gathering the parameters after every step.
+        return self.wrapped.build_optimizer(torch.optim.AdamW, lr=self.cfg.lr)
+
+    @property
+    def comm_source(self):
+        return self.wrapped
+
+    def memory_bytes(self) -> tuple[int, int, int]:
+        shards = self.wrapped.shard_parameters()
+        return (
+            tensor_bytes(self.model.parameters()),
+            tensor_bytes(s.grad for s in shards),
+            optimizer_state_bytes(self.optimizer),
+        )
+
+
+class Zero3Step(ShardedStep):
+    """``parallel=zero3``: parameters, gradients and AdamW's state all 1/N per rank (``FullyShardedDataParallel``)."""
+
+    stage = 3
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if self.ctx.device.type != "cpu":
+            raise ConfigError(
+                f"parallel=zero3 runs on the CPU only (app.parallel.fsdp's buffers are CPU tensors), this rank has "
+                f"{self.ctx.device}; set device=cpu, or use parallel=zero2"
+            )
+        return FullyShardedDataParallel(model, units=resolve_fsdp_units(model, self.cfg.fsdp_units))
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.wrapped.parameters(), lr=self.cfg.lr)  # the fp32 shards (+ frozen ones)
+
+    @property
+    def comm_source(self):
+        return self.wrapped
+
+    def micro_batch_syncs(self, micro_batches: MicroBatches, counted: int) -> int:
+        return len(micro_batches)  # no no_sync: every micro-batch's backward reduce-scatters
+
+    def memory_bytes(self) -> tuple[int, int, int]:
+        shards = list(self.wrapped.parameters())
+        return tensor_bytes(shards), tensor_bytes(s.grad for s in shards), optimizer_state_bytes(self.optimizer)
+
+    def final_model(self) -> nn.Module:
+        # Collective: every unit gathered onto rank 0, then handed to every rank, so all print the same checksum.
+        state = [self.wrapped.full_state_dict()]  # every rank joins each unit's all-gather; {} but on rank 0
+        dist.broadcast_object_list(state, src=0)
+        whole = MODELS[self.cfg.model]()
+        whole.load_state_dict(state[0])
+        return whole
+
+
+def resolve_fsdp_units(model: nn.Module, fsdp_units: str) -> list[type] | None:
+    """The module classes ``fsdp_units`` names (a comma list); None for "" (each child of the root).
+
+    A name that matches no module of ``model`` is a ``ConfigError`` naming the classes it does have.
+    """
+    names = [n.strip() for n in fsdp_units.split(",") if n.strip()]
+    if not names:
+        return None
+    classes = {type(m).__name__: type(m) for _, m in model.named_modules() if _}
+    missing = [n for n in names if n not in classes]
+    if missing:
+        raise ConfigError(
+            f"fsdp_units={fsdp_units!r}: {', '.join(missing)} names no module class of {type(model).__name__} "
+            f"(it has {', '.join(sorted(classes))}); name those, or leave fsdp_units empty"
+        )
+    return [classes[n] for n in names]
+
+
+STAGES: dict[str, type[ShardedStep]] = {"zero1": Zero1Step, "zero2": Zero2Step, "zero3": Zero3Step}
