@@ -9,12 +9,12 @@
     # one process, no torchrun
     python -m app.train --wrapper none --steps 50
 
-The flow is ``main`` (config, signals, metrics endpoint, process group as a pair) → ``build_step`` (app.worker.steps:
-the step kind ``parallel`` names: ddp, pipeline or dp) → ``Trainer.run`` (app.worker.trainer: resume, loop) → the
-kind's ``train_step`` (for ddp, ``accumulation_step`` in app.parallel.accum). Per rank: the process group from
-torchrun's variables (app.worker.dist), the same seeded parameters everywhere, its share of each global batch
-(app.worker.data), one ``/metrics`` endpoint (app.worker.metrics), and checkpoints written by rank 0
-(app.worker.checkpoint).
+The flow is ``main`` (config, signals, metrics endpoint, process group as a pair) → ``build_step``
+(app.worker.step_kinds: the step kind ``parallel`` names: ddp, dp, pipeline, zero1-3) → ``Trainer.run``
+(app.worker.trainer: resume, loop) → the kind's ``train_step`` (for ddp, ``accumulation_step`` in
+app.parallel.accum). Per rank: the process group from torchrun's variables (app.worker.dist), the same seeded
+parameters everywhere, its share of each global batch (app.worker.data), one ``/metrics`` endpoint
+(app.worker.metrics), and checkpoints written by rank 0 (app.worker.checkpoint).
 
 Stopping: SIGTERM (``docker stop``, Kubernetes) or SIGINT finishes the current step; the ranks agree on the step to
 stop at (one tiny all-reduce per step, which also carries the NaN check), rank 0 checkpoints, and the signalled ranks
@@ -137,8 +137,8 @@ def start_metrics(cfg: TrainConfig, world: WorldEnv):
 
 def train(cfg: TrainConfig, sources: dict[str, str], ctx, world: WorldEnv, grad_accum_steps: int, stop, metrics) -> int:
     """Inside the process group: the start-up checks every rank must agree on, then the loop, then the linger."""
-    from app.worker.checkpoint import checkpoint_dir_problem
-    from app.worker.steps import build_step
+    from app.worker.checkpoint_files import checkpoint_dir_problem
+    from app.worker.step_kinds import build_step
     from app.worker.trainer import Trainer
 
     if stop.requested:

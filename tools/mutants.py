@@ -123,7 +123,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ckpt-written-in-place",
         "the checkpoint is written straight to its final name: a crash mid-write leaves a torn newest file",
-        "app/worker/checkpoint.py",
+        "app/worker/checkpoint_files.py",
         'tmp = d / f".{final.name}.tmp-{os.getpid()}"',
         "tmp = final",
         T("tests/unit/test_checkpoint.py"),
@@ -131,7 +131,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ckpt-no-fsync",
         "the bytes are not forced to disk before the rename: a power loss can leave an empty newest file",
-        "app/worker/checkpoint.py",
+        "app/worker/checkpoint_files.py",
         "os.fsync(f.fileno())",
         "f.flush()",
         T("tests/unit/test_checkpoint.py::test_the_bytes_are_durable_before_the_name_and_the_name_before_returning"),
@@ -139,7 +139,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ckpt-no-directory-fsync",
         "the rename is not made durable: after a power loss the newest checkpoint may be missing",
-        "app/worker/checkpoint.py",
+        "app/worker/checkpoint_files.py",
         "        _fsync_dir(d)\n",
         "        pass\n",
         T("tests/unit/test_checkpoint.py::test_the_bytes_are_durable_before_the_name_and_the_name_before_returning"),
@@ -147,7 +147,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ckpt-digest-not-checked",
         "a checkpoint with flipped bits is loaded as if it were good",
-        "app/worker/checkpoint.py",
+        "app/worker/checkpoint_files.py",
         'if digest(state) != state["digest"]:',
         "if False:",
         T("tests/unit/test_checkpoint.py::test_flipped_bits_are_detected"),

@@ -1,23 +1,5 @@
-"""Checkpoints that survive crashes: written atomically by rank 0, validated on load, the last K kept.
-
-Layout: ``<checkpoint_dir>/step-00000050.pt`` (zero-padded so names sort by step). One file holds::
-
-    {"format": 1, "step": 50, "model_name": "mini_mlp", "world_size": 4,
-     "model": <the *unwrapped* model's state_dict()>,   # loads into the bare model, no DDP prefix "module."
-     "optimizer": <optimizer.state_dict()>,
-     "data": {"epoch": 0, "consumed": 6400},            # sampler position, counted over all ranks
-     "rng": {"cpu": [<uint8 tensor per rank>], "cuda": [...]},
-     "generation": 2, "wall_time": 1764530000.0,        # worlds formed so far; when it was written (unix s)
-     "global_batch": 128,                               # samples per step, to warn when a resume changes it
-     "digest": "<sha256 over everything above>"}
-
-Only tensors, dicts, lists, strings and numbers: ``torch.load(..., weights_only=True)`` loads it without running
-pickled code. Writing: temp file in the same directory, flush + fsync, ``os.replace`` (atomic on POSIX), fsync the
-directory; a crash at any moment leaves either the old set of files or the new one, never a half-written
-``step-*.pt``. Loading: a file that ``torch.load`` rejects (truncated) or whose digest does not match (bits changed)
-is reported with a warning naming it, renamed to ``step-XXXXXXXX.pt.corrupt`` (kept for inspection, no longer counted
-as a checkpoint) and the next older one is tried. Pruning keeps the newest ``keep`` checkpoints up to and including
-the one just written and never deletes anything newer: a torn file with a higher step never pushes a good one out.
+"""The ``Checkpointer``: resume, cadence, every rank's RNG state, the save on rank 0 (the file format is
+app.worker.checkpoint_files).
 
 ``Checkpointer`` is what the training loop talks to: it resumes every rank from the newest valid file (rank 0
 decides), says when a save is due (``should_save``), gathers every rank's RNG state and writes on rank 0. Loading
@@ -38,12 +20,9 @@ from __future__ import annotations
 
 import base64
 import errno
-import hashlib
 import json
 import logging
 import os
-import re
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,162 +32,9 @@ import torch
 import torch.distributed as dist
 
 from app.parallel.sharded_checkpoint import MANIFEST, CheckpointError, load_sharded, save_sharded
+from app.worker.checkpoint_files import checkpoint_path, list_checkpoints, load_checkpoint, load_latest, save_checkpoint
 
 log = logging.getLogger(__name__)
-
-FORMAT = 1
-_NAME = re.compile(r"^step-(\d{8,})\.pt$")
-REQUIRED = ("format", "step", "model_name", "model", "optimizer", "data", "rng", "digest")
-
-
-def checkpoint_path(directory: str | Path, step: int) -> Path:
-    return Path(directory) / f"step-{step:08d}.pt"
-
-
-def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every checkpoint file in ``directory``, newest (highest step) first."""
-    d = Path(directory)
-    if not d.is_dir():
-        return []
-    found = [(int(m.group(1)), d / m.group(0)) for m in map(_NAME.match, os.listdir(d)) if m]
-    return sorted(found, reverse=True)
-
-
-def digest(state: dict[str, Any]) -> str:
-    """sha256 over every value in ``state`` except "digest", walked in a fixed order.
-
-    torch's zip format has no checksum of its own that ``torch.load`` verifies: a flipped bit inside a tensor
-    would load silently. This catches it.
-    """
-    h = hashlib.sha256()
-
-    def walk(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            t = value.detach().cpu().contiguous()
-            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        elif isinstance(value, dict):
-            for key in sorted(value, key=str):
-                h.update(f"K{key!r}".encode())
-                walk(value[key])
-        elif isinstance(value, (list, tuple)):
-            h.update(f"L{len(value)}".encode())
-            for item in value:
-                walk(item)
-        else:
-            h.update(f"V{value!r}".encode())
-
-    walk({k: v for k, v in state.items() if k != "digest"})
-    return h.hexdigest()
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # makes the rename itself durable, not just the file's bytes
-    finally:
-        os.close(fd)
-
-
-def directory_problem(directory: str | Path) -> str | None:
-    """Create ``directory`` if missing and write a probe file in it: None when checkpoints can be written there,
-    else why not (one line). Run at start-up, so a bad path fails before training rather than at the first save."""
-    d = Path(directory)
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        return "it exists and is not a directory"
-    except OSError as e:
-        return f"cannot create it ({e.strerror})"
-    try:
-        with tempfile.NamedTemporaryFile(dir=d, prefix=".write-test-"):
-            pass
-    except OSError as e:
-        return f"cannot write in it ({e.strerror})"
-    return None
-
-
-def checkpoint_dir_problem(directory: str | Path, is_main: bool) -> str | None:
-    """``directory_problem`` as rank 0 sees it, on every rank (a broadcast: every rank must call this)."""
-    verdict = [directory_problem(directory) if is_main else None]
-    dist.broadcast_object_list(verdict, src=0)
-    return verdict[0]
-
-
-def save_checkpoint(directory: str | Path, state: dict[str, Any], keep: int) -> Path:
-    """Write ``state`` (which must hold "step") atomically as ``step-XXXXXXXX.pt``; keep the newest ``keep``."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    state = {**state, "format": FORMAT}
-    state["digest"] = digest(state)
-    final = checkpoint_path(d, int(state["step"]))
-    tmp = d / f".{final.name}.tmp-{os.getpid()}"  # same directory: os.replace must not cross file systems
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        _fsync_dir(d)
-    finally:
-        tmp.unlink(missing_ok=True)
-    prune(d, keep, newest=int(state["step"]))
-    return final
-
-
-def prune(directory: Path, keep: int, newest: int) -> None:
-    """Delete all but the ``keep`` newest checkpoints at or below step ``newest`` (the one just written).
-
-    Files above ``newest`` are left alone: this writer did not produce them, so they are either unvalidated (a
-    resume that skipped them renames them ``.corrupt``) or someone else's; counting them would let a torn file with
-    a higher step delete the good one just written.
-    """
-    older = [path for step, path in list_checkpoints(directory) if step <= newest]
-    for path in older[max(keep, 1) :]:
-        path.unlink(missing_ok=True)
-    for stale in directory.glob(".step-*.pt.tmp-*"):  # left by a writer that crashed mid-write
-        if stale.stat().st_mtime < time.time() - 60:
-            stale.unlink(missing_ok=True)
-
-
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load and validate one checkpoint onto the CPU; raises ValueError (or torch's error) when it is unusable."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(state, dict) or any(key not in state for key in REQUIRED):
-        raise ValueError("not a checkpoint of this trainer (keys missing)")
-    if state["format"] != FORMAT:
-        raise ValueError(f"checkpoint format {state['format']}, this trainer reads format {FORMAT}")
-    if digest(state) != state["digest"]:
-        raise ValueError("content does not match its digest (corrupted on disk)")
-    return state
-
-
-def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint in ``directory`` that loads and validates, or None.
-
-    Each one rejected on the way is renamed ``<name>.corrupt``: kept for inspection, but no longer a checkpoint,
-    so it neither counts towards ``keep`` nor gets tried again. Only rank 0 calls this.
-    """
-    for _, path in list_checkpoints(directory):
-        try:
-            return path, load_checkpoint(path)
-        except Exception as e:  # noqa: BLE001 - any failure to read means "unusable": fall back to the previous
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            if reason.startswith("Weights only load failed"):
-                # torch's text goes on to advise weights_only=False: never the advice for a file of unknown origin.
-                detail = str(e).partition("WeightsUnpickler error:")[2].strip().splitlines()
-                reason = "refused by the weights-only loader" + (f": {detail[0].split(' Please')[0]}" if detail else "")
-            log.warning("checkpoint %s is unusable (%s); %s; trying the previous one", path, reason, _set_aside(path))
-    return None
-
-
-def _set_aside(path: Path) -> str:
-    aside = path.with_name(path.name + ".corrupt")
-    try:
-        os.replace(path, aside)
-    except OSError as e:
-        return f"could not rename it to {aside.name} ({e.strerror})"
-    return f"renamed to {aside.name}"
 
 
 class CheckpointWriteError(OSError):

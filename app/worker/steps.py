@@ -12,7 +12,7 @@ work; each builds what it needs from ``(cfg, ctx, model, loss_fn)`` and exposes 
 - ``before_save()`` (collective: whatever must be gathered first) and ``final_model()`` (the module FINISHED
   checksums, the same on every rank).
 
-The kinds (``STEP_KINDS``, chosen by ``cfg.parallel`` in ``build_step``):
+The kinds (``STEP_KINDS`` in app.worker.step_kinds, chosen by ``cfg.parallel`` in ``build_step``):
 
 - ``DDPStep`` (``parallel=ddp``): ``accumulation_step`` (app.parallel.accum) through ``wrap_model`` (ours, torch
   or none);
@@ -21,8 +21,9 @@ The kinds (``STEP_KINDS``, chosen by ``cfg.parallel`` in ``build_step``):
 - ``Zero1Step``/``Zero2Step``/``Zero3Step`` (``parallel=zero1|zero2|zero3``, app.worker.sharded_step): ``DDPStep``
   with optimizer state / + gradients / + parameters sharded over the ranks, checkpointed as shards.
 
-A new kind plugs in by adding a class with these members to ``STEP_KINDS`` (and its name to the config's
-``parallel`` choices): the ``Trainer`` does not change. Try one: ``python -m app.train --wrapper none --steps 20``.
+A new kind plugs in by adding a class with these members to ``STEP_KINDS`` (app.worker.step_kinds; its name to
+the config's ``parallel`` choices): the ``Trainer`` does not change. Try one:
+``python -m app.train --wrapper none --steps 20``.
 """
 
 from __future__ import annotations
@@ -38,10 +39,9 @@ from app.parallel import wrap_model
 from app.parallel.accum import StepResult, accumulation_step
 from app.parallel.probes import CommSample, comm_probe
 from app.worker.config import TrainConfig
-from app.worker.data import GlobalBatches, build_dataset, loss_function
+from app.worker.data import GlobalBatches, build_dataset
 from app.worker.dist import DistContext
 from app.worker.metrics import synchronize_for
-from app.worker.models import MODELS
 
 MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -186,40 +186,3 @@ class DataParallelStep(DDPStep):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return nn.DataParallel(model)  # model (on cuda:0) stays the bare module; comm_probe finds nothing to time
-
-
-def _pipeline_step(*args, **kwargs):
-    # Imported on use: pipeline_step imports this module (StepOutcome), and a ddp run needs no pipelining engine.
-    from app.worker.pipeline_step import PipelineStep
-
-    return PipelineStep(*args, **kwargs)
-
-
-def _sharded_step(stage: str) -> Callable[..., TrainStep]:
-    def build(*args, **kwargs):
-        # Imported on use, as the pipeline's: sharded_step imports this module (DDPStep, StepOutcome).
-        from app.worker.sharded_step import STAGES
-
-        return STAGES[stage](*args, **kwargs)
-
-    return build
-
-
-STEP_KINDS: dict[str, Callable[..., TrainStep]] = {
-    "ddp": DDPStep,
-    "dp": DataParallelStep,
-    "pipeline": _pipeline_step,
-    **{stage: _sharded_step(stage) for stage in ("zero1", "zero2", "zero3")},
-}
-
-
-def build_step(cfg: TrainConfig, ctx: DistContext, grad_accum_steps: int, metrics) -> TrainStep:
-    """The step kind ``cfg.parallel`` names, over the model built from ``cfg.seed`` (the same on every rank).
-
-    Every kind is called alike: ``kind(cfg, ctx, model, loss_fn, grad_accum_steps=..., metrics=...)``;
-    ``metrics`` serves the kinds that report series of their own (the pipeline's ``ddp_pipeline_*``).
-    """
-    torch.manual_seed(cfg.seed)  # identical parameters on every rank, before any wrapper broadcasts them
-    model = MODELS[cfg.model]()
-    kind = STEP_KINDS[cfg.parallel]
-    return kind(cfg, ctx, model, loss_function(cfg.model), grad_accum_steps=grad_accum_steps, metrics=metrics)

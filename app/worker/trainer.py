@@ -47,7 +47,7 @@ class Trainer:
 
     Example::
 
-        step = build_step(cfg, ctx, grad_accum_steps, metrics)   # app.worker.steps
+        step = build_step(cfg, ctx, grad_accum_steps, metrics)   # app.worker.step_kinds
         code = Trainer(cfg, ctx, world, stop, metrics, step=step).run()
     """
 

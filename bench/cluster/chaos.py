@@ -116,7 +116,7 @@ class Project:
 
     def final_parameters(self, step: int) -> dict:
         """The run's last checkpoint (copied out of its volume, loaded and digest-checked): name -> tensor."""
-        from app.worker.checkpoint import load_checkpoint
+        from app.worker.checkpoint_files import load_checkpoint
 
         container = self.workers()[0]["ID"]
         with tempfile.TemporaryDirectory() as tmp:

@@ -24,7 +24,7 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 def _train_three_steps(rank: int, world: int, parallel: str, wrapper: str) -> dict:
     from app.worker.config import TrainConfig
     from app.worker.dist import DistContext
-    from app.worker.steps import build_step
+    from app.worker.step_kinds import build_step
 
     cfg = TrainConfig(parallel=parallel, wrapper=wrapper, device="cpu", dataset_size=256, micro_batch=16)
     ctx = DistContext(rank, rank, world, torch.device("cpu"), "gloo")
@@ -57,8 +57,8 @@ def test_refuses_in_one_line_without_two_gpus():
     result = run_bench()
     assert result.returncode == 2
     assert result.stderr.strip() == (
-        f"bench.dp_vs_ddp: needs >= 2 CUDA GPUs, found {GPUS}: DataParallel splits one process's batch over GPUs "
-        f"(not run here)"
+        f"bench.dp_vs_ddp: error: needs >= 2 CUDA GPUs, found {GPUS}: DataParallel splits one process's batch over "
+        f"GPUs (not run here); run with --help for the flags"
     )
 
 

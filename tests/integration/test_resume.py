@@ -14,7 +14,8 @@ import subprocess
 import pytest
 import torch
 
-from app.worker.checkpoint import Checkpointer, checkpoint_path, list_checkpoints, load_checkpoint
+from app.worker.checkpoint import Checkpointer
+from app.worker.checkpoint_files import checkpoint_path, list_checkpoints, load_checkpoint
 from app.worker.models import MiniMLP, parameter_checksum
 from tests.trainer_run import describe, finish, finished, run_process, start_ranks, torchrun, worker_args
 from tests.world import run_world

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from app.worker.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
+from app.worker.checkpoint_files import checkpoint_path, list_checkpoints, load_checkpoint
 from app.worker.models import MiniMLP, parameter_checksum
 from tests.trainer_run import (
     clean_env,
@@ -341,7 +341,7 @@ def _train_with_a_new_kind(rank: int, world: int, directory: str) -> dict:
     from app.worker.control import StopSignal
     from app.worker.dist import DistContext
     from app.worker.metrics import NoMetrics
-    from app.worker.steps import build_step
+    from app.worker.step_kinds import build_step
     from app.worker.trainer import Trainer
 
     cfg = TrainConfig(steps=6, checkpoint_dir=directory, checkpoint_every=3, metrics_port=0, log_every=3)

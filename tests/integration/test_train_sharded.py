@@ -28,7 +28,7 @@ import torch
 from prometheus_client import generate_latest
 
 from app.parallel.sharded_checkpoint import MANIFEST
-from app.worker.checkpoint import checkpoint_path, load_checkpoint
+from app.worker.checkpoint_files import checkpoint_path, load_checkpoint
 from app.worker.config import ConfigError, TrainConfig
 from app.worker.metrics import TrainMetrics
 from app.worker.models import MiniMLP

@@ -1,0 +1,54 @@
+"""Which step kind a run uses: ``STEP_KINDS`` (``cfg.parallel`` -> kind) and ``build_step``, what ``app.train`` calls.
+
+The kinds live in ``app.worker.steps`` (ddp, dp), ``app.worker.pipeline_step`` (pipeline) and
+``app.worker.sharded_step`` (zero1-3); they import ``app.worker.steps`` for the shared protocol, and this module
+imports them, so no two modules import each other. The pipeline and ZeRO kinds are imported on use: a ddp run needs
+neither the pipelining engine nor the sharding code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from app.worker.config import TrainConfig
+from app.worker.data import loss_function
+from app.worker.dist import DistContext
+from app.worker.models import MODELS
+from app.worker.steps import DataParallelStep, DDPStep, TrainStep
+
+
+def _pipeline_step(*args, **kwargs):
+    from app.worker.pipeline_step import PipelineStep
+
+    return PipelineStep(*args, **kwargs)
+
+
+def _sharded_step(stage: str) -> Callable[..., TrainStep]:
+    def build(*args, **kwargs):
+        from app.worker.sharded_step import STAGES
+
+        return STAGES[stage](*args, **kwargs)
+
+    return build
+
+
+STEP_KINDS: dict[str, Callable[..., TrainStep]] = {
+    "ddp": DDPStep,
+    "dp": DataParallelStep,
+    "pipeline": _pipeline_step,
+    **{stage: _sharded_step(stage) for stage in ("zero1", "zero2", "zero3")},
+}
+
+
+def build_step(cfg: TrainConfig, ctx: DistContext, grad_accum_steps: int, metrics) -> TrainStep:
+    """The step kind ``cfg.parallel`` names, over the model built from ``cfg.seed`` (the same on every rank).
+
+    Every kind is called alike: ``kind(cfg, ctx, model, loss_fn, grad_accum_steps=..., metrics=...)``;
+    ``metrics`` serves the kinds that report series of their own (the pipeline's ``ddp_pipeline_*``).
+    """
+    torch.manual_seed(cfg.seed)  # identical parameters on every rank, before any wrapper broadcasts them
+    model = MODELS[cfg.model]()
+    kind = STEP_KINDS[cfg.parallel]
+    return kind(cfg, ctx, model, loss_function(cfg.model), grad_accum_steps=grad_accum_steps, metrics=metrics)
