@@ -34,25 +34,20 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import gc
 import json
-import os
-import pickle
 import random
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from app.demos.world import spawn_world
 from bench.ddp_bench import _proc_status, _reset_peak_rss, _return_freed_memory_to_the_os
 from bench.provenance import describe_output, load_average, output_path, provenance
 
@@ -228,51 +223,6 @@ def rank_main(rank: int, world: int, cfg: dict) -> dict:
     }
 
 
-def _entry(rank: int, world: int, init_file: str, out_dir: str, cfg: dict) -> None:
-    torch.set_num_threads(1)  # ranks share the machine's cores: more BLAS threads per rank only fight each other
-    out = Path(out_dir) / f"rank{rank}"
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(300)
-        )
-        try:
-            report = rank_main(rank, world, cfg)
-        finally:
-            dist.destroy_process_group()
-        out.with_suffix(".pkl").write_bytes(pickle.dumps(report))
-    except BaseException:
-        out.with_suffix(".err").write_text(traceback.format_exc())
-        raise SystemExit(1) from None
-
-
-def run_ranks(world: int, cfg: dict, timeout: float) -> dict:
-    """Spawn the ranks, wait (bounded), return rank 0's report; a rank's failure raises with its traceback."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_entry, args=(r, world, os.path.join(tmp, "store"), tmp, cfg), daemon=True)
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        # Poll rather than join: once a rank has failed, the others sit in a collective until gloo's timeout.
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline and not any(Path(tmp).glob("*.err")):
-            time.sleep(0.2)
-        for p in procs:
-            p.join(2.0)
-            if p.is_alive():
-                p.kill()
-            p.join()
-        errors = sorted(Path(tmp).glob("*.err"))
-        if errors:
-            raise RuntimeError(f"{errors[0].stem} failed:\n{errors[0].read_text()}")
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"the ranks did not finish within --timeout {timeout:.0f}s; lower --repeats/--steps")
-        return pickle.loads((Path(tmp) / "rank0.pkl").read_bytes())
-
-
 # -- in the parent: formulas, table, JSON, plot --------------------------------------------------------------------
 def formula_bytes(name: str, psi: int, n: int) -> int:
     """fp32 params (4 B) + fp32 grads (4 B) + AdamW's two fp32 moments (K = 8 B) per element, by what is sharded."""
@@ -425,7 +375,7 @@ def main(argv=None) -> int:
     cfg = {k: getattr(args, k) for k in ("width", "depth", "batch", "repeats", "steps", "warmup")}
     results, psi = {}, None
     for world in args.world_sizes:
-        report = run_ranks(world, cfg, args.timeout)
+        report = spawn_world(rank_main, world, cfg, timeout=args.timeout)[0]  # rank 0's report
         psi = report["psi"]
         results[str(world)] = summarise(world, report)
     print_table(results, psi)
