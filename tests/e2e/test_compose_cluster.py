@@ -699,9 +699,15 @@ def test_the_store_comes_back_after_a_crash_and_the_workers_meet_there_again(sto
 def test_the_first_world_forms_once_every_replica_is_in_not_a_last_call_later(cluster):
     # torch's rendezvous waits last_call_timeout (RDZV_LAST_CALL_SECONDS, 15 s) after its MIN-th member unless
     # the world is full at MAX; every replica ready means nobody else is coming (app/cluster/elastic.py): under
-    # 15 s, which the last call alone would have taken.
-    joining = [stamp(line) for line in cluster.logs.splitlines() if "INFO joining a world of job" in line]
-    joined = [stamp(line) for line in cluster.logs.splitlines() if f"INFO joined a world of {WORKERS} " in line]
-    assert len(joining) >= WORKERS and joined, cluster.logs[-4000:]
-    wait = min(joined) - min(joining)
-    assert wait < 15, f"the first world formed {wait:.1f} s after the first container joined"
+    # 15 s, which the last call alone would have taken. Every launcher waits for its peers' "ready" before it
+    # joins, so the joins come within a moment of each other; measured from the *last* of the first world's joins,
+    # a last call would show as ~15 s less that moment, and without one the world forms within seconds. 10 s
+    # leaves room for the rendezvous rounds of four agents on a loaded 2-core machine (one CI-like run under
+    # load took longer than 15 s from the *first* join, which is the start-up spread, not a last call).
+    lines = cluster.logs.splitlines()
+    joined = [stamp(line) for line in lines if f"INFO joined a world of {WORKERS} " in line]
+    assert joined, cluster.logs[-4000:]
+    joining = [stamp(line) for line in lines if "INFO joining a world of job" in line and stamp(line) <= min(joined)]
+    assert len(joining) >= WORKERS, cluster.logs[-4000:]
+    wait = min(joined) - max(joining)
+    assert wait < 10, f"the first world formed {wait:.1f} s after the last of its containers joined"
