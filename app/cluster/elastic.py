@@ -143,11 +143,14 @@ class Reporter:
                 ips = {a[4][0] for a in socket.getaddrinfo(peers, None, socket.AF_INET)}
             except OSError:
                 ips = set()
-            if self.job_started():
-                return
+            # Ready first: the first replicas to see everyone ready join at once, and a replica that looked a
+            # poll later would find the job started and, returning before this, never learn how many are coming;
+            # if it is the last to join, the world would then wait the whole last call for nobody.
             if ips and self.client().check([prefix + ip for ip in ips]):
                 log.debug("%d replicas of %r ready", len(ips), peers)
                 self.expected = len(ips)  # every one of them joins now: the world is full when they are in
+                return
+            if self.job_started():
                 return
             time.sleep(0.5)
         log.warning("not every one of the %d replicas of %r was ready in %g s: joining now", len(ips), peers, timeout_s)
