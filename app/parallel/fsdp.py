@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from app.parallel.reducer import tensors_in  # every tensor in a forward output, as the reducer walks it
 from app.parallel.sharded_grad import FlatShard, broadcast_module_state
 
 
@@ -162,7 +163,7 @@ class FullyShardedDataParallel(nn.Module):
         if self.compute_dtype is not None:
             inputs, kwargs = _cast_floats((inputs, kwargs), self.compute_dtype)
         output = self.module(*inputs, **kwargs)
-        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
         if tensors:
             # The first gradient of backward reaches the output: queue the end-of-backward step then.
             torch.autograd.graph.register_multi_grad_hook(tensors, self._on_backward_start, mode="any")
@@ -172,7 +173,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _after_unit_forward(self, unit: _Unit, output) -> None:
         unit.free()  # reshard after forward: the point of stage 3
-        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
         if tensors:
             # Backward reaches this unit when its output's gradient is computed: gather it again right then.
             torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: unit.gather(), mode="any")
@@ -307,13 +308,3 @@ def _cast_floats(obj, dtype: torch.dtype):
     if isinstance(obj, dict):
         return {k: _cast_floats(v, dtype) for k, v in obj.items()}
     return obj
-
-
-def _tensors_in(output) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _tensors_in(item)]
-    return []

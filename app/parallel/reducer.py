@@ -377,7 +377,7 @@ def unused_parameters(outputs, params: list[nn.Parameter]) -> list[int]:
     """Indices of ``params`` that the autograd graph behind ``outputs`` does not reach (their hooks never fire)."""
     reached: set[int] = set()
     seen: set = set()
-    stack = [t.grad_fn for t in _tensors_in(outputs) if t.grad_fn is not None]
+    stack = [t.grad_fn for t in tensors_in(outputs) if t.grad_fn is not None]
     while stack:
         fn = stack.pop()
         if fn is None or fn in seen:
@@ -389,12 +389,12 @@ def unused_parameters(outputs, params: list[nn.Parameter]) -> list[int]:
     return [i for i, p in enumerate(params) if id(p) not in reached]
 
 
-def _tensors_in(output) -> list[torch.Tensor]:
+def tensors_in(output) -> list[torch.Tensor]:
     """Every tensor inside a (possibly nested) forward output."""
     if isinstance(output, torch.Tensor):
         return [output]
     if isinstance(output, dict):
         output = list(output.values())
     if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _tensors_in(item)]
+        return [t for item in output for t in tensors_in(item)]
     return []

@@ -27,13 +27,13 @@ FINISHED prints the whole model's checksum, the same on every rank (stage 3 gath
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from app.parallel.accum import accumulation_step
 from app.parallel.fsdp import FullyShardedDataParallel
 from app.parallel.sharded_grad import ShardedGradDataParallel
 from app.parallel.zero import ZeroRedundancyOptimizer
@@ -41,7 +41,7 @@ from app.worker.checkpoint import ShardedState
 from app.worker.config import ConfigError, TrainConfig
 from app.worker.dist import DistContext
 from app.worker.models import MODELS
-from app.worker.steps import DDPStep, MicroBatches, StepOutcome, nan_loss
+from app.worker.steps import DDPStep, MicroBatches, StepOutcome
 
 
 def tensor_bytes(tensors) -> int:
@@ -101,17 +101,8 @@ class ShardedStep(DDPStep):
     def train_step(
         self, micro_batches: MicroBatches, agree_nonfinite: Callable[[bool], bool], inject_nan: bool = False
     ) -> StepOutcome:
-        """One optimizer step; raises ``NonFiniteLossError`` on every rank when any rank's loss is NaN/inf."""
-        result = accumulation_step(
-            self.wrapped,
-            self.optimizer,
-            micro_batches,
-            nan_loss(self.loss_fn) if inject_nan else self.loss_fn,
-            synchronize=self.synchronize,
-            grad_scale=self.batches.grad_scale,
-            agree_nonfinite=agree_nonfinite,
-        )
-        comm = self.probe.take()  # stage 1: our DDP's all-reduce buckets (ddp_allreduce_*); stages 2-3: empty
+        """``DDPStep``'s step over the sharded wrapper, then the stage's own traffic and memory in its metrics."""
+        outcome = super().train_step(micro_batches, agree_nonfinite, inject_nan)  # stage 1: our DDP's buckets
         now = self._comm_totals()
         delta = {k: (now[k][0] - self._seen[k][0], now[k][1] - self._seen[k][1]) for k in now}
         self._seen = now
@@ -119,18 +110,11 @@ class ShardedStep(DDPStep):
         self.metrics.observe_zero(
             collectives=delta, parameter_bytes=params, gradient_bytes=grads, optimizer_state_bytes=opt_state
         )
-        zero_seconds = sum(seconds for _, seconds in delta.values())
-        return StepOutcome(
-            loss=result.loss,
-            samples=result.samples,
-            syncs=self.micro_batch_syncs(micro_batches, result.syncs),
-            forward_seconds=result.forward_seconds,
-            backward_seconds=result.backward_seconds,
-            optimizer_seconds=result.optimizer_seconds,
-            comm=comm,
-            comm_seconds=comm.seconds + zero_seconds,
-            exposed_seconds=comm.wait_seconds if self.stage == 1 else delta["reduce_scatter"][1],
-            lr=self.optimizer.param_groups[0]["lr"],
+        return dataclasses.replace(
+            outcome,
+            syncs=self.micro_batch_syncs(micro_batches, outcome.syncs),
+            comm_seconds=outcome.comm_seconds + sum(seconds for _, seconds in delta.values()),
+            exposed_seconds=outcome.exposed_seconds if self.stage == 1 else delta["reduce_scatter"][1],
         )
 
 
