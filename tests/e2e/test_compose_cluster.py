@@ -456,6 +456,7 @@ EVERY_SETTING = {
     "wrapper": "torch",
     "bucket_cap_mb": "1.5",
     "parallel": "ddp",
+    "fsdp_units": "",  # set and empty: it is for parallel=zero3 only, and ddp must still see it from the environment
     "pipeline_stages": "0",
     "pipeline_microbatches": "2",
     "pipeline_schedule": "1f1b",

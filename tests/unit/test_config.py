@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from app.worker.config import ConfigError, TrainConfig, load_config
+from app.worker.config import FIELDS, ConfigError, TrainConfig, load_config
 from tests.trainer_run import PYTHON, REPO, clean_env
 
 
@@ -181,3 +181,11 @@ def test_torchrun_variables_are_read_once_with_the_elastic_range():
     )
     assert (elastic.min_world_size, elastic.max_world_size) == (4, 8)
     assert (elastic.node, elastic.restart_count) == ("2", 3)
+
+
+def test_the_compose_settings_run_sets_every_field():
+    """The e2e run that sends every setting through compose must name each field; checked here, without Docker,
+    so a new field fails in seconds rather than after a 30-minute CI run."""
+    from tests.e2e.test_compose_cluster import EVERY_SETTING
+
+    assert set(EVERY_SETTING) == set(FIELDS), "give the new field a value in EVERY_SETTING: it must reach the workers"
