@@ -53,6 +53,7 @@ def train(directory: Path, world: int, args) -> dict:
         launcher += ["-m", "app.train"]
     cmd = [*launcher, "--config", str(CONFIG), "--steps", str(args.steps), "--checkpoint-dir", str(directory)]
     cmd += ["--checkpoint-every", str(args.every), "--keep-checkpoints", str(args.steps // args.every + 1)]
+    cmd += ["--log-every", str(args.every)]  # a training loss beside every held-out one
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDP_")} | {"OMP_NUM_THREADS": "1"}
     started = time.monotonic()
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
@@ -136,9 +137,9 @@ def plot(doc: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for w, run in doc["runs"].items():
-        held = run["held_out_loss"]
-        ax.plot([int(s) for s in held], list(held.values()), marker="o", label=f"held-out, world {w}")
+    for i, (w, run) in enumerate(doc["runs"].items()):
+        held, style = run["held_out_loss"], ("-", "--", ":")[i % 3]  # dashed over solid: equal curves stay visible
+        ax.plot([int(s) for s in held], list(held.values()), style, marker="o", label=f"held-out, world {w}")
         ax.plot([int(s) for s in run["train_loss"]], list(run["train_loss"].values()), alpha=0.5, label=f"train, {w}")
     for name, value in doc["baselines"].items():
         ax.axhline(value, linestyle=":", color="grey")

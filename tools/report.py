@@ -11,9 +11,9 @@ bench's checks on docs/accumulation.md). Prose outside the blocks is written by 
 ``tests/unit/test_docs.py::test_no_measured_number_outside_generated_blocks`` fails when it does.
 
 This module is the mechanism (find the blocks, render, rewrite or check); the renderers live by area in
-``tools/renderers/`` (``ddp``, ``accum``, ``pipeline``, ``metrics``, ``cluster``, ``mutants``, ``sharding``), and the
-scaling page's in ``bench/scaling_fit.py`` beside the model it renders. A new one: a function ``doc -> lines`` (the
-provenance line is added here) and one line in ``RENDERERS``.
+``tools/renderers/`` (``ddp``, ``accum``, ``pipeline``, ``metrics``, ``cluster``, ``mutants``, ``sharding``,
+``corpus``), and the scaling page's in ``bench/scaling_fit.py`` beside the model it renders. A new one: a function
+``doc -> lines`` (the provenance line is added here) and one line in ``RENDERERS``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from bench.scaling_fit import render_block as render_scaling
 from tools.renderers.accum import render_accum_checks, render_accum_curve
 from tools.renderers.cluster import render_chaos, render_drills, render_world_drift
 from tools.renderers.common import claims_table  # noqa: F401 (re-exported: renderers elsewhere import it from here)
+from tools.renderers.corpus import render_corpus_curve
 from tools.renderers.ddp import render_ddp_bench
 from tools.renderers.metrics import render_metrics_budget, render_metrics_overhead
 from tools.renderers.mutants import render_mutants, render_mutation
@@ -68,6 +69,7 @@ RENDERERS = {
     "metrics-budget": render_metrics_budget,
     "scaling": render_scaling,
     "zero": render_zero,
+    "corpus-curve": render_corpus_curve,
 }
 
 
