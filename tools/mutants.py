@@ -169,6 +169,39 @@ MUTANTS: list[Mutant] = [
         'return {"epoch": self.epoch, "consumed": self.consumed // self.global_batch * self.local_samples * 2}',
         T("tests/unit/test_data.py::test_a_resume_on_another_world_size_continues_with_the_next_global_batch"),
     ),
+    # -- a user's data and settings (app/worker/data_files.py, data.py, workload.py, config/load.py) ------------------
+    Mutant(
+        "data-files-target-is-the-input",
+        "a file window's targets are its inputs, not the next tokens: the model learns to copy",
+        "app/worker/data_files.py",
+        "return window[:-1], window[1:]",
+        "return window[:-1], window[:-1]",
+        T("tests/unit/test_data_files.py::test_a_window_is_seq_len_tokens_and_the_next_token_at_each"),
+    ),
+    Mutant(
+        "map-style-batch-repeats-a-sample",
+        "a map-style data set's micro-batch is one sample repeated: the run memorises it",
+        "app/worker/data.py",
+        "pairs = [self.samples[i] for i in indices]",
+        "pairs = [self.samples[indices[0]] for i in indices]",
+        T("tests/unit/test_data_files.py::test_every_window_once_per_epoch_and_the_same_steps_at_any_world_size"),
+    ),
+    Mutant(
+        "kwargs-json-ignored",
+        "DDP_MODEL_KWARGS / --model-kwargs JSON is dropped: the model trains at its defaults",
+        "app/worker/config/load.py",
+        "            value = json.loads(raw)\n",
+        "            value = {}\n",
+        T("tests/unit/test_workload.py::test_specs_and_keywords_from_yaml_env_and_flags"),
+    ),
+    Mutant(
+        "loss-not-checked-scalar",
+        "a loss that is not reduced to a scalar passes the start-up check",
+        "app/worker/workload.py",
+        "if not isinstance(loss, torch.Tensor) or loss.numel() != 1:",
+        "if not isinstance(loss, torch.Tensor):",
+        T("tests/unit/test_workload.py::test_check_workload_names_the_spec_and_the_cause"),
+    ),
     # -- metrics (app/worker/metrics.py) -------------------------------------------------------------------------------
     Mutant(
         "metrics-samples-count-steps",
