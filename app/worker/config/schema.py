@@ -24,6 +24,10 @@ PARALLEL_CHOICES = ("ddp", "pipeline", "dp", "zero1", "zero2", "zero3")
 ZERO_KINDS = ("zero1", "zero2", "zero3")  # the sharded step kinds (app.worker.sharded_step)
 SCHEDULE_CHOICES = ("gpipe", "1f1b")
 DTYPE_CHOICES = ("float32", "float64")
+AUTOCAST_CHOICES = ("none", "bf16", "fp16")
+LR_SCHEDULE_CHOICES = ("constant", "cosine", "linear")
+# The recipe's settings (app.worker.recipe) and their defaults: what a kind other than ddp must leave alone.
+RECIPE_DEFAULTS = {"autocast": "none", "grad_clip_norm": 0.0, "lr_schedule": "constant", "warmup_steps": 0}
 PIPELINE_MAX_STAGES = {"mini_mlp": 3}  # its Linear layers: a stage without one would only pass activations on
 
 
@@ -52,7 +56,21 @@ class TrainConfig:
         "when it does not divide) and each accumulates micro-batches of at most micro_batch",
         None,
     )
-    lr: float = _doc("AdamW learning rate", 0.003)
+    lr: float = _doc("AdamW learning rate (the peak of lr_schedule; scaled when lr_reference_batch is set)", 0.003)
+    lr_schedule: str = _doc(
+        "after warm-up: constant | cosine | linear decay to min_lr_ratio × lr at the last step (a function of the "
+        "optimizer step, stepped once per step)",
+        "constant",
+    )
+    warmup_steps: int = _doc("optimizer steps of linear warm-up from lr / warmup_steps to lr (0 = none)", 0)
+    min_lr_ratio: float = _doc("lr_schedule=cosine|linear: the last step's lr as a fraction of lr (0..1)", 0.0)
+    lr_reference_batch: int = _doc("linear scaling rule: lr × global batch / this many samples (0 = lr as given)", 0)
+    autocast: str = _doc(
+        "mixed precision for forward and loss: none | bf16 | fp16 (fp16 adds a GradScaler; parallel=ddp only)", "none"
+    )
+    grad_clip_norm: float = _doc(
+        "clip the gradient's global L2 norm to this, after unscaling (0 = off; parallel=ddp only)", 0.0
+    )
     dtype: str = _doc(
         "precision of parameters, gradients and inputs: float32 | float64 (parallel=ddp, zero1, zero2; float64 keeps "
         "runs on different world sizes equal to ~1e-15, where float32 rounding can tip a ReLU: docs/cluster.md)",
@@ -122,6 +140,7 @@ class TrainConfig:
         _choice("parallel", self.parallel, PARALLEL_CHOICES)
         _choice("pipeline_schedule", self.pipeline_schedule, SCHEDULE_CHOICES)
         _choice("dtype", self.dtype, DTYPE_CHOICES)
+        self._check_recipe()
         if self.dtype != "float32" and self.parallel not in ("ddp", "zero1", "zero2"):
             # zero3 keeps fp32 master shards whatever the model's dtype: float64 would be rounded at every step.
             raise ConfigError(
@@ -166,6 +185,28 @@ class TrainConfig:
             raise ConfigError(f"inject_nan_at_step={self.inject_nan_at_step}: must be >= 0 (0 = off)")
         if self.model == "tiny_transformer" and self.seq_len > 64:
             raise ConfigError(f"seq_len={self.seq_len}: tiny_transformer has 64 positions; choose seq_len <= 64")
+
+    def _check_recipe(self) -> None:
+        _choice("autocast", self.autocast, AUTOCAST_CHOICES)
+        _choice("lr_schedule", self.lr_schedule, LR_SCHEDULE_CHOICES)
+        for name in ("warmup_steps", "lr_reference_batch"):
+            _at_least(name, getattr(self, name), 0)
+        if self.warmup_steps > self.steps:
+            raise ConfigError(f"warmup_steps={self.warmup_steps} exceeds steps={self.steps}: lower it or raise steps")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"min_lr_ratio={self.min_lr_ratio}: must be in 0..1 (a fraction of lr)")
+        if not self.grad_clip_norm >= 0:
+            raise ConfigError(f"grad_clip_norm={self.grad_clip_norm}: must be >= 0 (0 = off)")
+        if self.autocast != "none" and self.dtype != "float32":
+            raise ConfigError(f"autocast={self.autocast} needs dtype=float32 (its master weights): unset one of them")
+        changed = [f"{k}={getattr(self, k)}" for k, v in RECIPE_DEFAULTS.items() if getattr(self, k) != v]
+        if self.lr_reference_batch:
+            changed.append(f"lr_reference_batch={self.lr_reference_batch}")
+        if changed and self.parallel != "ddp":
+            raise ConfigError(
+                f"{', '.join(changed)}: the recipe runs with parallel=ddp only (not yet in the {self.parallel} step); "
+                f"unset it, or use parallel=ddp"
+            )
 
     def _check_pipeline(self) -> None:
         if self.model not in PIPELINE_MAX_STAGES:
