@@ -231,13 +231,18 @@ def test_a_resumed_recipe_equals_the_straight_run_on_any_world_size(tmp_path):
         assert drift == 0 if world_size == 2 else drift < FP16_TOL
 
 
-def test_a_checkpoint_without_the_recipe_resumes_the_schedule_at_its_step(tmp_path):
-    run_world(_old_checkpoint, 2, str(tmp_path))
+def test_an_old_checkpoint_loads_and_a_changed_lr_rescales_the_schedule(tmp_path):
+    factor = lr_factor(3, schedule="cosine", steps=STEPS, warmup_steps=2, min_lr_ratio=0.1)
+    for old, changed in run_world(_resume_lrs, 2, str(tmp_path)):
+        assert old == pytest.approx(SCHEDULE.lr * 2 * factor)  # the peak is lr × 32 / 16, the schedule at step 3
+        assert changed == pytest.approx(2 * SCHEDULE.lr * 2 * factor)  # lr doubled on resume: the new peak
 
 
-def _old_checkpoint(rank: int, world: int, directory: str) -> None:
-    """A checkpoint written before schedules existed (no ``lr_scheduler``) still loads: the schedule resumes at its
-    step, with the configured lr as its base."""
+def _resume_lrs(rank: int, world: int, directory: str) -> tuple[float, float]:
+    """The lr after resuming (a) a checkpoint written before schedules existed (no ``lr_scheduler``: the schedule is
+    put at its step), (b) one with the schedule's state, by a run whose configured lr is twice the old one."""
+    import dataclasses
+
     import torch.distributed as dist
 
     from app.worker.checkpoint import Checkpointer
@@ -246,22 +251,25 @@ def _old_checkpoint(rank: int, world: int, directory: str) -> None:
 
     ctx = DistContext(rank, rank, world, torch.device("cpu"), dist.get_backend())
 
-    def checkpointer(schedule: bool) -> tuple[Checkpointer, LRSchedule | None]:
+    def checkpointer(cfg: TrainConfig | None, folder: str) -> tuple[Checkpointer, LRSchedule | None]:
         model = MiniMLP()
         opt = torch.optim.AdamW(model.parameters(), lr=SCHEDULE.lr)
-        sched = LRSchedule(opt, SCHEDULE, GLOBAL) if schedule else None
+        sched = LRSchedule(opt, cfg, GLOBAL) if cfg else None
         batches = GlobalBatches(build_dataset("mini_mlp", 256, 0), GLOBAL, MICRO, rank, world, 0, ctx.device)
-        run = {"model_name": "mini_mlp", "seed": 0, "lr": SCHEDULE.lr, "global_batch": GLOBAL}
+        run = {"model_name": "mini_mlp", "seed": 0, "lr": (cfg or SCHEDULE).lr, "global_batch": GLOBAL}
         ckpt = Checkpointer(
-            directory, every=1, keep=2, ctx=ctx, model=model, optimizer=opt, batches=batches, lr_schedule=sched, **run
+            folder, every=1, keep=2, ctx=ctx, model=model, optimizer=opt, batches=batches, lr_schedule=sched, **run
         )
         return ckpt, sched
 
-    checkpointer(schedule=False)[0].save(3)
-    dist.barrier()
-    ckpt, sched = checkpointer(schedule=True)
+    checkpointer(None, f"{directory}/old")[0].save(3)
+    dist.barrier()  # rank 0's file is on disk before anyone resumes
+    ckpt, sched = checkpointer(SCHEDULE, f"{directory}/old")
     assert ckpt.resume().step == 3
-    assert sched.scheduler.last_epoch == 3
-    assert sched.lr == pytest.approx(
-        SCHEDULE.lr * 2 * lr_factor(3, schedule="cosine", steps=4, warmup_steps=2, min_lr_ratio=0.1)
-    )
+    old = sched.lr
+    ckpt.directory = f"{directory}/new"
+    ckpt.save(3)
+    dist.barrier()
+    ckpt, changed = checkpointer(dataclasses.replace(SCHEDULE, lr=2 * SCHEDULE.lr), f"{directory}/new")
+    assert ckpt.resume().step == 3 and changed.scheduler.last_epoch == 3
+    return old, changed.lr
