@@ -45,10 +45,17 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
         ("app/worker/dist*", "app/worker/elastic*"),
         ("tests/integration/test_world*.py", "tests/integration/test_train.py", "-k", SLOW),
     ),
+    (("app/worker/recipe*",), ("tests/integration/test_recipe*.py",)),
     (("app/worker/*",), ("tests/integration/test_train.py", "tests/integration/test_resume*.py", "-k", SLOW)),
     (
         ("app/parallel/accum*",),
-        ("tests/unit/test_data*.py", "tests/integration/test_accum*.py", "-k", "not make_accum_writes"),
+        (
+            "tests/unit/test_data*.py",
+            "tests/integration/test_accum*.py",
+            "tests/integration/test_recipe*.py",  # StepRecipe: autocast, GradScaler, clipping
+            "-k",
+            "not make_accum_writes",
+        ),
     ),
     (("app/parallel/model_parallel*",), ("tests/integration/test_model_parallel*.py",)),
     (

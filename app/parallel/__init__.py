@@ -2,7 +2,8 @@
 
 - ``ddp.py``: ``DistributedDataParallel`` from scratch (broadcast, buckets, async all-reduce, ``no_sync``, ...)
 - ``comm_hooks.py``: comm hooks for it (plain all-reduce, fp16, bf16), PyTorch's signature
-- ``accum.py``: the gradient-accumulation step (``accumulation_step``)
+- ``accum.py``: the gradient-accumulation step (``accumulation_step``) and its recipe (``StepRecipe``: autocast,
+  GradScaler, clipping)
 - ``probes.py``: what one step's communication cost, whichever wrapper did it
 - ``zero.py``: ZeRO stage 1, ``ZeroRedundancyOptimizer`` (optimizer state sharded), PyTorch's constructor
 - ``sharded_grad.py``: ZeRO stage 2, ``ShardedGradDataParallel`` (gradients reduce-scattered, state sharded)

@@ -18,6 +18,18 @@ local samples × world_size / global samples makes the wrapper's average over ra
 
     mean over ranks of (n_r × W / B) × mean_r  =  Σ_r n_r × mean_r / B  =  the mean over all B samples
 
+The recipe around it (all optional, in this order; docs/training.md "The recipe")::
+
+    with torch.autocast(device_type, dtype):               # bf16 or fp16 forward + loss; backward outside
+        loss = loss_fn(model(x), y)
+    scaler.scale(loss * weight).backward()                  # fp16 only: GradScaler keeps small grads representable
+    scaler.unscale_(optimizer)                              # once per step, so clipping sees the true gradient
+    clip_grad_norm_(model.parameters(), grad_clip_norm)     # by the global norm of the averaged gradient
+    scaler.step(optimizer); scaler.update()                 # skips the step if any gradient is inf/NaN
+
+Under DDP the gradient a scaler inspects is the all-reduced one, identical on every rank: an overflow on one rank
+makes it inf everywhere, so every rank skips the same step and halves its scale alike, with no extra collective.
+
 Used by the trainer (``app.train``); shown across real ranks, with every claim measured, by ``make accum``
 (``bench/accum.py``); tested by ``python -m pytest tests/integration/test_accum.py``.
 """
@@ -127,6 +139,54 @@ class StepResult:
     forward_seconds: float
     backward_seconds: float
     optimizer_seconds: float
+    grad_norm: float | None = None  # global norm of the averaged gradient before clipping (None: not clipped)
+    skipped: bool = False  # the GradScaler found inf/NaN gradients and skipped the optimizer step (every rank alike)
+
+
+@dataclass
+class StepRecipe:
+    """The optional parts of the recipe: autocast, a GradScaler (fp16), clipping by global norm.
+
+    ``autocast_dtype``: ``torch.bfloat16`` / ``torch.float16`` for the forward and loss, None for none.
+    ``scaler``: a ``torch.amp.GradScaler`` (fp16: its range is too small for tiny gradients), None for none.
+    ``grad_clip_norm``: clip the global L2 norm of the gradient to this (0 = off).
+
+    Example::
+
+        recipe = StepRecipe(torch.float16, torch.amp.GradScaler("cpu"), grad_clip_norm=1.0)
+        accumulation_step(ddp, optimizer, micro_batches, F.cross_entropy, recipe=recipe)
+    """
+
+    autocast_dtype: torch.dtype | None = None
+    scaler: torch.amp.GradScaler | None = None
+    grad_clip_norm: float = 0.0
+
+    def autocast(self, device_type: str):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=self.autocast_dtype)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float | None, bool]:
+        """unscale → clip → step → update; returns ``(grad_norm before clipping, skipped)``."""
+        scaler = self.scaler
+        if scaler is not None:
+            # Once per optimizer step, after the last micro-batch: the gradients hold scale × the true gradient.
+            scaler.unscale_(optimizer)
+        norm = None
+        if self.grad_clip_norm > 0:
+            # The all-reduced gradient is the same on every rank, so every rank computes the same norm and clips
+            # alike. Non-finite (an fp16 overflow) gives a NaN norm; scaler.step skips that step anyway.
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), self.grad_clip_norm))
+        if scaler is None:
+            optimizer.step()
+            return norm, False
+        before = scaler.get_scale()
+        scaler.step(optimizer)  # skipped when unscale_ found inf/NaN in any gradient of this optimizer
+        scaler.update()  # once per optimizer step: halves the scale after a skip, grows it after growth_interval
+        return norm, scaler.get_scale() < before  # the scale only ever shrinks after a skipped step
 
 
 def _process_group(model: nn.Module):
@@ -164,6 +224,7 @@ def accumulation_step(
     synchronize: Callable[[], None] = lambda: None,
     grad_scale: float = 1.0,
     agree_nonfinite: Callable[[bool], bool] | None = None,
+    recipe: StepRecipe | None = None,
 ) -> StepResult:
     """One optimizer step over ``K = len(micro_batches)`` micro-batches.
 
@@ -175,6 +236,7 @@ def accumulation_step(
     real). ``grad_scale`` multiplies every micro-batch's loss weight: local samples × world_size / global samples
     when the ranks' shares of a global batch differ. ``agree_nonfinite(local) -> any rank`` replaces the built-in
     one-flag all-reduce, so a caller can carry its own per-step agreement in the same collective.
+    ``recipe`` adds autocast, loss scaling and clipping (``StepRecipe``); none of them adds a collective.
     """
     k = len(micro_batches)
     if k == 0:
@@ -182,6 +244,8 @@ def accumulation_step(
     sizes = [x.shape[0] for x, _ in micro_batches]
     total = sum(sizes)
     has_no_sync = hasattr(model, "no_sync")
+    recipe = recipe or StepRecipe()
+    device_type = micro_batches[0][0].device.type
     optimizer.zero_grad(set_to_none=True)
     # The loss stays on its device until the end: a .item() per micro-batch would stall a GPU queue K times a step.
     loss_sum: torch.Tensor | float = 0.0
@@ -196,14 +260,15 @@ def accumulation_step(
         with context:
             synchronize()
             t0 = time.perf_counter()
-            loss = loss_fn(model(x), y)
+            with recipe.autocast(device_type):  # forward and loss only: backward runs in the forward's dtypes
+                loss = loss_fn(model(x), y)
             synchronize()
             t1 = time.perf_counter()
             # Each micro-batch loss is a mean over its samples; weighting it by its share of the samples (1/K when
             # the micro-batches are equal) makes the accumulated gradient the mean over all of them: exactly the
             # gradient of one big batch. Unequal micro-batches (a short last one) keep their true weight.
             weight = sizes[i] / total * grad_scale if scale_loss else 1.0
-            (loss * weight).backward()
+            recipe.scale(loss * weight).backward()
             synchronize()
             t2 = time.perf_counter()
         fwd += t1 - t0
@@ -223,9 +288,17 @@ def accumulation_step(
             local=local,
         )
     t3 = time.perf_counter()
-    optimizer.step()  # once per effective batch: momentum and Adam moments advance once, not K times
+    # Once per effective batch: momentum and Adam moments advance once, not K times.
+    grad_norm, skipped = recipe.step(model, optimizer)
     synchronize()
     opt = time.perf_counter() - t3
     return StepResult(
-        loss=mean_loss, samples=total, syncs=syncs, forward_seconds=fwd, backward_seconds=bwd, optimizer_seconds=opt
+        loss=mean_loss,
+        samples=total,
+        syncs=syncs,
+        forward_seconds=fwd,
+        backward_seconds=bwd,
+        optimizer_seconds=opt,
+        grad_norm=grad_norm,
+        skipped=skipped,
     )

@@ -86,6 +86,8 @@ class Checkpointer:
         keep: checkpoints kept on disk.
         ctx: this rank's ``DistContext``; rank 0 reads and writes, every rank joins the collectives.
         model, optimizer, batches: what is saved and restored (the *unwrapped* model).
+        lr_schedule, grad_scaler: two more ``Stateful``s, or None (saved as ``lr_scheduler`` / ``grad_scaler``; a
+            checkpoint without them, written before they existed, still loads: the schedule is put at its step).
         model_name, seed, lr, global_batch: recorded in the file / applied on resume.
 
     Example::
@@ -112,8 +114,11 @@ class Checkpointer:
         seed: int,
         lr: float,
         global_batch: int,
+        lr_schedule=None,
+        grad_scaler=None,
     ):
         self.directory, self.every, self.keep, self.ctx = directory, every, keep, ctx
+        self.lr_schedule, self.grad_scaler = lr_schedule, grad_scaler
         self.model, self.optimizer, self.batches = model, optimizer, batches
         self.model_name, self.seed, self.lr, self.global_batch = model_name, seed, lr, global_batch
         self.generation = 1  # this world is the job's first, unless a checkpoint says otherwise
@@ -154,9 +159,18 @@ class Checkpointer:
         self.optimizer.load_state_dict(state["optimizer"])  # moves state to the parameters' device, `step` stays
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr  # the configured lr wins over the saved one: changing it on resume is allowed
+        self._restore_recipe(state, step)
         self.batches.load_state_dict(state["data"])
         self._restore_rng(state["rng"], step)
         return self._resumed(state, step, path)
+
+    def _restore_recipe(self, state: dict[str, Any], step: int) -> None:
+        if self.lr_schedule is not None:
+            # The schedule is a function of the step index with the *configured* lr as its base (LRSchedule), so a
+            # changed lr still wins; a checkpoint from before schedules existed needs only its step.
+            self.lr_schedule.load_state_dict(state.get("lr_scheduler") or {"last_epoch": step})
+        if self.grad_scaler is not None and state.get("grad_scaler"):
+            self.grad_scaler.load_state_dict(state["grad_scaler"])  # else a fresh scale (e.g. the run was bf16)
 
     def _resumed(self, state: dict[str, Any], step: int, path: Path) -> Resumed:
         self.generation = int(state.get("generation", 1)) + 1
@@ -273,6 +287,9 @@ class Checkpointer:
             "wall_time": time.time(),
             "global_batch": self.global_batch,
         }
+        for key, stateful in (("lr_scheduler", self.lr_schedule), ("grad_scaler", self.grad_scaler)):
+            if stateful is not None:
+                state[key] = stateful.state_dict()
         path = save_checkpoint(self.directory, state, keep=self.keep)
         return path, time.perf_counter() - t0
 

@@ -73,6 +73,8 @@ class ShardedStep(DDPStep):
         super().__init__(cfg, ctx, model, loss_fn, grad_accum_steps=grad_accum_steps)
         # DDPStep built an AdamW over the bare parameters (it allocates no state before a step): replaced here.
         self.optimizer = self.build_optimizer()
+        # No recipe here yet (the config refuses one): the lr stays the configured one, set again on resume.
+        self.lr_schedule = None
         self.model_state = self.optimizer_state = ShardedState(self.wrapped, self.optimizer, cfg.parallel)
         self.metrics = metrics
         metrics.enable_zero(self.stage)

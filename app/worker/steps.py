@@ -7,7 +7,9 @@ work; each builds what it needs from ``(cfg, ctx, model, loss_fn)`` and exposes 
 - ``train_step(micro_batches, agree_nonfinite, inject_nan=False) -> StepOutcome``: one optimizer step;
 - ``model_state`` / ``optimizer_state``: the two ``Stateful``s (``state_dict``/``load_state_dict``) the
   ``Checkpointer`` saves and restores: always the *whole, bare* model's state, so every checkpoint loads into
-  ``build_model(cfg)`` (app.worker.workload) without a wrapper;
+  ``build_model(cfg)`` (app.worker.workload) without a wrapper; ``lr_schedule`` / ``grad_scaler``: two more, or
+  None where the kind has none (only ``parallel=ddp`` runs the recipe of app.worker.recipe: autocast, GradScaler,
+  clipping, schedule);
 - ``batches`` (this rank's share of each global batch), ``global_batch``, ``describe_batch()`` for the start line;
 - ``before_save()`` (collective: whatever must be gathered first) and ``final_model()`` (the module FINISHED
   checksums, the same on every rank).
@@ -42,6 +44,7 @@ from app.worker.config import TrainConfig
 from app.worker.data import GlobalBatches
 from app.worker.dist import DistContext
 from app.worker.metrics import synchronize_for
+from app.worker.recipe import LRSchedule, build_step_recipe
 from app.worker.workload import build_dataset
 
 MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -61,6 +64,8 @@ class StepOutcome:
     comm_seconds: float  # what the progress line shows as "comm"
     exposed_seconds: float | None  # communication backward waited for; None when not measurable
     lr: float  # the learning rate the optimizer stepped with
+    grad_norm: float | None = None  # the gradient's global norm before clipping (None: not clipped)
+    skipped: bool = False  # the GradScaler skipped this step (an inf/NaN gradient on some rank: all skip)
 
 
 class Stateful(Protocol):
@@ -78,6 +83,8 @@ class TrainStep(Protocol):
     batches: GlobalBatches
     model_state: Stateful
     optimizer_state: Stateful
+    lr_schedule: Stateful | None
+    grad_scaler: Stateful | None
 
     def train_step(
         self, micro_batches: MicroBatches, agree_nonfinite: Callable[[bool], bool], inject_nan: bool = False
@@ -126,6 +133,10 @@ class DDPStep:
         )
         # The bare model and its optimizer are Stateful as they are: checkpoints never hold the wrapper.
         self.model_state, self.optimizer_state = self.model, self.optimizer
+        # The schedule's lr scales with this world's global batch (lr_reference_batch), fixed by effective_batch.
+        self.lr_schedule: LRSchedule | None = LRSchedule(self.optimizer, cfg, self.global_batch)
+        self.recipe = build_step_recipe(cfg, ctx.device)
+        self.grad_scaler = self.recipe.scaler  # a Stateful too (its scale and growth tracker), None but for fp16
         self.wrapped = self.wrap(self.model)
         self.probe = comm_probe(self.wrapped)
         self.synchronize = synchronize_for(ctx.device)
@@ -146,7 +157,11 @@ class DDPStep:
             synchronize=self.synchronize,
             grad_scale=self.batches.grad_scale,
             agree_nonfinite=agree_nonfinite,
+            recipe=self.recipe,
         )
+        lr = self.optimizer.param_groups[0]["lr"]  # what this step used, before the schedule moves on
+        if self.lr_schedule is not None:
+            self.lr_schedule.step()  # also after a skipped (overflowed) step: the lr is a function of the step index
         comm = self.probe.take()
         return StepOutcome(
             loss=result.loss,
@@ -158,7 +173,9 @@ class DDPStep:
             comm=comm,
             comm_seconds=comm.seconds,
             exposed_seconds=comm.wait_seconds,
-            lr=self.optimizer.param_groups[0]["lr"],
+            lr=lr,
+            grad_norm=result.grad_norm,
+            skipped=result.skipped,
         )
 
     def describe_batch(self) -> str:

@@ -67,6 +67,8 @@ class Trainer:
             seed=cfg.seed,
             lr=cfg.lr,
             global_batch=step.global_batch,
+            lr_schedule=getattr(step, "lr_schedule", None),  # only the kinds that run the recipe have these
+            grad_scaler=getattr(step, "grad_scaler", None),
         )
         torch.manual_seed(cfg.seed + ctx.rank)  # per-rank randomness (dropout, ...) differs between ranks
         self.resumed = self.checkpointer.resume()
@@ -108,6 +110,8 @@ class Trainer:
                 f"before the optimizer step. {self.checkpointer.last_good()} Lower lr or check the data"
             ) from None
         seconds = time.perf_counter() - t0
+        if outcome.skipped:  # every rank skipped it alike; the schedule moved on all the same
+            log.info("step %d skipped by the GradScaler (inf/NaN gradient on some rank); scale halved", step_index)
         self.metrics.observe_step(
             step_seconds=seconds,
             forward_seconds=outcome.forward_seconds,

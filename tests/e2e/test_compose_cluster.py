@@ -454,6 +454,12 @@ EVERY_SETTING = {
     "grad_accum_steps": "2",
     "effective_batch": "",  # unset: configs/compose.yaml's 128 must give way to the environment's "unset"
     "lr": "0.0042",
+    "lr_schedule": "linear",
+    "warmup_steps": "2",
+    "min_lr_ratio": "0.1",
+    "lr_reference_batch": "32",
+    "autocast": "none",  # set and "none": bf16/fp16 need dtype=float32, and this run is float64
+    "grad_clip_norm": "2.5",
     "dtype": "float64",
     "seed": "7",
     "dataset_size": "4096",

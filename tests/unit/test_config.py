@@ -97,6 +97,16 @@ def test_unknown_env_setting_is_an_error_with_the_nearest_name():
         ({"model": "tiny_transformer", "seq_len": 65}, "seq_len"),
         ({"dtype": "float16"}, "dtype"),
         ({"dtype": "float64", "parallel": "pipeline", "pipeline_stages": 2}, "dtype"),
+        ({"autocast": "fp8"}, "autocast"),
+        ({"autocast": "bf16", "dtype": "float64"}, "autocast"),
+        ({"lr_schedule": "step"}, "lr_schedule"),
+        ({"warmup_steps": 201}, "warmup_steps"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"min_lr_ratio": 1.5}, "min_lr_ratio"),
+        ({"grad_clip_norm": -1.0}, "grad_clip_norm"),
+        ({"lr_reference_batch": -64}, "lr_reference_batch"),
+        ({"lr_schedule": "cosine", "parallel": "zero2"}, "lr_schedule"),
+        ({"grad_clip_norm": 1.0, "parallel": "pipeline"}, "grad_clip_norm"),
     ],
 )
 def test_validation_names_the_field(kwargs, field):
@@ -119,6 +129,12 @@ BAD = {
     "bad yaml key": (["--config", "@bad.yaml"], {}, "unknown setting 'stpes'"),
     "wrapper none with 2 ranks": (["--wrapper", "none"], {"WORLD_SIZE": "2"}, "wrapper=none with world_size=2"),
     "unknown flag": (["--stpes", "5"], {}, "--stpes"),
+    "the recipe with a sharded kind": (
+        ["--autocast", "bf16", "--parallel", "zero3"],
+        {},
+        "autocast=bf16: the recipe runs with parallel=ddp only (not yet in the zero3 step); unset it, or use "
+        "parallel=ddp",
+    ),
     "unknown env setting": ([], {"DDP_STESP": "10"}, "DDP_STESP: no such setting (did you mean DDP_STEPS?)"),
     "env value of the wrong type": ([], {"DDP_LR": "abc"}, "lr='abc' (from env DDP_LR): must be a float"),
     "data set smaller than one micro-batch": (

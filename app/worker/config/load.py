@@ -34,7 +34,8 @@ from typing import Any
 import yaml
 
 from app.cli import OneLineParser
-from app.worker.config.schema import ConfigError, TrainConfig
+from app.worker.config.checks import ConfigError
+from app.worker.config.schema import TrainConfig
 
 ENV_PREFIX = "DDP_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"  # the YAML file's path, when not given with --config

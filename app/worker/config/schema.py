@@ -1,4 +1,5 @@
-"""The trainer's settings: ``TrainConfig``, one documented dataclass validated on construction, and ``ConfigError``.
+"""The trainer's settings: ``TrainConfig``, one documented dataclass validated on construction (``ConfigError``:
+app.worker.config.checks, with the checks where settings depend on each other).
 
 Each field has a one-line doc with its unit (it becomes the flag's ``--help`` and the docs' table); ``__post_init__``
 checks what a value alone can break, ``check_world`` what needs the world size or this machine (it imports torch,
@@ -8,7 +9,7 @@ exits 2. Where the values come from (file, environment, flags) is ``app.worker.c
     >>> TrainConfig(steps=0)
     Traceback (most recent call last):
     ...
-    app.worker.config.schema.ConfigError: steps=0: must be an integer >= 1
+    app.worker.config.checks.ConfigError: steps=0: must be an integer >= 1
 """
 
 from __future__ import annotations
@@ -17,19 +18,22 @@ from dataclasses import MISSING, asdict, dataclass, field
 from typing import Any
 
 from app.parallel import WRAPPERS
-from app.specs import MODEL_DATA, MODEL_SPECS, builtin_name
+from app.worker.config.checks import (
+    PIPELINE_MAX_STAGES,
+    ConfigError,
+    at_least,
+    check_pipeline,
+    check_recipe,
+    check_workload,
+    choice,
+)
 
-MODEL_CHOICES = tuple(MODEL_SPECS)  # the built-in names; any 'package.module:callable' spec is also a model
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 PARALLEL_CHOICES = ("ddp", "pipeline", "dp", "zero1", "zero2", "zero3")
 ZERO_KINDS = ("zero1", "zero2", "zero3")  # the sharded step kinds (app.worker.sharded_step)
 SCHEDULE_CHOICES = ("gpipe", "1f1b")
 DTYPE_CHOICES = ("float32", "float64")
-PIPELINE_MAX_STAGES = {"mini_mlp": 3}  # its Linear layers: a stage without one would only pass activations on
-
-
-class ConfigError(ValueError):
-    """A bad configuration value; ``str()`` is the one-line message shown to the user."""
+# The recipe's settings (app.worker.recipe) and their defaults: what a kind other than ddp must leave alone.
 
 
 def _doc(text: str, default: Any = MISSING) -> Any:
@@ -74,7 +78,21 @@ class TrainConfig:
         "when it does not divide) and each accumulates micro-batches of at most micro_batch",
         None,
     )
-    lr: float = _doc("AdamW learning rate", 0.003)
+    lr: float = _doc("AdamW learning rate (the peak of lr_schedule; scaled when lr_reference_batch is set)", 0.003)
+    lr_schedule: str = _doc(
+        "after warm-up: constant | cosine | linear decay to min_lr_ratio × lr at the last step (a function of the "
+        "optimizer step, stepped once per step)",
+        "constant",
+    )
+    warmup_steps: int = _doc("optimizer steps of linear warm-up from lr / warmup_steps to lr (0 = none)", 0)
+    min_lr_ratio: float = _doc("lr_schedule=cosine|linear: the last step's lr as a fraction of lr (0..1)", 0.0)
+    lr_reference_batch: int = _doc("linear scaling rule: lr × global batch / this many samples (0 = lr as given)", 0)
+    autocast: str = _doc(
+        "mixed precision for forward and loss: none | bf16 | fp16 (fp16 adds a GradScaler; parallel=ddp only)", "none"
+    )
+    grad_clip_norm: float = _doc(
+        "clip the gradient's global L2 norm to this, after unscaling (0 = off; parallel=ddp only)", 0.0
+    )
     dtype: str = _doc(
         "precision of parameters, gradients and inputs: float32 | float64 (parallel=ddp, zero1, zero2; float64 keeps "
         "runs on different world sizes equal to ~1e-15, where float32 rounding can tip a ReLU: docs/cluster.md)",
@@ -140,12 +158,13 @@ class TrainConfig:
     inject_nan_at_step: int = _doc("failure drill: the last rank's loss becomes NaN at this step (0 = off)", 0)
 
     def __post_init__(self) -> None:
-        self._check_workload()
-        _choice("wrapper", self.wrapper, WRAPPERS)
-        _choice("device", self.device, DEVICE_CHOICES)
-        _choice("parallel", self.parallel, PARALLEL_CHOICES)
-        _choice("pipeline_schedule", self.pipeline_schedule, SCHEDULE_CHOICES)
-        _choice("dtype", self.dtype, DTYPE_CHOICES)
+        check_workload(self)
+        choice("wrapper", self.wrapper, WRAPPERS)
+        choice("device", self.device, DEVICE_CHOICES)
+        choice("parallel", self.parallel, PARALLEL_CHOICES)
+        choice("pipeline_schedule", self.pipeline_schedule, SCHEDULE_CHOICES)
+        choice("dtype", self.dtype, DTYPE_CHOICES)
+        check_recipe(self)
         if self.dtype != "float32" and self.parallel not in ("ddp", "zero1", "zero2"):
             # zero3 keeps fp32 master shards whatever the model's dtype: float64 would be rounded at every step.
             raise ConfigError(
@@ -156,10 +175,10 @@ class TrainConfig:
             raise ConfigError(
                 f"fsdp_units={self.fsdp_units!r} is for parallel=zero3 only: unset it for {self.parallel}"
             )
-        _at_least("pipeline_stages", self.pipeline_stages, 0)
-        _at_least("pipeline_microbatches", self.pipeline_microbatches, 1)
+        at_least("pipeline_stages", self.pipeline_stages, 0)
+        at_least("pipeline_microbatches", self.pipeline_microbatches, 1)
         if self.parallel == "pipeline":
-            self._check_pipeline()
+            check_pipeline(self)
         for name in (
             "steps",
             "micro_batch",
@@ -169,10 +188,10 @@ class TrainConfig:
             "keep_checkpoints",
             "log_every",
         ):
-            _at_least(name, getattr(self, name), 1)
+            at_least(name, getattr(self, name), 1)
         for name in ("grad_accum_steps", "effective_batch"):
             if getattr(self, name) is not None:
-                _at_least(name, getattr(self, name), 1)
+                at_least(name, getattr(self, name), 1)
         for name in (
             "lr",
             "bucket_cap_mb",
@@ -190,59 +209,6 @@ class TrainConfig:
             raise ConfigError(f"inject_nan_at_step={self.inject_nan_at_step}: must be >= 0 (0 = off)")
         if self.model == "tiny_transformer" and not self.data and self.seq_len > 64:
             raise ConfigError(f"seq_len={self.seq_len}: tiny_transformer has 64 positions; choose seq_len <= 64")
-
-    def _check_workload(self) -> None:
-        """What the model/data/loss settings alone can break; app.worker.workload imports and tries the specs."""
-        if self.model not in MODEL_SPECS and ":" not in self.model:
-            raise ConfigError(
-                f"model={self.model!r}: not a built-in model ({' | '.join(MODEL_CHOICES)}) nor an import spec "
-                f"'package.module:callable'"
-            )
-        builtin = builtin_name(self.model, MODEL_SPECS)
-        if not self.data and builtin not in MODEL_DATA:
-            raise ConfigError(
-                f'data="": model={self.model} has no built-in data set; set data to an import spec '
-                f"'package.module:callable' returning (input, target) samples"
-            )
-        if not self.loss and builtin is None:
-            raise ConfigError(
-                f'loss="": model={self.model} is not a built-in model, so it has no built-in loss; set loss '
-                f"(cross_entropy | mse | 'package.module:callable')"
-            )
-        for name in ("model_kwargs", "data_kwargs", "loss_kwargs"):
-            value = getattr(self, name)
-            if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-                raise ConfigError(f"{name}={value!r}: must be a mapping of keyword: value")
-        if self.data_kwargs and not self.data:
-            raise ConfigError(
-                f"data_kwargs={self.data_kwargs!r}: keywords need a data spec (the built-in data set takes "
-                f"dataset_size, seq_len and seed); set data, or unset data_kwargs"
-            )
-
-    def _check_pipeline(self) -> None:
-        if self.model not in PIPELINE_MAX_STAGES:
-            raise ConfigError(
-                f"parallel=pipeline: model={self.model} cannot be cut into stages (its blocks take a mask); "
-                f"use model=mini_mlp, or parallel=ddp"
-            )
-        top = PIPELINE_MAX_STAGES[self.model]
-        if self.pipeline_stages > top:
-            raise ConfigError(
-                f"pipeline_stages={self.pipeline_stages}: {self.model} has {top} layers with parameters; "
-                f"use at most {top} stages"
-            )
-        if self.effective_batch is None and self.micro_batch % self.pipeline_microbatches:
-            raise ConfigError(
-                f"pipeline_microbatches={self.pipeline_microbatches} does not divide micro_batch={self.micro_batch}: "
-                f"unequal micro-batches would change the loss; choose a divisor of {self.micro_batch}"
-            )
-        if (self.grad_accum_steps or 1) != 1:
-            raise ConfigError(
-                f"grad_accum_steps={self.grad_accum_steps}: with parallel=pipeline the pipeline's micro-batches "
-                f"replace gradient accumulation; leave it unset (size the step with micro_batch or effective_batch)"
-            )
-        if self.inject_nan_at_step:
-            raise ConfigError("inject_nan_at_step: the NaN drill runs with parallel=ddp only; set it to 0")
 
     def pipeline_layout(self, world_size: int) -> tuple[int, int]:
         """``(stages, replicas)`` of ``parallel=pipeline`` in a world of ``world_size`` ranks; ConfigError if none.
@@ -366,13 +332,3 @@ class TrainConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{name}={value!r}: must be one of {' | '.join(choices)}")
-
-
-def _at_least(name: str, value: int, low: int) -> None:
-    if value < low:
-        raise ConfigError(f"{name}={value}: must be an integer >= {low}")
