@@ -25,11 +25,11 @@ import os
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
-
-from app.parallel import wrap_model
 from user_model.data import Blobs
 from user_model.loss import smoothed_cross_entropy
 from user_model.model import build_model
+
+from app.parallel import wrap_model
 
 
 def parse_args() -> argparse.Namespace:
