@@ -6,8 +6,9 @@
     >>> build("tests.models_broken:dataset", {"size": 64})          # anything else: call it, keep what it returns
 
 This is how a user's own model, data and loss reach the project's tools (``python -m app.check``, the worker's
-config later) without editing them: the module is imported, the attribute looked up, the keywords checked against
-the callable's signature *before* calling it, and the result checked for the kind of object asked for. Whatever is
+``model``/``data``/``loss`` settings) without editing them: the module is imported, the attribute looked up, the
+keywords checked against the callable's signature *before* calling it, and the result checked for the kind of object
+asked for. Whatever is
 wrong comes back as a ``SpecError`` (a ``ValueError``) whose one line names the spec and the cause, so a command
 line tool can print it and exit with code 2 before any rank starts.
 
@@ -28,6 +29,21 @@ MODEL_SPECS = {
     "deep_mlp": "app.worker.models:DeepMLP",
     "tiny_transformer": "app.worker.models:TinyTransformer",
 }
+# The built-in data sets and losses, the same way: the worker's `data: markov_sequences` is `app.worker.data:...`.
+DATA_SPECS = {
+    "teacher_classification": "app.worker.data:teacher_classification",
+    "markov_sequences": "app.worker.data:markov_sequences",
+    "text_files": "app.worker.data_files:text_files",
+    "token_file": "app.worker.data_files:token_file",
+    "stdlib_corpus": "app.worker.data_files:stdlib_corpus",
+}
+LOSS_SPECS = {
+    "cross_entropy": "app.worker.data:cross_entropy",  # over the last dim: [B, C] and [B, T, C] outputs alike
+    "mse": "torch.nn.functional:mse_loss",
+}
+# A built-in model's own data set and loss: what the worker trains when `data` / `loss` are unset.
+MODEL_DATA = {"mini_mlp": "teacher_classification", "tiny_transformer": "markov_sequences"}
+MODEL_LOSS = {"mini_mlp": "cross_entropy", "deep_mlp": "mse", "tiny_transformer": "cross_entropy"}
 
 
 class SpecError(ValueError):
@@ -67,14 +83,15 @@ def resolve(spec: str, aliases: Mapping[str, str] | None = None) -> Callable:
     return obj
 
 
-def check_kwargs(fn: Callable, kwargs: Mapping[str, Any], spec: str) -> None:
-    """Raise ``SpecError`` unless ``fn(**kwargs)`` binds to ``fn``'s signature (checked without calling it)."""
+def check_kwargs(fn: Callable, kwargs: Mapping[str, Any], spec: str, *, partial: bool = False) -> None:
+    """Raise ``SpecError`` unless ``fn(**kwargs)`` binds to ``fn``'s signature (checked without calling it);
+    ``partial``: the keywords only, the call supplies the rest (a loss gets ``output, target``)."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return  # a builtin without a signature: the call itself will tell
     try:
-        signature.bind(**kwargs)
+        (signature.bind_partial if partial else signature.bind)(**kwargs)
     except TypeError as e:
         takes = [n for n, p in signature.parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         raise SpecError(f"spec {spec!r}: {e} (it takes: {', '.join(takes) or 'no keywords'})") from None
@@ -116,6 +133,26 @@ def build_model(spec: str, kwargs: Mapping[str, Any] | None = None):
     from torch import nn
 
     return build(spec, kwargs, returns=nn.Module, what="a torch.nn.Module", aliases=MODEL_SPECS)
+
+
+def builtin_name(spec: str, aliases: Mapping[str, str]) -> str | None:
+    """The alias ``spec`` is or stands for (``"app.worker.models:MiniMLP"`` -> ``"mini_mlp"``), else ``None``."""
+    if spec in aliases:
+        return spec
+    return next((name for name, full in aliases.items() if full == spec), None)
+
+
+def build_loss(spec: str, kwargs: Mapping[str, Any] | None = None, aliases: Mapping[str, str] | None = None):
+    """The loss ``loss(output, target) -> scalar`` a spec names: a class is instantiated with the keywords
+    (``torch.nn:CrossEntropyLoss``), a function used as it is with the keywords bound
+    (``torch.nn.functional:smooth_l1_loss``)."""
+    import functools
+
+    fn = resolve(spec, aliases)
+    if inspect.isclass(fn):
+        return build(spec, kwargs, aliases=aliases)
+    check_kwargs(fn, kwargs or {}, spec, partial=True)
+    return functools.partial(fn, **kwargs) if kwargs else fn
 
 
 def _one_line(e: BaseException) -> str:

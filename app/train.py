@@ -54,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         resolved = load_config(argv)
         cfg = resolved.config
         grad_accum_steps = cfg.check_world(world.world_size, world.local_world_size)
+        # The model, data and loss specs imported and tried on two samples, before the process group forms: a bad
+        # spec exits 2 on every rank alike, and none waits in the rendezvous for one that failed.
+        from app.worker.workload import check_workload
+
+        check_workload(cfg, world.world_size, grad_accum_steps)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return BAD_CONFIG

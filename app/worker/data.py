@@ -1,6 +1,8 @@
 """Training data: generated deterministically from the seed (nothing downloaded), dealt out a global batch at a time.
 
-Two tasks, one per model, each with structure the model can learn in well under a minute on 2 CPU cores:
+Two built-in tasks, one per built-in model (``MODEL_DATA`` in app.specs; a user's own data set is a ``data`` spec,
+app.worker.workload; files on disk: app.worker.data_files), each with structure the model can learn in well under
+a minute on 2 CPU cores:
 
 - ``mini_mlp``: teacher classification. A fixed random "teacher" network (seeded, never trained) labels Gaussian
   inputs with one of 8 classes; the student learns to imitate it. Loss starts near ln 8 = 2.08 and falls.
@@ -12,15 +14,17 @@ Two tasks, one per model, each with structure the model can learn in well under 
 Every rank generates the same data set from ``seed``. ``GlobalBatches`` deals it out a global batch at a time: each
 epoch is one permutation of the data set (seeded by ``seed + epoch``, as ``DistributedSampler`` shuffles), step
 after step takes the next ``global_batch`` positions of it, and the ranks split that batch into contiguous shares.
-So the samples of step ``t`` are the same at every world size (only who processes which of them changes), and the
-position to resume from is one number, samples consumed in the epoch, counted over all ranks. An epoch's tail
-shorter than one global batch is skipped, as ``drop_last=True`` would.
+A data set is either a ``Dataset`` (two tensors) or any map-style set (``__len__``, ``__getitem__(i) -> (input,
+target)`` tensors), whose samples are stacked into micro-batches. So the samples of step ``t`` are the same at
+every world size (only who processes which of them changes), and the position to resume from is one number,
+samples consumed in the epoch, counted over all ranks. An epoch's tail shorter than one global batch is skipped, as
+``drop_last=True`` would.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +45,9 @@ class Dataset:
 
     def __len__(self) -> int:
         return self.inputs.shape[0]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs[i], self.targets[i]  # map-style too, so every data set reads the same way
 
 
 def teacher_classification(size: int, seed: int) -> Dataset:
@@ -74,17 +81,18 @@ def build_dataset(model: str, size: int, seed: int, seq_len: int = 32) -> Datase
     raise ValueError(f"no data set for model {model!r}")
 
 
-def loss_function(model: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    if model == "tiny_transformer":
-        return lambda logits, targets: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    return F.cross_entropy
+def cross_entropy(output: torch.Tensor, target: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """Cross-entropy over the last dim, a mean over every position: class logits ``[B, C]`` or next-token logits
+    ``[B, T, C]`` alike (the built-in models' loss, ``loss: cross_entropy``); ``kwargs`` go to ``F.cross_entropy``."""
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1), **kwargs)
 
 
 class GlobalBatches:
     """This rank's share of each step's global batch, as micro-batches of at most ``micro_batch`` samples.
 
     Args:
-        dataset: the whole data set (every rank holds it all).
+        dataset: the whole data set (every rank holds it all): a ``Dataset`` of two tensors, or a map-style set of
+            ``(input, target)`` tensor pairs, read by index and stacked.
         global_batch: samples per optimizer step over all ranks.
         micro_batch: the most samples one forward/backward takes; a share is cut into as few micro-batches as that
             allows, as equal as possible.
@@ -101,7 +109,7 @@ class GlobalBatches:
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: Any,
         global_batch: int,
         micro_batch: int,
         rank: int,
@@ -115,10 +123,16 @@ class GlobalBatches:
                 f"global batch {global_batch} must lie between world_size={world_size} and "
                 f"dataset_size={len(dataset)}: raise dataset_size or change the batch"
             )
-        # Token ids stay integers; float features take the model's precision (TrainConfig.dtype).
-        floating = dataset.inputs.is_floating_point()
-        self.inputs = dataset.inputs.to(device, dtype) if floating else dataset.inputs.to(device)
-        self.targets = dataset.targets.to(device)
+        self.device, self.dtype, self.size = device, dtype, len(dataset)
+        if isinstance(dataset, Dataset):
+            # Token ids stay integers; float features take the model's precision (TrainConfig.dtype).
+            floating = dataset.inputs.is_floating_point()
+            self.inputs = dataset.inputs.to(device, dtype) if floating else dataset.inputs.to(device)
+            self.targets = dataset.targets.to(device)
+            self.samples = None
+        else:  # map-style: read sample by sample when its micro-batch comes (a file-backed set need not fit twice)
+            self.inputs = self.targets = None
+            self.samples = dataset
         self.global_batch, self.micro_batch, self.seed = global_batch, micro_batch, seed
         self.start, self.local_samples = split_global_batch(global_batch, world_size, rank)
         self.sizes = micro_batch_sizes(self.local_samples, micro_batch)
@@ -131,7 +145,8 @@ class GlobalBatches:
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(len(self.inputs), generator=gen).to(self.inputs.device)
+        order = torch.randperm(self.size, generator=gen)
+        return order if self.samples is not None else order.to(self.device)
 
     def next_indices(self) -> torch.Tensor:
         """This rank's share of the next step's global batch (indices into the data set)."""
@@ -145,7 +160,15 @@ class GlobalBatches:
 
     def next_micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         idx = self.next_indices()
-        return [(self.inputs[i], self.targets[i]) for i in torch.split(idx, self.sizes)]
+        if self.samples is None:
+            return [(self.inputs[i], self.targets[i]) for i in torch.split(idx, self.sizes)]
+        return [self._stack(i.tolist()) for i in torch.split(idx, self.sizes)]
+
+    def _stack(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Collate by stacking (what ``default_collate`` does to tensors), onto the device, in the model's dtype."""
+        pairs = [self.samples[i] for i in indices]
+        x, y = torch.stack([p[0] for p in pairs]).to(self.device), torch.stack([p[1] for p in pairs]).to(self.device)
+        return (x.to(self.dtype) if x.is_floating_point() else x), y
 
     def state_dict(self) -> dict[str, int]:
         # Counted over all ranks: the same number at every world size, so a resume onto another world size

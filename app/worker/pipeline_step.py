@@ -34,10 +34,10 @@ from app.parallel.pipeline import build_pipeline_groups, build_pipeline_stage, m
 from app.parallel.probes import NoCommProbe
 from app.worker.checkpoint import CheckpointMismatch
 from app.worker.config import TrainConfig
-from app.worker.data import GlobalBatches, build_dataset
+from app.worker.data import GlobalBatches
 from app.worker.dist import DistContext
-from app.worker.models import MODELS
 from app.worker.steps import MicroBatches, StepOutcome
+from app.worker.workload import build_dataset, build_model
 
 log = logging.getLogger("app.train")
 
@@ -91,7 +91,7 @@ class PipelineStep:
 
     Example::
 
-        step = PipelineStep(cfg, ctx, model, loss_function(cfg.model), grad_accum_steps=1, metrics=metrics)
+        step = PipelineStep(cfg, ctx, model, build_loss(cfg), grad_accum_steps=1, metrics=metrics)
     """
 
     def __init__(
@@ -123,7 +123,7 @@ class PipelineStep:
             bucket_cap_mb=cfg.bucket_cap_mb,
         )
         self.optimizer = torch.optim.AdamW(self.runner.module.parameters(), lr=cfg.lr)
-        dataset = build_dataset(cfg.model, cfg.dataset_size, cfg.seed, cfg.seq_len)
+        dataset = build_dataset(cfg)  # the set app.train tried before the process group formed
         # The replicas split the data; rank and world size of the sampler are the replica's, not the rank's.
         self.batches = GlobalBatches(dataset, self.global_batch, batch, replica, replicas, cfg.seed, ctx.device)
         self.model_state = _GatheredModel(self.runner)
@@ -187,7 +187,7 @@ class PipelineStep:
 
     def final_model(self) -> nn.Module:
         # The merged whole model: the same on every rank, comparable with a parallel=ddp run's.
-        whole = MODELS[self.cfg.model]()
+        whole = build_model(self.cfg)
         whole.load_state_dict(self.gather())
         return whole
 

@@ -40,8 +40,8 @@ from app.parallel.zero import ZeroRedundancyOptimizer
 from app.worker.checkpoint import ShardedState
 from app.worker.config import ConfigError, TrainConfig
 from app.worker.dist import DistContext
-from app.worker.models import MODELS
 from app.worker.steps import DDPStep, MicroBatches, StepOutcome
+from app.worker.workload import build_model
 
 
 def tensor_bytes(tensors) -> int:
@@ -61,7 +61,7 @@ class ShardedStep(DDPStep):
 
     Example::
 
-        step = STEP_KINDS["zero2"](cfg, ctx, model, loss_function(cfg.model), grad_accum_steps=2, metrics=metrics)
+        step = STEP_KINDS["zero2"](cfg, ctx, model, build_loss(cfg), grad_accum_steps=2, metrics=metrics)
         outcome = step.train_step(step.batches.next_micro_batches(), agree_nonfinite=lambda bad: bad)
     """
 
@@ -187,7 +187,7 @@ class Zero3Step(ShardedStep):
         # Collective: every unit gathered onto rank 0, then handed to every rank, so all print the same checksum.
         state = [self.wrapped.full_state_dict()]  # every rank joins each unit's all-gather; {} but on rank 0
         dist.broadcast_object_list(state, src=0)
-        whole = MODELS[self.cfg.model]()
+        whole = build_model(self.cfg)
         whole.load_state_dict(state[0])
         return whole
 

@@ -13,10 +13,9 @@ from collections.abc import Callable
 import torch
 
 from app.worker.config import TrainConfig
-from app.worker.data import loss_function
 from app.worker.dist import DistContext
-from app.worker.models import MODELS
 from app.worker.steps import DataParallelStep, DDPStep, TrainStep
+from app.worker.workload import build_loss, build_model
 
 
 def _pipeline_step(*args, **kwargs):
@@ -43,12 +42,13 @@ STEP_KINDS: dict[str, Callable[..., TrainStep]] = {
 
 
 def build_step(cfg: TrainConfig, ctx: DistContext, grad_accum_steps: int, metrics) -> TrainStep:
-    """The step kind ``cfg.parallel`` names, over the model built from ``cfg.seed`` (the same on every rank).
+    """The step kind ``cfg.parallel`` names, over the model ``cfg.model`` names (app.worker.workload), built from
+    ``cfg.seed`` (the same on every rank).
 
     Every kind is called alike: ``kind(cfg, ctx, model, loss_fn, grad_accum_steps=..., metrics=...)``;
     ``metrics`` serves the kinds that report series of their own (the pipeline's ``ddp_pipeline_*``).
     """
     torch.manual_seed(cfg.seed)  # identical parameters on every rank, before any wrapper broadcasts them
-    model = MODELS[cfg.model]()
+    model = build_model(cfg)
     kind = STEP_KINDS[cfg.parallel]
-    return kind(cfg, ctx, model, loss_function(cfg.model), grad_accum_steps=grad_accum_steps, metrics=metrics)
+    return kind(cfg, ctx, model, build_loss(cfg), grad_accum_steps=grad_accum_steps, metrics=metrics)

@@ -7,7 +7,7 @@ work; each builds what it needs from ``(cfg, ctx, model, loss_fn)`` and exposes 
 - ``train_step(micro_batches, agree_nonfinite, inject_nan=False) -> StepOutcome``: one optimizer step;
 - ``model_state`` / ``optimizer_state``: the two ``Stateful``s (``state_dict``/``load_state_dict``) the
   ``Checkpointer`` saves and restores: always the *whole, bare* model's state, so every checkpoint loads into
-  ``MODELS[name]()`` without a wrapper;
+  ``build_model(cfg)`` (app.worker.workload) without a wrapper;
 - ``batches`` (this rank's share of each global batch), ``global_batch``, ``describe_batch()`` for the start line;
 - ``before_save()`` (collective: whatever must be gathered first) and ``final_model()`` (the module FINISHED
   checksums, the same on every rank).
@@ -39,9 +39,10 @@ from app.parallel import wrap_model
 from app.parallel.accum import StepResult, accumulation_step
 from app.parallel.probes import CommSample, comm_probe
 from app.worker.config import TrainConfig
-from app.worker.data import GlobalBatches, build_dataset
+from app.worker.data import GlobalBatches
 from app.worker.dist import DistContext
 from app.worker.metrics import synchronize_for
+from app.worker.workload import build_dataset
 
 MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -100,7 +101,7 @@ class DDPStep:
 
     Example::
 
-        step = DDPStep(cfg, ctx, model, loss_function(cfg.model), grad_accum_steps=2)
+        step = DDPStep(cfg, ctx, model, build_loss(cfg), grad_accum_steps=2)
         outcome = step.train_step(step.batches.next_micro_batches(), agree_nonfinite=lambda bad: bad)
     """
 
@@ -119,7 +120,7 @@ class DDPStep:
         dtype = getattr(torch, cfg.dtype)
         self.model = model.to(ctx.device, dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
-        dataset = build_dataset(cfg.model, cfg.dataset_size, cfg.seed, cfg.seq_len)
+        dataset = build_dataset(cfg)  # the set app.train tried before the process group formed
         self.batches = GlobalBatches(
             dataset, self.global_batch, cfg.micro_batch, ctx.rank, ctx.world_size, cfg.seed, ctx.device, dtype
         )

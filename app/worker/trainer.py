@@ -32,6 +32,7 @@ from app.worker.dist import DistContext, WorldEnv
 from app.worker.models import parameter_checksum
 from app.worker.progress import ProgressLog, StepRecord
 from app.worker.steps import TrainStep
+from app.worker.workload import model_name
 
 log = logging.getLogger("app.train")
 # compose/k8s signal every container within milliseconds: wait this long before calling a stop a peer's alone.
@@ -62,7 +63,7 @@ class Trainer:
             model=step.model_state,
             optimizer=step.optimizer_state,
             batches=step.batches,
-            model_name=cfg.model,
+            model_name=model_name(cfg),  # the model spec and its keywords: a resume with another is refused
             seed=cfg.seed,
             lr=cfg.lr,
             global_batch=step.global_batch,

@@ -444,6 +444,11 @@ def test_grafana_loads_the_provisioning():
 # workers through compose's environment (the env file `make up` writes), none through a list in compose.yaml.
 EVERY_SETTING = {
     "model": "mini_mlp",
+    "model_kwargs": '{"hidden": 48}',  # a JSON object through the environment
+    "data": "",  # unset: mini_mlp's own data set, sized by dataset_size
+    "data_kwargs": "{}",
+    "loss": "cross_entropy",
+    "loss_kwargs": '{"label_smoothing": 0.05}',
     "steps": "6",
     "micro_batch": "8",
     "grad_accum_steps": "2",

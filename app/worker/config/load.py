@@ -10,7 +10,9 @@ not ``train.micro_batch``) because the environment and the flags are flat: one n
 
 A name that matches no field is an error on every path, with the nearest field as a hint: a typo in a YAML key, a
 flag, or a ``DDP_*`` variable (``DDP_STESP=10``) must not train silently at the default. A bad value raises
-``ConfigError``, one line naming the field, where the value came from and the fix. Torch-free, so a bad flag
+``ConfigError``, one line naming the field, where the value came from and the fix. A mapping field (``model_kwargs``,
+``data_kwargs``, ``loss_kwargs``) is a YAML mapping in the file and a JSON object in the environment and on the
+command line: ``DDP_MODEL_KWARGS='{"hidden": 16}'``, ``--model-kwargs '{"hidden": 16}'``. Torch-free, so a bad flag
 fails fast. Run ``python -m app.train --help`` for the flags with their documentation.
 """
 
@@ -25,7 +27,7 @@ import sys
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +51,16 @@ def flag_name(name: str) -> str:
 
 
 def _base_type(name: str) -> type:
-    """int / float / str for a field, unwrapping ``X | None``."""
+    """int / float / str / dict for a field, unwrapping ``X | None`` and ``dict[str, Any]``."""
     hint = typing.get_type_hints(TrainConfig)[name]
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint
+    return typing.get_origin(hint) or hint
+
+
+def _default(name: str) -> Any:
+    f = FIELDS[name]
+    return f.default_factory() if f.default is MISSING else f.default
 
 
 def _optional(name: str) -> bool:
@@ -61,8 +68,10 @@ def _optional(name: str) -> bool:
 
 
 def convert(name: str, raw: Any, source: str) -> Any:
-    """Turn a raw value (a string from env/flags, or a YAML scalar) into the field's type."""
+    """Turn a raw value (a string from env/flags, or a YAML scalar or mapping) into the field's type."""
     kind = _base_type(name)
+    if kind is dict:
+        return _mapping(name, raw, source)
     if raw is None or (isinstance(raw, str) and raw.strip() == "" and kind is not str):
         if _optional(name):
             return None
@@ -83,6 +92,28 @@ def convert(name: str, raw: Any, source: str) -> Any:
         raise ConfigError(
             f"{name}={raw!r} (from {source}): must be {'an' if kind is int else 'a'} {kind.__name__}"
         ) from None
+
+
+def _mapping(name: str, raw: Any, source: str) -> dict[str, Any]:
+    """A mapping field (keyword arguments): a YAML mapping as it is, a string (env, flag) parsed as a JSON object."""
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
+        return {}
+    value = raw
+    if isinstance(raw, str):
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ConfigError(
+                f"{name}={raw!r} (from {source}): not JSON ({e.msg} at column {e.colno}); "
+                f"""give a JSON object, e.g. '{{"hidden": 16}}'"""
+            ) from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(
+            f"{name}={raw!r} (from {source}): must be a mapping of keyword: value (a JSON object in env and "
+            f"flags), got {'a' if not isinstance(value, dict) else 'a mapping with'} "
+            f"{type(value).__name__ if not isinstance(value, dict) else 'non-string keys'}"
+        )
+    return value
 
 
 def _unknown(name: str, source: str) -> ConfigError:
@@ -142,11 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     )  # absent flags stay absent: precedence needs it
     parser.add_argument("--config", help=f"YAML file of settings (or env {CONFIG_ENV})")
     for f in fields(TrainConfig):
-        default = "unset" if f.default is None else repr(f.default)
+        default = "unset" if f.default is None else repr(_default(f.name))
+        kind = _base_type(f.name)
         parser.add_argument(
             flag_name(f.name),
             dest=f.name,
-            metavar=_base_type(f.name).__name__.upper(),
+            metavar="JSON" if kind is dict else kind.__name__.upper(),
             help=f"{f.metadata['doc']} [env {env_name(f.name)}; default {default}]",
         )
     return parser

@@ -17,8 +17,9 @@ from dataclasses import MISSING, asdict, dataclass, field
 from typing import Any
 
 from app.parallel import WRAPPERS
+from app.specs import MODEL_DATA, MODEL_SPECS, builtin_name
 
-MODEL_CHOICES = ("mini_mlp", "tiny_transformer")
+MODEL_CHOICES = tuple(MODEL_SPECS)  # the built-in names; any 'package.module:callable' spec is also a model
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 PARALLEL_CHOICES = ("ddp", "pipeline", "dp", "zero1", "zero2", "zero3")
 ZERO_KINDS = ("zero1", "zero2", "zero3")  # the sharded step kinds (app.worker.sharded_step)
@@ -33,6 +34,8 @@ class ConfigError(ValueError):
 
 def _doc(text: str, default: Any = MISSING) -> Any:
     # The text becomes the flag's --help line and the README's table: one line, with the unit.
+    if isinstance(default, dict):  # a mapping (keyword arguments): each config gets its own copy
+        return field(default_factory=lambda: dict(default), metadata={"doc": text})
     return field(default=default, metadata={"doc": text})
 
 
@@ -41,7 +44,26 @@ class TrainConfig:
     """Everything a training run can be told. Validated on construction (``__post_init__``)."""
 
     # -- workload -------------------------------------------------------------------------------------------------
-    model: str = _doc("model to train: mini_mlp | tiny_transformer", "mini_mlp")
+    model: str = _doc(
+        "model to train: mini_mlp | tiny_transformer | deep_mlp, or an import spec 'package.module:callable' "
+        "returning an nn.Module (docs/check.md#your-model-in-the-worker)",
+        "mini_mlp",
+    )
+    model_kwargs: dict[str, Any] = _doc(
+        "keyword arguments for the model's callable (YAML mapping, or JSON in env/flag)", {}
+    )
+    data: str = _doc(
+        "data set: an import spec (or built-in name, app.specs.DATA_SPECS) returning a map-style data set of "
+        '(input, target) tensors; "" = the built-in model\'s own data set (required for any other model)',
+        "",
+    )
+    data_kwargs: dict[str, Any] = _doc("keyword arguments for the data set's callable (mapping; JSON in env/flag)", {})
+    loss: str = _doc(
+        "loss(output, target) -> scalar: cross_entropy | mse or an import spec (a class is instantiated); "
+        '"" = the built-in model\'s own loss (required for any other model)',
+        "",
+    )
+    loss_kwargs: dict[str, Any] = _doc("keyword arguments for the loss (mapping; JSON in env/flag)", {})
     steps: int = _doc("optimizer steps in the whole run (a resumed run continues up to this step)", 200)
     micro_batch: int = _doc("samples per forward/backward on one rank", 32)
     grad_accum_steps: int | None = _doc(
@@ -61,8 +83,10 @@ class TrainConfig:
     seed: int = _doc(
         "seed of the parameters and the data (same on every rank); per-rank randomness uses seed + rank", 0
     )
-    dataset_size: int = _doc("samples in the generated data set (generated deterministically from seed)", 16384)
-    seq_len: int = _doc("tokens per sequence (tiny_transformer only)", 32)
+    dataset_size: int = _doc(
+        "samples in the built-in data set (generated deterministically from seed; data unset only)", 16384
+    )
+    seq_len: int = _doc("tokens per sequence of the built-in data set (tiny_transformer, data unset only)", 32)
     # -- distribution ---------------------------------------------------------------------------------------------
     wrapper: str = _doc(
         "data-parallel wrapper: ours (app.parallel.ddp) | torch (PyTorch's DDP) | none (world size 1 only)", "ours"
@@ -116,7 +140,7 @@ class TrainConfig:
     inject_nan_at_step: int = _doc("failure drill: the last rank's loss becomes NaN at this step (0 = off)", 0)
 
     def __post_init__(self) -> None:
-        _choice("model", self.model, MODEL_CHOICES)
+        self._check_workload()
         _choice("wrapper", self.wrapper, WRAPPERS)
         _choice("device", self.device, DEVICE_CHOICES)
         _choice("parallel", self.parallel, PARALLEL_CHOICES)
@@ -164,8 +188,36 @@ class TrainConfig:
             raise ConfigError(f"metrics_port={self.metrics_port}: must be a TCP port 1..65535, or 0 for no metrics")
         if self.inject_nan_at_step < 0:
             raise ConfigError(f"inject_nan_at_step={self.inject_nan_at_step}: must be >= 0 (0 = off)")
-        if self.model == "tiny_transformer" and self.seq_len > 64:
+        if self.model == "tiny_transformer" and not self.data and self.seq_len > 64:
             raise ConfigError(f"seq_len={self.seq_len}: tiny_transformer has 64 positions; choose seq_len <= 64")
+
+    def _check_workload(self) -> None:
+        """What the model/data/loss settings alone can break; app.worker.workload imports and tries the specs."""
+        if self.model not in MODEL_SPECS and ":" not in self.model:
+            raise ConfigError(
+                f"model={self.model!r}: not a built-in model ({' | '.join(MODEL_CHOICES)}) nor an import spec "
+                f"'package.module:callable'"
+            )
+        builtin = builtin_name(self.model, MODEL_SPECS)
+        if not self.data and builtin not in MODEL_DATA:
+            raise ConfigError(
+                f'data="": model={self.model} has no built-in data set; set data to an import spec '
+                f"'package.module:callable' returning (input, target) samples"
+            )
+        if not self.loss and builtin is None:
+            raise ConfigError(
+                f'loss="": model={self.model} is not a built-in model, so it has no built-in loss; set loss '
+                f"(cross_entropy | mse | 'package.module:callable')"
+            )
+        for name in ("model_kwargs", "data_kwargs", "loss_kwargs"):
+            value = getattr(self, name)
+            if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+                raise ConfigError(f"{name}={value!r}: must be a mapping of keyword: value")
+        if self.data_kwargs and not self.data:
+            raise ConfigError(
+                f"data_kwargs={self.data_kwargs!r}: keywords need a data spec (the built-in data set takes "
+                f"dataset_size, seq_len and seed); set data, or unset data_kwargs"
+            )
 
     def _check_pipeline(self) -> None:
         if self.model not in PIPELINE_MAX_STAGES:
@@ -253,7 +305,8 @@ class TrainConfig:
                 f"wrapper=none with world_size={world_size}: unsynchronised ranks would train "
                 f"{world_size} different models; use wrapper=ours or wrapper=torch, or run one process"
             )
-        if self.dataset_size // world_size < self.micro_batch:
+        # A data spec's size is known once it is built: app.worker.workload checks it then.
+        if not self.data and self.dataset_size // world_size < self.micro_batch:
             # DistributedSampler(drop_last=True) gives each rank dataset_size // world_size samples.
             raise ConfigError(
                 f"dataset_size={self.dataset_size} gives each of world_size={world_size} ranks "
@@ -297,7 +350,7 @@ class TrainConfig:
                 f"effective_batch={self.effective_batch} is smaller than world_size={world_size}: every rank needs "
                 f"at least one sample per step; raise effective_batch to >= {world_size} or run fewer ranks"
             )
-        if self.effective_batch > self.dataset_size:
+        if not self.data and self.effective_batch > self.dataset_size:
             raise ConfigError(
                 f"effective_batch={self.effective_batch} is larger than dataset_size={self.dataset_size}: one step "
                 f"would need more samples than an epoch holds; raise dataset_size or lower effective_batch"

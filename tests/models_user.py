@@ -1,0 +1,31 @@
+"""A user's own model, data and loss, importable by spec (``tests.models_user:SmallNet``): what the worker's
+``model``/``data``/``loss`` settings are tested with. Deterministic (no dropout, no BatchNorm), so N ranks and one
+process must end with equal parameters."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tests.models_broken import ClassificationDataset  # noqa: F401 (re-exported: the data spec of the tests)
+
+
+class SmallNet(nn.Module):
+    """32 features in, 8 class logits out."""
+
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, hidden), nn.Tanh(), nn.Linear(hidden, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def scaled_cross_entropy(output: torch.Tensor, target: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """A loss function with a keyword of its own (``loss_kwargs: {scale: 2.0}``)."""
+    return scale * nn.functional.cross_entropy(output, target)
+
+
+def per_sample_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Not reduced: the worker must refuse it (a loss must be a scalar)."""
+    return nn.functional.cross_entropy(output, target, reduction="none")

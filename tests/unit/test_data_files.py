@@ -1,0 +1,86 @@
+"""The file-backed data sets (app.worker.data_files): windows of seq_len + 1 tokens with their next tokens, every
+window dealt out exactly once per epoch by GlobalBatches at any world size, files read in a fixed order, a real
+corpus (the stdlib) the same on every call, and a data set the model cannot take refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.worker.config import ConfigError, load_config
+from app.worker.data import GlobalBatches
+from app.worker.data_files import TokenWindows, stdlib_corpus, text_files, token_file
+from app.worker.workload import check_workload
+from tests.trainer_run import REPO
+
+CPU = torch.device("cpu")
+
+
+def test_a_window_is_seq_len_tokens_and_the_next_token_at_each():
+    tokens = torch.arange(100, 100 + 4 * 5 + 3)  # 23 tokens: 5 windows of 4 + 1, two left over
+    data = TokenWindows(tokens, seq_len=4)
+    assert len(data) == 5
+    x, y = data[2]
+    assert x.tolist() == [108, 109, 110, 111] and y.tolist() == [109, 110, 111, 112]
+    assert x.dtype == torch.int64
+    targets = torch.cat([data[i][1] for i in range(len(data))])
+    assert targets.tolist() == tokens[1:21].tolist()  # every token but the first is a target exactly once
+    with pytest.raises(IndexError):
+        data[5]
+
+
+def test_every_window_once_per_epoch_and_the_same_steps_at_any_world_size():
+    data = TokenWindows(torch.arange(40 * 8 + 1), seq_len=8)  # 40 windows; window i starts at token 8 i
+    steps_per_epoch = 40 // 10
+    seen: dict[int, list[list[int]]] = {}
+    for world in (1, 2, 3):
+        ranks = [GlobalBatches(data, 10, 4, rank, world, seed=1, device=CPU) for rank in range(world)]
+        steps = []
+        for _ in range(steps_per_epoch):
+            shares = [torch.cat([x[:, 0] // 8 for x, _ in r.next_micro_batches()]) for r in ranks]
+            steps.append(torch.cat(shares).tolist())  # the step's global batch, rank by rank
+        seen[world] = steps
+        assert sorted(i for step in steps for i in step) == list(range(40)), world
+    assert seen[1] == seen[2] == seen[3]
+
+
+def test_text_files_are_read_in_sorted_order_and_capped(tmp_path):
+    (tmp_path / "b.txt").write_bytes(b"world!")
+    (tmp_path / "a.txt").write_bytes(b"hello ")
+    data = text_files(str(tmp_path / "*.txt"), seq_len=3)
+    stream = bytes(data.tokens.tolist())
+    assert stream == b"hello world!" and len(data) == 3
+    assert bytes(data[1][0].tolist()) == b"lo " and bytes(data[1][1].tolist()) == b"o w"
+    assert bytes(text_files([str(tmp_path / "*.txt")], seq_len=3, max_bytes=8).tokens.tolist()) == b"hello wo"
+    with pytest.raises(ValueError, match="no file matches"):
+        text_files(str(tmp_path / "*.md"))
+
+
+def test_a_token_file_loads_with_weights_only(tmp_path):
+    torch.save(torch.arange(0, 17, dtype=torch.int32), tmp_path / "tokens.pt")
+    data = token_file(str(tmp_path / "tokens.pt"), seq_len=4)
+    assert len(data) == 4 and data[3][1].tolist() == [13, 14, 15, 16]
+    torch.save(torch.rand(17), tmp_path / "floats.pt")
+    with pytest.raises(ValueError, match="must be a 1-D integer tensor"):
+        token_file(str(tmp_path / "floats.pt"))
+
+
+def test_the_stdlib_corpus_is_the_same_bytes_every_time():
+    a, b = stdlib_corpus(seq_len=64, max_bytes=50_000), stdlib_corpus(seq_len=64, max_bytes=50_000)
+    assert len(a.tokens) == 50_000 and a.describe() == b.describe() and "sha256" in a.describe()
+    assert torch.equal(a.tokens, b.tokens)
+    after = stdlib_corpus(seq_len=64, max_bytes=1000, skip_bytes=49_000)
+    assert torch.equal(after.tokens, a.tokens[49_000:])  # held-out bytes follow the training bytes
+
+
+def test_the_corpus_config_fits_and_a_byte_set_too_wide_for_the_model_is_named():
+    cfg = load_config(["--config", str(REPO / "configs" / "corpus.yaml")], {}).config
+    check_workload(cfg, world_size=2, grad_accum_steps=1)  # the documented example passes the start-up check
+    narrow = load_config(["--config", str(REPO / "configs" / "corpus.yaml"), "--model-kwargs", '{"vocab": 64}'], {})
+    with pytest.raises(ConfigError) as e:
+        check_workload(narrow.config, world_size=2, grad_accum_steps=1)
+    message = str(e.value)
+    assert message.startswith(
+        "model='tiny_transformer': its forward failed on the first samples of data='stdlib_corpus'"
+    )
+    assert "IndexError: index out of range" in message and "\n" not in message

@@ -1,0 +1,131 @@
+"""Model, data and loss as import specs in the worker's config (app.worker.config, app.worker.workload).
+
+What a user notices: the specs and their keywords arrive the same from YAML (a mapping), the environment and flags
+(a JSON object); a spec that does not import, keywords the callable does not take, a callable that builds no
+``nn.Module``, samples that do not fit the model, a loss that is not a scalar: one line naming the setting, the
+spec and the cause, exit code 2, and (the ``python -m app.train`` tests) before the rank waits for its peer.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+import torch
+
+from app.worker.config import ConfigError, load_config
+from app.worker.workload import build_dataset, build_loss, build_model, check_workload, model_name
+from tests.trainer_run import PYTHON, REPO, clean_env, free_port
+
+USER = {"DDP_MODEL": "tests.models_user:SmallNet", "DDP_DATA": "tests.models_user:ClassificationDataset"}
+
+
+def config(argv=(), env=None):
+    return load_config(list(argv), env or {}).config
+
+
+def test_specs_and_keywords_from_yaml_env_and_flags(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model: tests.models_user:SmallNet\nmodel_kwargs: {hidden: 4}\n"
+        "data: tests.models_user:ClassificationDataset\ndata_kwargs:\n  size: 64\n"
+        "loss: tests.models_user:scaled_cross_entropy\nloss_kwargs: {scale: 2.0}\n"
+    )
+    cfg = config(["--config", str(path)])
+    assert (cfg.model_kwargs, cfg.data_kwargs, cfg.loss_kwargs) == ({"hidden": 4}, {"size": 64}, {"scale": 2.0})
+    env = {"DDP_MODEL_KWARGS": '{"hidden": 8}', "DDP_DATA_KWARGS": '{"size": 96}'}
+    resolved = load_config(["--config", str(path), "--model-kwargs", '{"hidden": 12}'], env)
+    assert resolved.config.model_kwargs == {"hidden": 12}  # flag > env > file
+    assert resolved.config.data_kwargs == {"size": 96}  # env > file
+    assert resolved.sources["model_kwargs"] == "flag --model-kwargs"
+    assert build_model(resolved.config).net[0].out_features == 12
+    assert len(build_dataset(resolved.config)) == 96
+    assert model_name(resolved.config) == 'tests.models_user:SmallNet {"hidden": 12}'  # what checkpoints record
+
+
+def test_the_built_in_models_are_specs_with_their_own_data_and_loss():
+    cfg = config(["--model", "app.worker.models:TinyTransformer", "--dataset-size", "40", "--seq-len", "8"])
+    data = build_dataset(cfg)
+    assert len(data) == 40 and data[0][0].shape == (8,)  # tiny_transformer's Markov data, sized by the fields
+    logits = torch.zeros(2, 8, 64)
+    assert build_loss(cfg)(logits, torch.zeros(2, 8, dtype=torch.long)).item() == pytest.approx(
+        torch.log(torch.tensor(64.0)).item()
+    )
+    assert model_name(cfg) == "tiny_transformer" and model_name(config()) == "mini_mlp"  # old checkpoints resume
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"DDP_MODEL_KWARGS": '{"hidden": 16'}, "model_kwargs='{\"hidden\": 16' (from env DDP_MODEL_KWARGS): not JSON"),
+        ({"DDP_MODEL_KWARGS": "[16]"}, "model_kwargs='[16]' (from env DDP_MODEL_KWARGS): must be a mapping"),
+        ({"DDP_MODEL": "tests.models_user:SmallNet"}, 'data="": model=tests.models_user:SmallNet has no built-in data'),
+        (USER, 'loss="": model=tests.models_user:SmallNet is not a built-in model'),
+        ({"DDP_MODEL": "SmallNet"}, "model='SmallNet': not a built-in model"),
+        ({"DDP_DATA_KWARGS": '{"size": 3}'}, "data_kwargs={'size': 3}: keywords need a data spec"),
+    ],
+)
+def test_a_bad_setting_is_one_line_naming_it(env, expected):
+    with pytest.raises(ConfigError) as e:
+        config(env=env)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({"model": "tests.nowhere:Net"}, "model: spec 'tests.nowhere:Net': module 'tests.nowhere' does not import"),
+        ({"model_kwargs": '{"hiden": 4}'}, "unexpected keyword argument 'hiden' (it takes: hidden)"),
+        ({"model": "tests.models_broken:not_a_model"}, "returned a list, not a torch.nn.Module"),
+        ({"data_kwargs": '{"size": 10}'}, "10 samples, fewer than one global batch of 32"),
+        (
+            {"model_kwargs": '{"hidden": 4}', "model": "app.worker.models:DeepMLP"},
+            "unexpected keyword argument 'hidden' (it takes: width, depth)",
+        ),
+        ({"loss": "tests.models_user:per_sample_loss"}, "not a scalar tensor"),
+        ({"loss": "mse"}, "loss='mse' failed on the output [2, 8] float32"),
+    ],
+)
+def test_check_workload_names_the_spec_and_the_cause(settings, expected):
+    env = {**USER, "DDP_LOSS": "cross_entropy", **{f"DDP_{k.upper()}": v for k, v in settings.items()}}
+    cfg = config(["--wrapper", "none"], env)
+    with pytest.raises(ConfigError) as e:
+        check_workload(cfg, world_size=1, grad_accum_steps=1)
+    assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_model_the_samples_do_not_fit_is_named_with_both_shapes():
+    cfg = config(["--model-kwargs", '{"in_features": 16}'])  # mini_mlp's own data has 32 features
+    with pytest.raises(ConfigError) as e:
+        check_workload(cfg, world_size=1, grad_accum_steps=1)
+    assert str(e.value).startswith("model='mini_mlp': its forward failed on the first samples of ")
+    assert "(input [2, 32] float32, target [2] int64): RuntimeError: mat1 and mat2" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"DDP_MODEL": "tests.nowhere:Net"}, "module 'tests.nowhere' does not import"),
+        ({"DDP_MODEL_KWARGS": '{"hiden": 4}'}, "unexpected keyword argument 'hiden'"),
+        ({"DDP_MODEL": "tests.models_broken:not_a_model"}, "returned a list, not a torch.nn.Module"),
+    ],
+)
+def test_the_worker_exits_2_in_one_line_before_waiting_for_its_peer(env, expected):
+    # Rank 0 of a world of 2 whose rank 1 never comes: a check after the rendezvous would wait its 300 s out.
+    port = free_port()
+    rank0 = clean_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank0.update({**USER, "DDP_LOSS": "cross_entropy", "DDP_RENDEZVOUS_TIMEOUT_SECONDS": "300", **env})
+    started = time.monotonic()
+    result = subprocess.run(
+        [PYTHON, "-m", "app.train", "--metrics-port", "0"],
+        cwd=REPO,
+        env=rank0,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("config error: model: spec ") and expected in lines[0], lines
+    assert time.monotonic() - started < 150  # no rendezvous wait (300 s); the torch import is the rest
