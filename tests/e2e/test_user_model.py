@@ -127,13 +127,9 @@ def test_the_derived_image_carries_the_package_and_the_script(runs):
 
 
 def test_the_k8s_overlay_trains_the_package_from_the_derived_image(runs, tmp_path, monkeypatch):
-    from app.worker.config import FIELDS
     from tests.e2e.test_k8s_emulation import FINISHED as POD_FINISHED
     from tests.e2e.test_k8s_emulation import POD0_DELAY_S, EmulatedJob
 
-    if "model_kwargs" not in FIELDS:
-        # Lead: this runs once the worker's spec settings (branch userspecs: DDP_MODEL_KWARGS, ...) are merged.
-        pytest.skip("the worker has no DDP_MODEL_KWARGS yet (the spec settings of branch userspecs)")
     monkeypatch.setenv("DDP_IMAGE", runs["derived"])  # the overlay names ddp-cluster-user-model:latest: this build
     steps = 40
     emu = EmulatedJob(tmp_path, {"DDP_STEPS": str(steps), "DDP_METRICS_LINGER_SECONDS": "0"})

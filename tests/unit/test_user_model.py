@@ -84,17 +84,20 @@ def test_every_way_names_the_same_specs():
 
 
 def test_the_overlay_settings_are_valid_for_the_trainer(tmp_path):
-    from app.worker.config import FIELDS, load_config
+    from app.worker.config import load_config
 
-    if "model_kwargs" not in FIELDS:
-        # Lead: remove this skip once the worker's spec settings (branch userspecs) are merged.
-        pytest.skip("the worker has no DDP_MODEL_KWARGS yet (the spec settings of branch userspecs)")
     job, objs = overlay_job()
     pod = render_pod(job, objs, 1)
     config_map = objs[("ConfigMap", "ddp-train-config")]["data"]["config.yaml"]
     (tmp_path / "config.yaml").write_text(config_map)
     resolved = load_config([], {**pod.env, "DDP_CONFIG": str(tmp_path / "config.yaml")})
     assert resolved.warnings == []
+    # What app.train tries before the process group forms: the specs import, bind and run one sample.
+    from app.worker.workload import check_workload
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(EXAMPLE))  # the image has the package installed
+        check_workload(resolved.config, world_size=job["spec"]["completions"], grad_accum_steps=1)
 
 
 def test_the_script_override_is_the_cluster_command_with_the_script_in_place_of_app_train():
