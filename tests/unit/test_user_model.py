@@ -81,6 +81,10 @@ def test_every_way_names_the_same_specs():
         mp.syspath_prepend(str(EXAMPLE))
         for name in ("DDP_MODEL", "DDP_DATA", "DDP_LOSS"):
             resolve(specs[name])
+        # docs/your-model.md runs `python -m app.check` on the package first: it takes a loss function too.
+        from app.check.inputs import build_loss
+
+        assert callable(build_loss(specs["DDP_LOSS"], {}))
 
 
 def test_the_overlay_settings_are_valid_for_the_trainer(tmp_path):
