@@ -122,7 +122,7 @@ def build_loss(spec: str | None, kwargs: dict):
     fn = resolve(spec)
     if inspect.isclass(fn):
         return build(spec, kwargs)
-    check_kwargs(fn, kwargs, spec)
+    check_kwargs(fn, kwargs, spec, partial=True)  # the keywords only: the call gives output, target
     return functools.partial(fn, **kwargs) if kwargs else fn
 
 
