@@ -74,8 +74,18 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
         ),
     ),
     (("app/cluster/k8s_launch*",), ("tests/unit/test_k8s_launch*.py", "tests/integration/test_k8s_launch*.py")),
-    (("app/cluster/rendezvous_store*",), ("tests/integration/test_rendezvous_store*.py",)),
-    (("app/cluster/*",), ("tests/unit/test_mutation_kills_launch*.py", "tests/integration/test_launch*.py")),
+    (
+        ("app/cluster/rendezvous_store*",),
+        ("tests/unit/test_rendezvous_store*.py", "tests/integration/test_rendezvous_store*.py"),
+    ),
+    (
+        ("app/cluster/*",),
+        (
+            "tests/unit/test_launch*.py",
+            "tests/unit/test_mutation_kills_launch*.py",
+            "tests/integration/test_launch*.py",
+        ),
+    ),
     (
         ("docker/prometheus/alerts.yml",),
         ("promtool test rules docker/prometheus/alerts.test.yml", "tests/unit/test_mutation_kills_alerts*.py"),
