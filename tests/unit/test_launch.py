@@ -32,7 +32,7 @@ def reporter(exit_codes: dict[int, int | None]) -> Reporter:
         ({}, OK, "no trainer ran"),  # stopped while waiting for the world
         ({0: 0}, OK, "the trainer checkpointed"),
         ({0: 0, 1: 0}, OK, "the trainer checkpointed"),
-        ({0: 0, 1: 1}, FAILED, "but the trainer exited 1 (failed)"),  # one of two local trainers failed: not a clean stop
+        ({0: 0, 1: 1}, FAILED, "but the trainer exited 1 (failed)"),  # one of two trainers failed: no clean stop
         ({0: -9, 1: 0}, FAILED, "but the trainer was killed by SIGKILL"),
     ],
 )
