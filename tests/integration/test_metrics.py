@@ -72,6 +72,7 @@ def test_bus_bandwidth_is_nccl_tests_busbw_over_the_wall_time_span():
     sample = CommSample(bucket_seconds=[0.25, 0.25], bucket_bytes=[500, 500], span_seconds=0.3)
     assert sample.bus_bandwidth(4) == pytest.approx(1000 / 0.3 * 2 * 3 / 4)  # algbw × 2(n−1)/n
     assert sample.bus_bandwidth(1) == 0.0  # nothing crosses a wire in a world of one
+    assert CommSample().bus_bandwidth(4) == 0.0  # a step without communication (no_sync, no wrapper): 0, never < 0
     assert CommSample([0.25, 0.25], [500, 500]).bus_bandwidth(4) == pytest.approx(1000 / 0.5 * 2 * 3 / 4)  # no span
 
 
