@@ -122,7 +122,7 @@ def _rng_round_trip(rank: int, world: int, directory: str) -> dict:
     }
 
 
-def test_resume_restores_every_ranks_own_rng_stream_and_takes_the_new_lr(tmp_path):
+def test_resume_restores_every_ranks_own_rng_stream(tmp_path):
     out = run_world(_rng_round_trip, 2, str(tmp_path))
     assert [o["step"] for o in out] == [5, 5]
     assert [o["restored"] for o in out] == [True, True]
