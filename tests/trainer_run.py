@@ -271,16 +271,20 @@ def start_torchrun(*args: str, nproc: int = 2, env: dict[str, str] | None = None
     )
 
 
-def start_ranks(*args: str, world_size: int = 2, port: int | None = None, **extra_env: str) -> list[subprocess.Popen]:
-    """The worker as ``world_size`` plain processes with torchrun's variables (rank 0 hosts the store)."""
+def start_ranks(
+    *args: str, world_size: int = 2, port: int | None = None, nodes: int = 1, **extra_env: str
+) -> list[subprocess.Popen]:
+    """The worker as ``world_size`` plain processes with torchrun's variables (rank 0 hosts the store), as torchrun
+    numbers them on ``nodes`` machines (``nodes=2``, 2 ranks: each is local rank 0 of its node)."""
     port = port or free_port()
+    per_node = world_size // nodes
     procs = []
     for rank in range(world_size):
         env = clean_env(
             RANK=str(rank),
-            LOCAL_RANK=str(rank),
+            LOCAL_RANK=str(rank % per_node),
             WORLD_SIZE=str(world_size),
-            GROUP_RANK="0",
+            GROUP_RANK=str(rank // per_node),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             **extra_env,

@@ -65,6 +65,7 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     (
         ("app/parallel/probes*",),
         (
+            "tests/integration/test_metrics*.py::test_bus_bandwidth_is_nccl_tests_busbw_over_the_wall_time_span",
             "tests/integration/test_metrics*.py::test_torch_ddp_bus_bandwidth_uses_first_launch_to_last_completion",
             "tests/integration/test_metrics*.py::test_our_ddp_bus_bandwidth_uses_the_wrappers_comm_span",
             "tests/integration/test_ddp_api*.py::test_a_known_delay_before_the_all_reduce_shows_in_the_reported_latency",
@@ -81,8 +82,18 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
         ),
     ),
     (("app/cluster/k8s_launch*",), ("tests/unit/test_k8s_launch*.py", "tests/integration/test_k8s_launch*.py")),
-    (("app/cluster/rendezvous_store*",), ("tests/integration/test_rendezvous_store*.py",)),
-    (("app/cluster/*",), ("tests/unit/test_mutation_kills_launch*.py", "tests/integration/test_launch*.py")),
+    (
+        ("app/cluster/rendezvous_store*",),
+        ("tests/unit/test_rendezvous_store*.py", "tests/integration/test_rendezvous_store*.py"),
+    ),
+    (
+        ("app/cluster/*",),
+        (
+            "tests/unit/test_launch*.py",
+            "tests/unit/test_mutation_kills_launch*.py",
+            "tests/integration/test_launch*.py",
+        ),
+    ),
     (
         ("docker/prometheus/alerts.yml",),
         ("promtool test rules docker/prometheus/alerts.test.yml", "tests/unit/test_mutation_kills_alerts*.py"),

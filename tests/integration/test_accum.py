@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 
 import pytest
 import torch
@@ -114,16 +115,33 @@ def test_unequal_micro_batches_still_give_the_big_batch_gradient():
     assert dgrad < 1e-4 and dparam < 1e-4, (dgrad, dparam)
 
 
-def test_non_finite_loss_stops_before_the_step():
+def inf_loss(out, y):
+    return F.cross_entropy(out, y) * float("inf")  # a run diverging: its loss overflows before it turns NaN
+
+
+@pytest.mark.parametrize(("bad_sample", "loss_fn", "says"), [(True, F.cross_entropy, "nan"), (False, inf_loss, "inf")])
+def test_non_finite_loss_stops_before_the_step(bad_sample, loss_fn, says):
     torch.manual_seed(0)
     model = MiniMLP()
     before = copy.deepcopy(model)
     x, y = batch(0, 16)
-    x[5] = float("nan")
-    with pytest.raises(NonFiniteLossError, match="nan"):
-        accumulation_step(model, torch.optim.SGD(model.parameters(), lr=0.1), split(x, y, 4), F.cross_entropy)
+    if bad_sample:
+        x[5] = float("nan")
+    with pytest.raises(NonFiniteLossError, match=f"loss is {says} on this rank"):
+        accumulation_step(model, torch.optim.SGD(model.parameters(), lr=0.1), split(x, y, 4), loss_fn)
     assert bench_accum.max_diff(before, model, grads=False) == 0.0
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_step_reports_its_forward_and_backward_time_within_its_wall_time():
+    torch.manual_seed(0)
+    model = MiniMLP()
+    x, y = batch(0, 16)
+    start = time.perf_counter()
+    result = accumulation_step(model, torch.optim.SGD(model.parameters(), lr=0.1), split(x, y, 4), F.cross_entropy)
+    wall = time.perf_counter() - start
+    parts = (result.forward_seconds, result.backward_seconds, result.optimizer_seconds)
+    assert all(s > 0 for s in parts) and sum(parts) <= wall, (parts, wall)
 
 
 # -- real ranks ----------------------------------------------------------------------------------------------------

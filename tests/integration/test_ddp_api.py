@@ -333,6 +333,86 @@ def test_static_graph_rebuilds_buckets_in_arrival_order():
     assert launch_0_after < r0["n_used"], r0["last_launches"]
 
 
+class RankOrdered(nn.Module):
+    """Uses its layers in registration order on rank 0 and in reverse on rank 1: the same parameters, every one used,
+    but each rank's gradients arrive in its own order (as they may when ranks take different code paths)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, x, rank=None):
+        rank = dist.get_rank() if rank is None else rank
+        for layer in self.layers if rank == 0 else reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return x
+
+
+def static_graph_with_rank_orders(rank, world):
+    """Three steps under static_graph with one layer per bucket; the parameters gathered from every rank, and those
+    of one process taking each step on the mean of both ranks' losses."""
+    torch.manual_seed(0)
+    model = RankOrdered()
+    exact = copy.deepcopy(model)
+    ddp = DDP(model, static_graph=True, bucket_cap_mb=0.004)
+    opt, exact_opt = torch.optim.SGD(ddp.parameters(), lr=0.5), torch.optim.SGD(exact.parameters(), lr=0.5)
+    for step in range(3):
+        x, y = batch(step, 4 * world, 32)
+        opt.zero_grad()
+        F.mse_loss(ddp(x[rank * 4 : (rank + 1) * 4]), y[rank * 4 : (rank + 1) * 4]).backward()
+        opt.step()
+        exact_opt.zero_grad()
+        losses = [F.mse_loss(exact(x[r * 4 : (r + 1) * 4], rank=r), y[r * 4 : (r + 1) * 4]) for r in range(world)]
+        (sum(losses) / world).backward()
+        exact_opt.step()
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    return {
+        "layout": ddp.bucket_layout(),
+        "ranks_apart": max((g - gathered[0]).abs().max().item() for g in gathered),
+        "vs_exact": max_diff(model, exact),
+    }
+
+
+def test_static_graph_buckets_alike_on_ranks_whose_gradients_arrive_in_different_orders():
+    r0, r1 = run_world(static_graph_with_rank_orders, 2)
+    assert len(r0["layout"]) == 4, r0  # one layer a bucket: an order that differs between ranks would matter
+    assert r0["layout"] == r1["layout"]  # rank 0's arrival order, on every rank
+    assert r0["ranks_apart"] == 0.0 and r1["ranks_apart"] == 0.0  # the replicas stay identical
+    assert r0["vs_exact"] <= TOL and r1["vs_exact"] <= TOL  # and each step is the mean of both ranks' gradients
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# What a comm hook is told: the last bucket of each step, with several buckets
+# --------------------------------------------------------------------------------------------------------------------
+def last_bucket_flags(rank, world):
+    """Per step, each bucket's (index, is_last()) as a comm hook sees them, under ours and PyTorch's DDP."""
+    flags = {}
+    for name, cls in (("ours", DDP), ("torch", TorchDDP)):
+        torch.manual_seed(0)
+        ddp = cls(MiniMLP(in_features=16, hidden=32, out_features=16), bucket_cap_mb=0.002)  # a bucket per layer
+        seen = flags[name] = []
+
+        def recording(state, bucket, seen=seen):
+            if bucket.index() == 0:
+                seen.append([])
+            seen[-1].append((bucket.index(), bucket.is_last()))
+            return allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, recording)
+        for _ in range(3):
+            ddp(torch.randn(4, 16)).sum().backward()
+    return flags
+
+
+def test_a_comm_hook_is_told_the_last_bucket_of_each_step_as_by_pytorch():
+    # Hooks that keep per-step state (PyTorch's PowerSGD counts its iterations this way) read is_last().
+    for flags in run_world(last_bucket_flags, 2):
+        assert flags["ours"] == [[(0, False), (1, False), (2, True)]] * 3
+        assert flags["ours"][1:] == flags["torch"][1:]  # PyTorch buckets by arrival from its second iteration on
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # First bucket cap on a model over 1 MiB
 # --------------------------------------------------------------------------------------------------------------------

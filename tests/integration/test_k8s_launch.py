@@ -23,7 +23,7 @@ def test_the_first_pod_of_an_index_joins_at_once():
     assert wait_for_fresh_store("127.0.0.1", store.port, node_rank=1, timeout_s=10) == 0
 
 
-def test_a_replacement_waits_for_a_new_store():
+def test_a_replacement_waits_for_a_new_store(caplog):
     stores = [serve()]  # the first attempt's pod 0
     port = stores[0].port
     assert wait_for_fresh_store("127.0.0.1", port, node_rank=1, timeout_s=10) == 0  # the first attempt's pod 1
@@ -38,9 +38,13 @@ def test_a_replacement_waits_for_a_new_store():
 
     threading.Thread(target=replace_pod_zero, daemon=True).start()
     start = time.monotonic()
-    stale = wait_for_fresh_store("127.0.0.1", port, node_rank=1, timeout_s=30, poll_s=0.2)
+    with caplog.at_level("WARNING", logger="app.cluster.k8s_launch"):
+        stale = wait_for_fresh_store("127.0.0.1", port, node_rank=1, timeout_s=30, poll_s=0.2)
     assert replaced.is_set() and stale >= 1, "it joined the previous attempt's store"
     assert time.monotonic() - start >= 2.0
+    # One line for the stale store however many polls it took (about ten here), one for the new one.
+    said = [r.getMessage() for r in caplog.records]
+    assert [("previous attempt's" in s, "a new store" in s) for s in said] == [(True, False), (False, True)], said
 
 
 def test_pod_zero_hosts_the_store_and_never_waits():
@@ -50,3 +54,45 @@ def test_pod_zero_hosts_the_store_and_never_waits():
 def test_a_store_that_never_comes_ends_the_wait():
     with pytest.raises(TimeoutError, match="no new rendezvous store"):
         wait_for_fresh_store("127.0.0.1", 1, node_rank=1, timeout_s=2, poll_s=0.2)  # port 1: nothing listens
+
+
+def test_a_pod_asked_to_stop_exits_143_and_only_the_static_rendezvous_waits_for_a_fresh_store(tmp_path):
+    """The whole launcher, with torchrun's c10d rendezvous (which needs no fresh-store gate: it has a run id) and a
+    master address where nothing listens: its rank starts at once; SIGTERM (the pod deleted) then ends it with 143,
+    never 0, which the Job would count as the index done."""
+    import signal
+    import subprocess
+
+    from tests.trainer_run import PYTHON, REPO, clean_env, free_port
+
+    started = tmp_path / "started"
+    launcher = subprocess.Popen(
+        [
+            *(
+                PYTHON,
+                "-m",
+                "app.cluster.k8s_launch",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            ),
+            *("--nnodes=1", "--nproc-per-node=1", "--node-rank=1", "--master-addr=127.0.0.1", "--master-port=1"),
+            *("--rdzv-conf=timeout=20", "--max-restarts=0", "--no-python", "bash", "-c"),
+            f"touch {started}; exec sleep 120",
+        ],
+        cwd=REPO,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert launcher.poll() is None, launcher.stdout.read()
+            assert time.monotonic() < deadline, "the rank never started"
+            time.sleep(0.2)
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=60) == 143, launcher.stdout.read()
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=10)

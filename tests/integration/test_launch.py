@@ -8,6 +8,7 @@ when the rendezvous store is unreachable. No line of the launcher's output is a 
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import time
@@ -146,6 +147,8 @@ def test_a_container_started_again_after_its_job_finished_does_not_train_again(t
         args = c10d_args(port, "--steps", "3", "--checkpoint-dir", str(tmp_path / "ckpt"))
         first = launch(*args, LAUNCH_STATE_DIR=str(tmp_path / "state"))
         assert first.returncode == 0 and first.stdout.count("FINISHED") == 1, first.stderr[-3000:]
+        # The world's members, read from the store through the launcher's own client: who is which rank.
+        assert re.search(r"joined a world of 1 as rank 0 \(round \d+; 0=\S+\)", first.stderr), first.stderr[-3000:]
         again = launch(*args, LAUNCH_STATE_DIR=str(tmp_path / "state"))
     finally:
         store.terminate()

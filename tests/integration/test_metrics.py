@@ -72,6 +72,7 @@ def test_bus_bandwidth_is_nccl_tests_busbw_over_the_wall_time_span():
     sample = CommSample(bucket_seconds=[0.25, 0.25], bucket_bytes=[500, 500], span_seconds=0.3)
     assert sample.bus_bandwidth(4) == pytest.approx(1000 / 0.3 * 2 * 3 / 4)  # algbw × 2(n−1)/n
     assert sample.bus_bandwidth(1) == 0.0  # nothing crosses a wire in a world of one
+    assert CommSample().bus_bandwidth(4) == 0.0  # a step without communication (no_sync, no wrapper): 0, never < 0
     assert CommSample([0.25, 0.25], [500, 500]).bus_bandwidth(4) == pytest.approx(1000 / 0.5 * 2 * 3 / 4)  # no span
 
 
@@ -82,15 +83,20 @@ def _one_step_per_probe(rank: int, world: int) -> dict:
     base = MiniMLP()
     torch_ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.01)
     ours = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.01)
-    out = {"has_span": hasattr(ours.stats, "last_comm_span_seconds")}
+    out = {"has_span": hasattr(ours.stats, "last_comm_span_seconds"), "n_buckets": len(ours.bucket_sizes)}
+    out["grad_bytes"] = sum(p.numel() * p.element_size() for p in base.parameters())
     for name, model, probe in (("torch", torch_ddp, TorchCommProbe(torch_ddp)), ("ours", ours, OursCommProbe(ours))):
+        waits = []
         for _ in range(3):
             loss = model(torch.randn(64, 32)).square().mean()
             t0 = time.perf_counter()
             loss.backward()
             backward = time.perf_counter() - t0
             sample = probe.take()
+            waits.append(sample.wait_seconds)
         out[name] = {"sample": sample, "backward_seconds": backward, "busbw": sample.bus_bandwidth(world)}
+    # The exposed wait of each step, as the metrics observe it: the wrapper's running total is their sum.
+    out["ours"]["waits"], out["ours"]["wait_total"] = waits, ours.stats.wait_seconds
     return out
 
 
@@ -99,9 +105,14 @@ def probes() -> list[dict]:
     return run_world(_one_step_per_probe, 2, timeout=120)
 
 
-def _check_span(measured: dict) -> None:
+def _check_span(measured: dict, n_buckets: int, grad_bytes: int) -> None:
     sample = measured["sample"]
-    assert len(sample.bucket_seconds) >= 2, sample  # MiniMLP's ~19 KB in 10 KB buckets
+    assert n_buckets >= 2  # MiniMLP's ~19 KB in 10 KB buckets
+    # This step's buckets, each once: nothing carried over from the two steps before, none counted twice.
+    assert len(sample.bucket_seconds) == len(sample.bucket_bytes) == n_buckets, sample
+    assert sample.nbytes == grad_bytes, sample
+    if sample.wait_seconds is not None:  # ours: the exposed wait is part of this backward
+        assert 0 <= sample.wait_seconds <= measured["backward_seconds"], measured
     # The span covers every bucket and lies inside the backward that ran them; the sum of the buckets' own times,
     # when they queue behind each other, does not.
     assert max(sample.bucket_seconds) <= sample.span_seconds <= measured["backward_seconds"], measured
@@ -110,14 +121,15 @@ def _check_span(measured: dict) -> None:
 
 def test_torch_ddp_bus_bandwidth_uses_first_launch_to_last_completion(probes):
     for rank in probes:
-        _check_span(rank["torch"])
+        _check_span(rank["torch"], rank["n_buckets"], rank["grad_bytes"])
 
 
 def test_our_ddp_bus_bandwidth_uses_the_wrappers_comm_span(probes):
     if not probes[0]["has_span"]:
         pytest.skip("app.parallel.ddp.CommStats has no last_comm_span_seconds yet: bus bandwidth falls back to the sum")
     for rank in probes:
-        _check_span(rank["ours"])
+        _check_span(rank["ours"], rank["n_buckets"], rank["grad_bytes"])
+        assert sum(rank["ours"]["waits"]) == pytest.approx(rank["ours"]["wait_total"], rel=1e-9), rank["ours"]
 
 
 def exposition(pipeline: bool = False) -> str:

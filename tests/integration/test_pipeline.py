@@ -44,6 +44,21 @@ def train_and_compare(rank: int, world: int, schedule: str, stages: int, micro: 
     opt = torch.optim.SGD(runner.module.parameters(), lr=LR)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
     replicas = world // stages
+    # The schedules differ in when a stage runs each micro-batch's backward, so in how many micro-batches' activations
+    # it holds at once: GPipe all M, 1F1B at most the stages after it plus one. Counted on PyTorch's own stage.
+    held = {"now": 0, "peak": 0}
+    forward, backward = runner.stage.forward_one_chunk, runner.stage.backward_one_chunk
+
+    def counted_forward(*args, **kwargs):
+        held["now"] += 1
+        held["peak"] = max(held["peak"], held["now"])
+        return forward(*args, **kwargs)
+
+    def counted_backward(*args, **kwargs):
+        held["now"] -= 1
+        return backward(*args, **kwargs)
+
+    runner.stage.forward_one_chunk, runner.stage.backward_one_chunk = counted_forward, counted_backward
     rows = []
     for step in range(steps):
         x, y = batch(step, BATCH * replicas)
@@ -60,7 +75,7 @@ def train_and_compare(rank: int, world: int, schedule: str, stages: int, micro: 
         dp = max((v - ref_sd[k]).abs().max().item() for k, v in runner.state_dict().items())
         rows.append({"loss": stats.loss, "ref": replica_loss, "dp": dp, "bytes": stats.activation_bytes})
     syncs = runner.stage.submod.stats.sync_calls if dp_group is not None else None
-    return {"stage": stage, "rows": rows, "syncs": syncs, "params": sorted(runner.state_dict())}
+    return {"stage": stage, "rows": rows, "syncs": syncs, "params": sorted(runner.state_dict()), "held": held["peak"]}
 
 
 def assert_equal_to_reference(results: list[dict], steps: int) -> None:
@@ -78,6 +93,8 @@ def test_two_stage_pipeline_equals_single_process(schedule):
     # Stage 0 sends 4 micro-batches of activations [4, 32] fp32, stage 1 the gradients of the same size back.
     assert [r["rows"][-1]["bytes"] for r in results] == [4 * 4 * WIDTH * 4] * 2
     assert set(results[0]["params"]).isdisjoint(results[1]["params"])
+    # Micro-batches whose activations stage 0 and stage 1 hold at most: what 1F1B is chosen for (memory).
+    assert [r["held"] for r in results] == ([4, 4] if schedule == "gpipe" else [2, 1])
 
 
 def test_four_stages_uneven_split_1f1b():

@@ -89,11 +89,11 @@ def _rng_round_trip(rank: int, world: int, directory: str) -> dict:
 
     ctx = DistContext(rank, rank, world, torch.device("cpu"), dist.get_backend())
 
-    def checkpointer() -> Checkpointer:
+    def checkpointer(lr: float) -> Checkpointer:
         torch.manual_seed(0)
         model = MiniMLP()
         batches = GlobalBatches(build_dataset("mini_mlp", 256, 0), 64, 32, rank, world, 0, ctx.device)
-        run = {"model_name": "mini_mlp", "seed": 0, "lr": 1e-3, "global_batch": 64}
+        run = {"model_name": "mini_mlp", "seed": 0, "lr": lr, "global_batch": 64}
         return Checkpointer(
             directory,
             every=5,
@@ -105,16 +105,21 @@ def _rng_round_trip(rank: int, world: int, directory: str) -> dict:
             **run,
         )
 
-    writer = checkpointer()
+    writer = checkpointer(lr=1e-3)
     torch.manual_seed(100 + rank)
     torch.rand(3 + rank)  # each rank somewhere else in its own stream
     saved = torch.get_rng_state()
     writer.save(5)
     dist.barrier()  # rank 0's file is on disk before anyone resumes
-    reader = checkpointer()  # a new process would start from the seed: the stream moved on
+    reader = checkpointer(lr=5e-3)  # a new process, resumed with a new --lr; its stream moved on from the seed
     torch.rand(1000)
     resumed = reader.resume()
-    return {"step": resumed.step, "restored": torch.equal(torch.get_rng_state(), saved), "next": torch.rand(1)}
+    return {
+        "step": resumed.step,
+        "restored": torch.equal(torch.get_rng_state(), saved),
+        "next": torch.rand(1),
+        "lr": [group["lr"] for group in reader.optimizer.param_groups],
+    }
 
 
 def test_resume_restores_every_ranks_own_rng_stream(tmp_path):
@@ -122,6 +127,7 @@ def test_resume_restores_every_ranks_own_rng_stream(tmp_path):
     assert [o["step"] for o in out] == [5, 5]
     assert [o["restored"] for o in out] == [True, True]
     assert not torch.equal(out[0]["next"], out[1]["next"])  # rank 1 got its own stream back, not rank 0's
+    assert [o["lr"] for o in out] == [[5e-3], [5e-3]]  # the new --lr trains, not the one the checkpoint saved
 
 
 def test_a_checkpoint_dir_of_another_model_is_a_config_error_exit_2(tmp_path):

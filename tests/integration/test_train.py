@@ -48,6 +48,16 @@ def test_two_ranks_train_mini_mlp_with_accumulation():
     assert "[rank 1] INFO" not in result.stderr  # INFO from rank 0 only
 
 
+def test_ranks_on_two_nodes_report_their_own_ranks():
+    # One rank on each of two machines: both are local rank 0, and each must still say which rank it is.
+    procs = start_ranks("--steps", "4", "--metrics-port", "0", "--log-every", "2", nodes=2)
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    done = finished("".join(out for out, _ in outs))
+    assert sorted(done) == [0, 1], outs
+    assert done[0] == done[1] == {"world_size": "2", "step": "4", "checksum": done[0]["checksum"]}
+
+
 def test_tiny_transformer_learns_with_torch_ddp():
     result = torchrun(
         *("--model", "tiny_transformer", "--wrapper", "torch", "--steps", "40", "--micro-batch", "16"),

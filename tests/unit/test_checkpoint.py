@@ -215,3 +215,14 @@ def test_the_bytes_are_durable_before_the_name_and_the_name_before_returning(tmp
     assert Path(synced_file) == Path(tmp) and Path(tmp).parent == tmp_path and Path(tmp) != final
     assert Path(renamed_to) == final and Path(synced_dir) == tmp_path
     assert load_checkpoint(final)["step"] == 10
+
+
+def test_a_crashed_writers_temp_file_is_cleaned_and_a_live_writers_is_left(tmp_path):
+    crashed = tmp_path / ".step-00000010.pt.tmp-4242"  # a writer that died mid-write an hour ago
+    live = tmp_path / ".step-00000030.pt.tmp-4343"  # another process writing right now (a second job, a copy)
+    for path in (crashed, live):
+        path.write_bytes(b"half a checkpoint")
+    hour_ago = os.path.getmtime(live) - 3600
+    os.utime(crashed, (hour_ago, hour_ago))
+    save_checkpoint(tmp_path, state(20), keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "step-00000020.pt"]

@@ -205,3 +205,33 @@ def test_the_compose_settings_run_sets_every_field():
     from tests.e2e.test_compose_cluster import EVERY_SETTING
 
     assert set(EVERY_SETTING) == set(FIELDS), "give the new field a value in EVERY_SETTING: it must reach the workers"
+
+
+def test_the_config_flag_wins_over_ddp_config(tmp_path):
+    flag_file, env_file = tmp_path / "flag.yaml", tmp_path / "env.yaml"
+    flag_file.write_text("steps: 11\n")
+    env_file.write_text("steps: 22\nseed: 5\n")
+    resolved = load_config(["--config", str(flag_file)], {"DDP_CONFIG": str(env_file)})
+    assert (resolved.config.steps, resolved.config.seed) == (11, 0)  # one file is read, the flag's, not a merge
+    assert resolved.sources["steps"] == f"config file {flag_file}"
+    assert load_config([], {"DDP_CONFIG": str(env_file)}).config.steps == 22
+
+
+@pytest.mark.parametrize(
+    ("text", "kind"), [("- steps: 5\n", "list"), ("- steps\n- lr\n", "list"), ("200\n", "int"), ("steps\n", "str")]
+)
+def test_a_config_file_that_is_not_a_mapping_is_one_line(tmp_path, text, kind):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(["--config", path], {})
+    assert str(e.value) == f"config={path}: must be a mapping of setting: value, got a {kind}"
+
+
+@pytest.mark.parametrize(("world_size", "replica_batch"), [(2, 64), (4, 32), (8, 16)])
+def test_a_pipelines_effective_batch_is_split_among_its_replicas(world_size, replica_batch):
+    # 2 stages: world 2 is one pipeline, 4 is two replicas of it, 8 four; together they train effective_batch.
+    cfg = TrainConfig(parallel="pipeline", pipeline_stages=2, effective_batch=64, pipeline_microbatches=4)
+    stages, replicas = cfg.pipeline_layout(world_size)
+    assert (stages, replicas) == (2, world_size // 2)
+    assert cfg.pipeline_batch(world_size) == replica_batch and replica_batch * replicas == 64
+    assert TrainConfig(parallel="pipeline", pipeline_stages=2, micro_batch=32).pipeline_batch(world_size) == 32

@@ -61,3 +61,19 @@ def test_a_resume_on_another_world_size_continues_with_the_next_global_batch(old
     for b in after:
         b.load_state_dict(state)
     assert first + global_steps(after, 13) == straight
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_an_epoch_covers_every_sample_exactly_once_when_the_batch_divides_the_data_set(world_size):
+    # 1000 samples, 50 a step: 20 steps are one epoch, its last global batch included, and step 21 starts the next.
+    ranks = world(50, world_size)
+    epoch = global_steps(ranks, 20)
+    assert sorted(i for step in epoch for i in step) == list(range(1000))
+    assert [b.epoch for b in ranks] == [0] * world_size
+    assert global_steps(ranks, 1) and [b.epoch for b in ranks] == [1] * world_size
+
+
+def test_the_synthetic_labels_use_every_class_of_the_model():
+    from app.worker.models import MiniMLP
+
+    assert sorted(DATA.targets.unique().tolist()) == list(range(MiniMLP().net[-1].out_features))

@@ -15,20 +15,25 @@ import pytest
 
 RULES = Path(__file__).resolve().parents[2] / "docker" / "prometheus" / "alerts.yml"
 
-# A rank's container drops out of discovery at 30 s: DDPRanksMissing waits out its `for:` (a rank restarting
-# within it pages nobody) and only then fires. Kills the mutant that drops the `for:`.
+# A rank's trainer restarts: it stops answering at 40 s and answers again at 70 s, within DDPRankDown's 45 s `for:`.
+# Nobody is paged while it is gone (a restart within the `for:` is no page). Kills the mutant that drops the `for:`.
 RANK_GONE = """
   - interval: 10s
     input_series:
       - series: 'ddp_rank_info{instance="a:9400", rank="0"}'
         values: '1x12'
       - series: 'ddp_rank_info{instance="b:9400", rank="1"}'
-        values: '1 1 1 1 stale'
-      - series: 'ddp_world_size{rank="0"}'
+        values: '1 1 1 1 stale _ _ 1x5'
+      - series: 'ddp_world_size{instance="a:9400", rank="0"}'
         values: '2x12'
+      - series: 'ddp_world_size{instance="b:9400", rank="1"}'
+        values: '2 2 2 2 stale _ _ 2x5'
     alert_rule_test:
-      - eval_time: 40s
-        alertname: DDPRanksMissing
+      - eval_time: 60s
+        alertname: DDPRankDown
+        exp_alerts: []
+      - eval_time: 100s
+        alertname: DDPRankDown
         exp_alerts: []
 """
 

@@ -1,0 +1,90 @@
+"""app.cluster.launch's decisions, each exit code of the launcher's paths, without an agent running.
+
+What a user reads in ``docker compose ps``: 0 for a finished run or a clean stop on request, 2 for a setting no retry
+can fix, 1 for anything else, and one line per event. The same paths with real agents and trainers run in
+tests/integration/test_launch.py; these pin every branch of the decision in milliseconds.
+
+.venv/bin/python -m pytest tests/unit/test_launch.py
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from app.cluster.elastic import Reporter
+from app.cluster.launch import LaunchError, _one_line, expected_workers, outcome_of_failure, outcome_of_stop
+from app.exit_codes import BAD_CONFIG, FAILED, OK
+
+
+def reporter(exit_codes: dict[int, int | None]) -> Reporter:
+    r = Reporter(store=None, run_id="job", workers=None)
+    r.exit_codes = exit_codes
+    return r
+
+
+@pytest.mark.parametrize(
+    ("exit_codes", "code", "says"),
+    [
+        ({}, OK, "no trainer ran"),  # stopped while waiting for the world
+        ({0: 0}, OK, "the trainer checkpointed"),
+        ({0: 0, 1: 0}, OK, "the trainer checkpointed"),
+        ({0: 0, 1: 1}, FAILED, "but the trainer exited 1 (failed)"),  # one of two trainers failed: no clean stop
+        ({0: -9, 1: 0}, FAILED, "but the trainer was killed by SIGKILL"),
+    ],
+)
+def test_a_stop_on_request_exits_zero_only_when_every_trainer_did(exit_codes, code, says, caplog):
+    with caplog.at_level(logging.INFO, logger="app.cluster.launch"):
+        assert outcome_of_stop(reporter(exit_codes), "SIGTERM") == code
+    assert says in caplog.text and f"exit {code}" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("codes", "code"),
+    [([BAD_CONFIG], BAD_CONFIG), ([BAD_CONFIG, BAD_CONFIG], BAD_CONFIG), ([1], FAILED), ([BAD_CONFIG, 1], FAILED)],
+)
+def test_a_failure_is_a_bad_configuration_only_when_every_trainer_said_so(codes, code):
+    failures = {rank: SimpleNamespace(exitcode=c) for rank, c in enumerate(codes)}
+    assert outcome_of_failure(failures, high=4) == code
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "5", "-1", "2.5"])
+def test_workers_outside_the_range_is_one_line_and_exit_2(raw):
+    with pytest.raises(LaunchError) as e:
+        expected_workers(4, {"WORKERS": raw})
+    assert e.value.code == BAD_CONFIG
+    assert str(e.value).startswith(f"WORKERS={raw}: a world holds 1..4 workers") and "\n" not in str(e.value)
+
+
+def test_workers_in_the_range_or_unset_is_taken():
+    assert [expected_workers(4, {"WORKERS": w}) for w in ("1", " 4 ")] == [1, 4]
+    assert expected_workers(4, {}) is None and expected_workers(4, {"WORKERS": ""}) is None
+
+
+def record(msg: str) -> logging.LogRecord:
+    return logging.LogRecord("torch.distributed.elastic", logging.ERROR, __file__, 1, msg, None, None)
+
+
+def test_torchs_reports_are_cut_to_one_line_and_its_worker_exit_note_dropped():
+    assert not _one_line(record("failed (exitcode: 1) local_rank: 0 (pid: 7) of binary: python"))
+    long = record("Closing the rendezvous.\nTraceback (most recent call last):\n  ...")
+    assert _one_line(long) and long.getMessage() == "Closing the rendezvous. [LOGLEVEL=DEBUG: full report]"
+    short = record("rendezvous round 2 complete")
+    assert _one_line(short) and short.getMessage() == "rendezvous round 2 complete"
+
+
+def test_a_node_recognises_itself_and_only_itself():
+    r = Reporter(store=None, run_id="job", workers=None)
+    r.local_id = 3
+    me = SimpleNamespace(addr=r.me, pid=os.getpid(), local_id=3)
+    assert r.is_me(me)
+    for other in (
+        SimpleNamespace(addr=r.me + "x", pid=os.getpid(), local_id=3),  # another container
+        SimpleNamespace(addr="a" + r.me, pid=os.getpid(), local_id=3),
+        SimpleNamespace(addr=r.me, pid=os.getpid() + 1, local_id=3),  # a previous launcher in this container
+        SimpleNamespace(addr=r.me, pid=os.getpid(), local_id=2),  # this launcher's previous rendezvous identity
+    ):
+        assert not r.is_me(other)

@@ -1,0 +1,76 @@
+"""The rendezvous store's lifetime with ``--restart-after-job``: it serves for as long as its job runs, however long,
+and leaves only once torchrun has closed the job's rendezvous; with no worker at all it says so, once.
+
+``watch_job`` (app.cluster.rendezvous_store) runs here in a thread against a real TCPStore, reading the rendezvous
+state torchrun's c10d backend writes (torch's own ``_RendezvousState``, written with torch's own backend), with
+its poll, grace and silence periods shortened so that a "long job" takes a second, not an hour.
+The whole store process, with a real torchrun job, runs in tests/integration/test_rendezvous_store.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import pickle
+import threading
+import time
+
+from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+from app.cluster.rendezvous_store import watch_job
+
+POLL_S = 0.05
+GRACE_S = 0.1
+
+
+def store() -> TCPStore:
+    return TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+
+
+def write_state(backend: C10dRendezvousBackend, *, closed: bool) -> None:
+    """What torchrun's agents leave at the store: a world of two that formed, and later (closed) a job that ended."""
+    state = _RendezvousState()
+    state.round, state.complete, state.closed = 1, True, closed
+    state.participants = {_NodeDesc("node-a", 100, 0): 0, _NodeDesc("node-b", 200, 0): 1}
+    found = backend.get_state()
+    backend.set_state(pickle.dumps(state), found[1] if found else None)
+
+
+def watch(s: TCPStore, run_id: str, alone_s: float = 60.0) -> threading.Event:
+    stop = threading.Event()
+    args = (s, run_id, stop, POLL_S, GRACE_S, alone_s)
+    threading.Thread(target=watch_job, args=args, name="watch-job", daemon=True).start()
+    return stop
+
+
+def test_the_store_serves_a_running_job_and_leaves_once_it_has_ended(caplog):
+    s = store()
+    backend = C10dRendezvousBackend(s, "job")
+    stop = watch(s, "job")
+    try:
+        assert not stop.wait(40 * POLL_S), "the store left before any job came"
+        write_state(backend, closed=False)  # the world forms and trains
+        assert not stop.wait(40 * POLL_S), "the store left while its job was running"
+        with caplog.at_level(logging.INFO, logger="rendezvous_store"):
+            write_state(backend, closed=True)  # torchrun closes the rendezvous when the job ends
+            ended = time.monotonic()
+            assert stop.wait(10), "the store did not leave after its job ended"
+        assert time.monotonic() - ended >= GRACE_S  # the last agents get the grace period to finish
+        assert "job 'job' ended (rendezvous closed)" in caplog.text
+    finally:
+        stop.set()
+
+
+def test_no_worker_at_all_is_said_once_and_the_store_keeps_serving(caplog):
+    s = store()
+    with caplog.at_level(logging.WARNING, logger="rendezvous_store"):
+        stop = watch(s, "nobody", alone_s=10 * POLL_S)
+        try:
+            assert not stop.wait(60 * POLL_S), "the store left with no job"
+        finally:
+            stop.set()
+    said = [r.getMessage() for r in caplog.records if "no worker has joined" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+    assert "rendezvous 'nobody'" in said[0]
