@@ -57,8 +57,8 @@ def kill_rank(rank: int):
         d.start(at_step=d.args.at_step)
         victim = d.rank_container(rank)
         d.notes["victim"] = inspect(victim)["name"]
-        d.fault()
         docker("kill", victim)
+        d.fault()  # once Docker has done it: a busy machine can take seconds to run the command
 
     return inject
 
@@ -66,24 +66,24 @@ def kill_rank(rank: int):
 def crash_store(d: Drill) -> None:
     d.start(at_step=d.args.at_step)
     store = d.containers("rendezvous")[0]
-    d.fault()
     docker("exec", store, "python", "-c", CRASH_STORE, check=False)  # the exec dies with the store: no exit code
+    d.fault()
     back = wait_for(lambda: inspect(store)["restart_count"] >= 1 and inspect(store)["state"] == "running", 120)
     d.notes["store_back_s"] = round(time.time() - d.fault_t, 1) if back else None
 
 
 def fill_disk(d: Drill) -> None:
     d.start(at_step=d.args.at_step)
-    d.fault()
     d.notes["disk_after_fill"] = docker("exec", survivor(d), "sh", "-c", FILL_DISK).strip()
+    d.fault()
 
 
 def corrupt_newest(d: Drill) -> None:
     d.start(at_step=d.args.at_step)
     victim = d.rank_container(0)  # the writer: nothing writes a newer checkpoint over the damaged one
     d.notes["victim"] = inspect(victim)["name"]
-    d.fault()
     docker("kill", victim)
+    d.fault()
     d.notes["corrupted"] = docker("exec", survivor(d, victim), "python", "-c", CORRUPT_NEWEST).strip()
 
 
@@ -112,8 +112,8 @@ def pause_peer(d: Drill) -> None:
     d.start(at_step=d.args.at_step)
     victim = next(c for c in d.containers() if c != d.rank_container(0))
     d.notes["victim"] = inspect(victim)["name"]
-    d.fault()
     docker("pause", victim)
+    d.fault()
     try:
         d.notes["pause_to_smaller_world_s"] = wait_seconds(d, d.fault_t, d.workers - 1)
     finally:
@@ -127,8 +127,8 @@ def partition_peer(d: Drill) -> None:
     victim = next(c for c in d.containers() if c != d.rank_container(0))
     d.notes["victim"] = inspect(victim)["name"]
     network = f"{d.p.name}_default"
-    d.fault()
     docker("network", "disconnect", network, victim)
+    d.fault()
     try:
         d.notes["cut_to_smaller_world_s"] = wait_seconds(d, d.fault_t, d.workers - 1)
     finally:

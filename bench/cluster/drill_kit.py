@@ -190,7 +190,7 @@ class Drill:
             "containers": rows,
             "store": store,
             "traceback_lines": sum("Traceback" in line for _, line in lines),
-            "problems": {"count": len(problems), "first": problems[:MAX_LINES]},
+            "problems": {"count": len(problems), "first": problems[:MAX_LINES], "last": problems[-MAX_LINES:]},
             "problem_lines": problems,  # every one, for the judge (not written)
             "alerts": self.fired(),
             **self.notes,
