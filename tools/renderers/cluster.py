@@ -91,13 +91,19 @@ def drill_row(d: dict) -> str:
         codes += f"; store restarted {store[0]['restart_count']}x"
     f = d["finished"]
     finished = f"{f['lines']} (world {', '.join(map(str, f['worlds']))})" if f["lines"] else "none"
-    fired = [a for a in d.get("alerts", []) if a["fired"]]
-    alerts = ", ".join(
-        f"{a['alert']}{' rank ' + a['rank'] if a['rank'] else ''} ({a['after_fault_s']} s)" for a in fired
-    )
+
+    def named(a: dict) -> str:
+        return a["alert"] + (f" rank {a['rank']}" if a["rank"] else "")
+
     first = (d["problems"]["first"] or ["—"])[0]
     first = first.split(" ERROR ", 1)[-1].split(" WARNING ", 1)[-1]
-    return f"{verdict} | {new_world} | {redone} | {codes} | {finished} | {alerts or 'none'} | `{cell(first[:160])}`"
+    if d.get("alerts") is None:  # measured before the drills read Prometheus
+        alerts = "not measured"
+    else:
+        alerts = ", ".join(f"{named(a)} ({a['after_fault_s']} s)" for a in d["alerts"] if a["fired"]) or "none"
+        pending = ", ".join(named(a) for a in d["alerts"] if not a["fired"])
+        alerts += f"; pending only: {pending}" if pending else ""
+    return f"{verdict} | {new_world} | {redone} | {codes} | {finished} | {alerts} | `{cell(first[:160])}`"
 
 
 def cell(text: str) -> str:
