@@ -79,12 +79,30 @@ def render_drills(doc: dict) -> list[str]:
     return lines + ([""] + [f"- failed {line}" for line in failed] if failed else [])
 
 
+# A drill's own phases (bench/cluster/drill_faults.py notes), shown beside fault -> step of a new world.
+PHASES = {
+    "store_back_s": "store back after",
+    "stop_took_s": "stop took",
+    "start_to_step_s": "start → step",
+    "down_to_step_s": "scale-down → step on one fewer",
+    "up_to_step_s": "scale-up → step on all",
+    "pause_to_smaller_world_s": "pause → step on one fewer",
+    "unpause_to_full_world_s": "unpause → step on all",
+    "cut_to_smaller_world_s": "cut → step on one fewer",
+    "reconnect_to_full_world_s": "reconnect → step on all",
+}
+
+
 def drill_row(d: dict) -> str:
     if "error" in d:
         return f"**FAIL** (did not run through: {cell(d['error'][:120])}) | | | | | | "
     verdict = "**PASS**" if d["passed"] else "**FAIL**"
     new_world = f"{d['fault_to_new_world_step_s']} s" if d.get("fault_to_new_world_step_s") is not None else "—"
+    extra = [f"{label} {'never' if d[key] is None else f'{d[key]} s'}" for key, label in PHASES.items() if key in d]
+    new_world += f" ({'; '.join(extra)})" if extra else ""
     redone = "—" if d.get("steps_redone") is None else str(d["steps_redone"])
+    if (d.get("steps_redone") or 0) < 0:  # trained on while the fault was under way (a stop), saved, resumed there
+        redone = f"0 (resumed from step {d['resumed_from_step']}, saved after the fault)"
     codes = ", ".join(f"{c['exit_code']} ({c['restart_count']})" for c in d["containers"])
     store = d.get("store") or []
     if store and store[0]["restart_count"]:
