@@ -174,8 +174,8 @@ logs: ## follow the cluster's logs
 chaos: venv image ## the chaos proof: a worker killed and brought back vs an untouched run; PASS/FAIL, JSON + PNG in bench/results/
 	$(PY) -m bench.cluster.chaos
 
-drills: venv image ## two failure drills measured: a worker paused, the store killed; table + JSON in bench/results/
-	$(PY) -m bench.cluster.drills
+drills: venv image ## the failure drills (kill, store crash, full disk, ...; --list): table + JSON in bench/results/
+	$(PY) -m bench.cluster.drills --no-build
 
 e2e: venv docker-setup ## the end-to-end tests: image, compose up --scale worker=4, Prometheus, every dashboard query
 	$(PY) -m pytest -m e2e tests/e2e $(PYTEST_ARGS)

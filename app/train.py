@@ -23,7 +23,7 @@ the group without it.
 A NaN/inf loss stops every rank with exit code 1 and no new checkpoint: the last good one stays the newest.
 
 Exit codes (app.exit_codes): 0 OK (success, or a handled SIGTERM), 2 BAD_CONFIG, 75 PEER_STOPPED (stopped because
-a peer was), 1 FAILED (anything else).
+a peer was), 74 STORAGE_FAILED (a checkpoint could not be written: no retry), 1 FAILED (anything else).
 At the end every rank prints ``FINISHED rank=<r> world_size=<n> step=<s> checksum=<16 hex>``.
 """
 
@@ -35,7 +35,7 @@ import socket
 import sys
 
 from app.cli import setup_logging
-from app.exit_codes import BAD_CONFIG, FAILED, OK
+from app.exit_codes import BAD_CONFIG, FAILED, OK, STORAGE_FAILED
 from app.worker.config import ConfigError, TrainConfig, WorldEnv, describe, load_config
 from app.worker.control import StopSignal  # torch-free: installed before the seconds-long torch import
 
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         return FAILED
     except CheckpointWriteError as e:  # every rank together, one line each: no traceback, no "a peer went away"
         log.error("%s", e)
-        return FAILED
+        return STORAGE_FAILED  # not FAILED: the launcher must not retry what only fails again at the next save
     except RuntimeError as e:
         cause = lost_peer(e)
         if cause is None:

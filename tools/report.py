@@ -58,6 +58,7 @@ def provenance_line(doc: dict) -> str:
 RENDERERS = {
     "drills": render_drills,
     "chaos": render_chaos,
+    "chaos-zero2": render_chaos,
     "world-drift": render_world_drift,
     "ddp-bench": render_ddp_bench,
     "accum-curve": render_accum_curve,

@@ -24,7 +24,7 @@ import signal
 import socket
 import time
 
-from app.exit_codes import BAD_CONFIG, FAILED, OK, PEER_STOPPED
+from app.exit_codes import BAD_CONFIG, FAILED, OK, PEER_STOPPED, STORAGE_FAILED
 
 # The DNS name of every replica (compose: the service's name): the job's first world waits for all of them.
 PEERS = os.environ.get("LAUNCH_PEERS", "")
@@ -74,6 +74,7 @@ def describe_exit(code: int) -> str:
         FAILED: "failed",
         BAD_CONFIG: "bad configuration",
         PEER_STOPPED: "stopped with a departing peer, checkpointed",
+        STORAGE_FAILED: "could not write a checkpoint",
     }.get(code, "failed")
     return f"exited {code} ({meaning})"
 
@@ -303,6 +304,10 @@ def install_agent(reporter: Reporter) -> None:
             result = super()._monitor_workers(worker_group)
             if result.is_failed():
                 reporter.workers_failed(result.failures)
+                if {f.exitcode for f in result.failures.values()} == {STORAGE_FAILED}:
+                    # The checkpoint directory is full or not writable: a new world would train to the next save
+                    # and fail there again. No restart of the group (the agent gives up: ChildFailedError).
+                    self._remaining_restarts = 0
             reporter.succeeded = result.state.name == "SUCCEEDED"
             return result
 

@@ -19,7 +19,12 @@ module adds what a person reading ``docker compose ps`` and ``docker compose log
   so in one line and exits 0 within a second (before importing torch). Likewise a container started again after
   its job has finished: it forms no new world and prints no second FINISHED.
 - **Checks before the agent starts**, each one line within a bounded time: the trainer's settings (app.worker.config),
-  ``WORKERS`` against the ``--nnodes`` range, the rendezvous store answering (``LAUNCH_STORE_WAIT_SECONDS``).
+  ``WORKERS`` against the ``--nnodes`` range, the checkpoint directory taking a file and having room for one more
+  checkpoint, the rendezvous store answering (``LAUNCH_STORE_WAIT_SECONDS``).
+- **A storage fault is not retried**: a trainer that could not write a checkpoint exits 74 (``STORAGE_FAILED``); the
+  agent restarts no world for it and the launcher exits 1 in one line. Docker's ``on-failure`` restarts it anyway
+  (it cannot tell exit codes apart); each restart ends at the checkpoint directory check, within seconds, until
+  the disk has room again, so the policy's budget (3) is spent without a step trained again.
 - **One line per event** instead of torch's multi-line reports and tracebacks: this container joining a world
   (its rank, the members, which containers left or came since the last world), its trainer failing (rank, exit
   code or signal), leaving a world and why, the reason the launcher gives up. What it reads of torch's private
@@ -29,6 +34,8 @@ module adds what a person reading ``docker compose ps`` and ``docker compose log
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import logging
 import os
 import socket
@@ -46,7 +53,7 @@ from app.cluster.elastic import (
     short,
 )
 from app.cluster.job_state import JobState, fingerprint
-from app.exit_codes import BAD_CONFIG, FAILED, OK
+from app.exit_codes import BAD_CONFIG, FAILED, OK, STORAGE_FAILED
 from app.net import TcpUnreachable, wait_for_tcp
 
 STORE_WAIT_SECONDS = float(os.environ.get("LAUNCH_STORE_WAIT_SECONDS", "30"))
@@ -101,10 +108,10 @@ def expected_workers(high: int, environ=os.environ) -> int | None:
     return n
 
 
-def check_trainer_config(args) -> int | None:
+def check_trainer_config(args):
     """The trainer's settings, checked once here rather than failing (and being restarted) in every attempt.
 
-    Returns the run's last step (``steps``), or None when the script is not app.train.
+    Returns the resolved TrainConfig, or None when the script is not app.train.
     """
     if not (args.module and args.training_script == "app.train"):
         return None
@@ -122,7 +129,43 @@ def check_trainer_config(args) -> int | None:
         len(resolved.sources),
         digest(resolved.config),
     )
-    return resolved.config.steps
+    return resolved.config
+
+
+def check_checkpoint_dir(directory: str) -> None:
+    """Refuse to start (exit 1, one line) where the next checkpoint cannot be written: a file cannot be created in
+    ``directory``, or it has less room than its newest checkpoint took. Without this, each restart after a storage
+    fault would train up to the next save and fail there again."""
+    if not directory or not os.path.isdir(directory):
+        return  # no checkpoints, or a directory the trainer creates: its own save reports a failure
+    probe = os.path.join(directory, f".launch-probe-{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)  # one block: an empty file can be created on a disk with no block left
+        os.remove(probe)
+        stat = os.statvfs(directory)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(probe)
+        cause = f"{e.strerror} ({errno.errorcode.get(e.errno, e.errno)})"
+        raise LaunchError(f"checkpoint_dir {directory} cannot take a file: {cause}; {STORAGE_ADVICE}", FAILED) from None
+    free, needed = stat.f_bavail * stat.f_frsize, newest_checkpoint_bytes(directory)
+    if free < needed:
+        raise LaunchError(
+            f"checkpoint_dir {directory} has {free} bytes free, its newest checkpoint took {needed}: the next save "
+            f"would fail; {STORAGE_ADVICE}",
+            FAILED,
+        )
+
+
+STORAGE_ADVICE = "free space or fix the permissions (or point checkpoint_dir elsewhere), then start the job again"
+
+
+def newest_checkpoint_bytes(directory: str) -> int:
+    """The size of the newest ``step-*.pt`` file, or (ZeRO's shards and manifest, replaced whole) of every file."""
+    files = [e for e in os.scandir(directory) if e.is_file() and not e.name.startswith(".")]
+    steps = sorted((e for e in files if e.name.startswith("step-") and e.name.endswith(".pt")), key=lambda e: e.name)
+    return steps[-1].stat().st_size if steps else sum(e.stat().st_size for e in files)
 
 
 def store_address(args) -> tuple[str, int] | None:
@@ -176,6 +219,12 @@ def outcome_of_failure(failures, high: int) -> int:
     if codes == {BAD_CONFIG}:
         log.error("bad configuration (the trainer's line above names the setting): exit 2")
         return BAD_CONFIG
+    if codes == {STORAGE_FAILED}:
+        log.error(
+            "giving up: the trainer could not write a checkpoint (its line above names the directory and the "
+            "cause); a restart would fail at the same save: exit 1"
+        )
+        return FAILED
     log.error("giving up: the trainer failed and the restart budget (--max-restarts) is spent: exit 1")
     return FAILED
 
@@ -229,7 +278,9 @@ def launch(argv: list[str] | None = None) -> int:
     try:
         _, high = nnodes_range(args.nnodes)
         workers = expected_workers(high)
-        last_step = check_trainer_config(args)
+        config = check_trainer_config(args)
+        if config is not None:
+            check_checkpoint_dir(config.checkpoint_dir)
         store = store_address(args)
         if store:
             wait_for_store(*store, STORE_WAIT_SECONDS)
@@ -262,7 +313,7 @@ def launch(argv: list[str] | None = None) -> int:
         log.debug("the agent failed", exc_info=True)
         log.error("%s: exit 1", explain(e, store, args.rdzv_id))
         return FAILED
-    job.finish(last_step)
+    job.finish(config.steps if config is not None else None)
     log.info("the workers finished: exit 0")
     return OK
 

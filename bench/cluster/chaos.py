@@ -2,6 +2,7 @@
 
     make chaos                       # = python -m bench.cluster.chaos (Docker; builds the image once, ~5-10 min here)
     python -m bench.cluster.chaos --steps 200 --kill-at 60 --victim rank1
+    python -m bench.cluster.chaos --parallel zero2   # the same proof under ZeRO stage 2: bench/results/chaos-zero2.json
 
 Two compose projects of the same image and the same settings (global batch fixed in samples, so any world size
 trains the same steps on the same samples):
@@ -120,17 +121,37 @@ class Project:
 
         container = self.workers()[0]["ID"]
         with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "final.pt"
-            subprocess.run(
-                ["docker", "cp", f"{container}:/checkpoints/step-{step:08d}.pt", str(path)],
-                check=True,
-                capture_output=True,
-                timeout=120,
+            subprocess.run(  # the whole volume: a ZeRO checkpoint is a manifest and one shard per rank
+                ["docker", "cp", f"{container}:/checkpoints/.", tmp], check=True, capture_output=True, timeout=120
             )
-            return load_checkpoint(path)["model"]
+            if (Path(tmp) / "manifest.json").exists():
+                return consolidated(Path(tmp), step)
+            return load_checkpoint(Path(tmp) / f"step-{step:08d}.pt")["model"]
 
     def down(self) -> None:
         self.compose("down", "-v", "--remove-orphans", "-t", "10", check=False, timeout=300)
+
+
+def consolidated(directory: Path, step: int) -> dict:
+    """A ZeRO checkpoint's parameters, whole (name -> tensor): each shard's pieces (elements [lo, hi) of a flattened
+    parameter, app.parallel.sharded_checkpoint) copied into place; every shard's digest checked on the way."""
+    import torch
+
+    from app.parallel.sharded_checkpoint import _read_shard, read_manifest
+
+    manifest = read_manifest(directory)
+    if manifest["extra"].get("step") != step:
+        raise RuntimeError(f"{directory}: the last checkpoint is of step {manifest['extra'].get('step')}, not {step}")
+    shapes = manifest["params"]
+    flat = {n: torch.zeros(int(torch.Size(s).numel()), dtype=torch.float64) for n, s in shapes.items()}
+    covered = {n: torch.zeros(v.numel(), dtype=torch.int64) for n, v in flat.items()}
+    for shard in manifest["shards"]:
+        for name, piece in _read_shard(directory, shard)["pieces"].items():
+            flat[name][piece["lo"] : piece["hi"]] = piece["tensors"]["param"].double()
+            covered[name][piece["lo"] : piece["hi"]] += 1
+    if any((c != 1).any() for c in covered.values()):  # a gap or an overlap: the shards are not one model
+        raise RuntimeError(f"{directory}: the shards do not cover every parameter element exactly once")
+    return {n: v.reshape(shapes[n]) for n, v in flat.items()}
 
 
 def project_env(name: str, args) -> dict[str, str]:
@@ -153,6 +174,8 @@ def project_env(name: str, args) -> dict[str, str]:
         "DDP_LOG_EVERY": "1",
         "DDP_METRICS_LINGER_SECONDS": "0",
     }
+    if getattr(args, "parallel", "ddp") != "ddp":  # the ZeRO stages of issue 22: the same proof, sharded
+        env["DDP_PARALLEL"] = args.parallel
     if base:
         env["BASE_IMAGE"] = base
         env.setdefault(
@@ -305,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     # odd ReLU over hundreds of steps and B drifts from A (docs/cluster.md measures it); in float64 it stays ~1e-15,
     # so any difference left is the recovery's own.
     p.add_argument("--dtype", default="float64", choices=["float32", "float64"], help="precision of both runs")
+    p.add_argument("--parallel", default="ddp", choices=["ddp", "zero1", "zero2", "zero3"], help="DDP_PARALLEL")
     p.add_argument("--timeout", type=float, default=900, help="seconds each phase may take")
     p.add_argument("--no-build", action="store_true", help="use the image as built (make image)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/chaos.json for the documented run)")
@@ -351,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     result = chaos(args)
     result["wall_s"] = round(time.monotonic() - started, 1)
-    path = output_path(parser, args, "chaos")
+    # The documented runs: bench/results/chaos.json (ddp) and chaos-<stage>.json, each with every other default.
+    name = "chaos" if args.parallel == "ddp" else f"chaos-{args.parallel}"
+    path = output_path(parser, argparse.Namespace(**{**vars(args), "parallel": "ddp"}), name)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"schema": "chaos/1", **provenance(args, load_before=before), **result}, indent=1))
     plot(result, path.with_suffix(".png"))

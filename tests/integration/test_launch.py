@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from tests.trainer_run import PYTHON, REPO, clean_env, free_port, wait_for_lines
+from tests.integration.test_resume import small_disk  # noqa: F401 - the fixture: a 200 KiB tmpfs that fills up
+from tests.trainer_run import PYTHON, REPO, clean_env, free_port, wait_for_lines, worker_args
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -156,6 +157,25 @@ def test_a_container_started_again_after_its_job_finished_does_not_train_again(t
     assert again.returncode == 0, again.stderr[-3000:]
     assert "FINISHED" not in again.stdout and "joined a world" not in again.stderr, again.stderr[-3000:]
     assert "job finished (step 3) while this container was part of it" in again.stderr, again.stderr[-3000:]
+
+
+def test_a_full_checkpoint_disk_ends_the_launch_without_a_retry_and_a_restart_in_one_line(small_disk):  # noqa: F811
+    ckpt = small_disk / "ckpt"
+    trainer = worker_args("nan_drill", inject_nan_at_step=0, checkpoint_dir=ckpt, keep_checkpoints=5)
+    args = ["--standalone", "--nproc-per-node=2", "--max-restarts=3", "-m", "app.train", *trainer]
+    first = launch(*args)
+    assert first.returncode == 1, first.stderr[-3000:]
+    assert_no_traceback(first.stderr)
+    assert "restarts left" not in first.stderr, first.stderr[-3000:]  # the agent formed no second world
+    assert first.stderr.count("could not take the checkpoint of step") == 2, first.stderr[-3000:]  # one per rank
+    gave_up = [line for line in first.stderr.splitlines() if "[launch" in line and " ERROR " in line]
+    assert len(gave_up) == 1 and "could not write a checkpoint" in gave_up[0], first.stderr[-3000:]
+    # What Docker's on-failure restart does next: the disk is still full, so the launch ends before any trainer.
+    again = launch(*args)
+    assert again.returncode == 1, again.stderr[-3000:]
+    errors = [line for line in again.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and f"checkpoint_dir {ckpt} has" in errors[0], again.stderr[-3000:]
+    assert "the next save would fail" in errors[0] and "joining" not in again.stderr, again.stderr[-3000:]
 
 
 def test_a_peers_planned_departure_is_info_a_failure_a_warning(caplog):

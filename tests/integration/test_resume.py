@@ -160,7 +160,7 @@ def test_a_full_checkpoint_disk_stops_every_rank_with_one_line_and_keeps_the_las
     ckpt = small_disk / "ckpt"
     procs = start_ranks(*worker_args("nan_drill", inject_nan_at_step=0, checkpoint_dir=ckpt, keep_checkpoints=5))
     outs = finish(procs, timeout=180)
-    assert [p.returncode for p in procs] == [1, 1], outs
+    assert [p.returncode for p in procs] == [74, 74], outs  # STORAGE_FAILED: the launcher does not retry it
     for _, err in outs:
         errors = [line for line in err.splitlines() if " ERROR " in line or line.startswith("error")]
         assert len(errors) == 1, err

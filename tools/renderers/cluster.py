@@ -1,5 +1,5 @@
-"""The cluster runs' blocks (``make chaos``, ``make drills``, ``bench.world_drift``): a worker killed and resumed,
-worlds of two sizes against each other, a peer paused and the store killed."""
+"""The cluster runs' blocks (``make chaos``, ``make drills``, ``bench.world_drift``): a worker killed and resumed
+(under DDP and ZeRO stage 2), worlds of two sizes against each other, the failure-drill table."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def render_chaos(doc: dict) -> list[str]:
     ]
     lines = [
         f"{s['workers']} workers, {s['steps']} steps, global batch {s['effective_batch']} samples, checkpoint every "
-        f"{s['checkpoint_every']} steps, victim {s['victim']}, {dtype}; {doc.get('wall_s', '?')} s in all.",
+        f"{s['checkpoint_every']} steps, victim {s['victim']}, {dtype}, parallel={s.get('parallel', 'ddp')}; "
+        f"{doc.get('wall_s', '?')} s in all.",
         "",
         "| | run B against run A |",
         "|---|---|",
@@ -50,38 +51,78 @@ def render_world_drift(doc: dict) -> list[str]:
 
 
 def render_drills(doc: dict) -> list[str]:
+    """The drill table (``make drills``, schema drills/2): one row per planned drill, "not run" where none ran."""
     s = doc["settings"]
     lines = [
-        f"{s['workers']} workers, global batch {s['effective_batch']}, checkpoint every {s['checkpoint_every']} "
-        f"steps, DDP_COLLECTIVE_TIMEOUT_SECONDS={s['collective_timeout']}, LAUNCH_STORE_WAIT_SECONDS="
-        f'{s["store_wait"]}; a drill that had not ended after {s["bound"]} s would read "hung".',
+        f"{s['workers']} workers, {s['steps']} steps, global batch {s['effective_batch']}, checkpoint every "
+        f"{s['checkpoint_every']} steps, fault at step {s['at_step']}, DDP_COLLECTIVE_TIMEOUT_SECONDS="
+        f"{s['collective_timeout']:g}, LAUNCH_STORE_WAIT_SECONDS={s['store_wait']:g}; a drill whose workers had not "
+        f'all exited {s["bound"]:g} s after the fault reads "hung". Alerts: the project\'s Prometheus '
+        "(/api/v1/alerts, polled every 5 s), seconds after the fault.",
         "",
-        "| drill | outcome | measured | exit codes (restarts) | first message |",
-        "|---|---|---|---|---|",
+        "| drill | verdict | fault → step of a new world | steps redone | exit codes (restarts) | FINISHED "
+        "| alerts fired | first line after the fault |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for name, key, measured in (
-        (
-            "a peer paused (`docker pause`), unpaused later",
-            "pause",
-            lambda d: (
-                f"pause → training on {s['workers'] - 1}: {d['pause_to_step_in_smaller_world_s']} s; "
-                f"unpause → on {s['workers']} again: {d['unpause_to_step_in_full_world_s']} s"
-            ),
-        ),
-        (
-            "the store killed (`docker kill`)",
-            "store",
-            lambda d: (
-                f"kill → first exit: ≤ {max(d['kill_to_first_exit_s'].values())} s; "
-                f"→ every worker gone for good: {d['kill_to_all_exited_s']} s"
-            ),
-        ),
-    ):
-        d = doc.get(key)
-        if not d:
+    drills = doc.get("drills", {})
+    for name, what in doc.get("planned", {}).items():
+        d = drills.get(name)
+        if d is None:
+            lines.append(f"| {what} | not run | | | | | | |")
             continue
-        codes = ", ".join(f"{c['exit_code']} ({c['restart_count']})" for c in d["containers"])
-        first = ((d.get("messages") or d.get("messages_after_pause") or {}).get("lines") or ["—"])[0]
-        first = first.split(" ERROR ", 1)[-1].split(" INFO ", 1)[-1].replace("|", "\\|")
-        lines.append(f"| {name} | {d['verdict']} | {measured(d)} | {codes} | `{first}` |")
-    return lines
+        lines.append(f"| {what} | {drill_row(d)} |")
+    failed = [
+        f"{name}: " + "; ".join(c for c, ok in d["checks"].items() if not ok)
+        for name, d in drills.items()
+        if not d["passed"]
+    ]
+    return lines + ([""] + [f"- failed {line}" for line in failed] if failed else [])
+
+
+# A drill's own phases (bench/cluster/drill_faults.py notes), shown beside fault -> step of a new world.
+PHASES = {
+    "store_back_s": "store back after",
+    "stop_took_s": "stop took",
+    "start_to_step_s": "start → step",
+    "down_to_step_s": "scale-down → step on one fewer",
+    "up_to_step_s": "scale-up → step on all",
+    "pause_to_smaller_world_s": "pause → step on one fewer",
+    "unpause_to_full_world_s": "unpause → step on all",
+    "cut_to_smaller_world_s": "cut → step on one fewer",
+    "reconnect_to_full_world_s": "reconnect → step on all",
+}
+
+
+def drill_row(d: dict) -> str:
+    if "error" in d:
+        return f"**FAIL** (did not run through: {cell(d['error'][:120])}) | | | | | | "
+    verdict = "**PASS**" if d["passed"] else "**FAIL**"
+    new_world = f"{d['fault_to_new_world_step_s']} s" if d.get("fault_to_new_world_step_s") is not None else "—"
+    extra = [f"{label} {'never' if d[key] is None else f'{d[key]} s'}" for key, label in PHASES.items() if key in d]
+    new_world += f" ({'; '.join(extra)})" if extra else ""
+    redone = "—" if d.get("steps_redone") is None else str(d["steps_redone"])
+    if (d.get("steps_redone") or 0) < 0:  # trained on while the fault was under way (a stop), saved, resumed there
+        redone = f"0 (resumed from step {d['resumed_from_step']}, saved after the fault)"
+    codes = ", ".join(f"{c['exit_code']} ({c['restart_count']})" for c in d["containers"])
+    store = d.get("store") or []
+    if store and store[0]["restart_count"]:
+        codes += f"; store restarted {store[0]['restart_count']}x"
+    f = d["finished"]
+    finished = f"{f['lines']} (world {', '.join(map(str, f['worlds']))})" if f["lines"] else "none"
+
+    def named(a: dict) -> str:
+        return a["alert"] + (f" rank {a['rank']}" if a["rank"] else "")
+
+    first = (d["problems"]["first"] or ["—"])[0]
+    first = first.split(" ERROR ", 1)[-1].split(" WARNING ", 1)[-1]
+    if d.get("alerts") is None:  # measured before the drills read Prometheus
+        alerts = "not measured"
+    else:
+        alerts = ", ".join(f"{named(a)} ({a['after_fault_s']} s)" for a in d["alerts"] if a["fired"]) or "none"
+        pending = ", ".join(named(a) for a in d["alerts"] if not a["fired"])
+        alerts += f"; pending only: {pending}" if pending else ""
+    return f"{verdict} | {new_world} | {redone} | {codes} | {finished} | {alerts} | `{cell(first[:160])}`"
+
+
+def cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("`", "'")

@@ -1,0 +1,203 @@
+"""The failure drills' scenarios: each one a small function that starts the project, waits for a step, injects its
+fault (and any repair), returning once the fault is in; bench/cluster/drills.py then waits for the end and judges.
+
+Each ``Scenario`` says what a user should see: ``expect="finish"`` (a finished run: one FINISHED per rank of the
+final world) or an exit code with the one line that names the cause (``says``); ``victims``' exit codes are not
+judged (a killed container exits 137); ``max_restarts`` is the most restarts Docker may make of one container.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from bench.cluster.chaos import first_step_after
+from bench.cluster.drill_kit import Drill, docker, inspect, wait_for
+
+# Kills the store's own python (not its init, PID 1, which ignores signals from inside): a crash, which the store's
+# `restart: unless-stopped` brings back. `docker kill` would be a manual stop: Docker restarts nothing after it.
+CRASH_STORE = (
+    "import os\n"
+    "for p in filter(str.isdigit, os.listdir('/proc')):\n"
+    "    cmd = open(f'/proc/{p}/cmdline', 'rb').read()\n"
+    "    if int(p) != os.getpid() and b'rendezvous_store' in cmd and b'--check' not in cmd and int(p) > 1:\n"
+    "        os.kill(int(p), 9)\n"
+)
+# Flips 64 bytes in the middle of the newest checkpoint: a torn or rotted file that still has its name.
+CORRUPT_NEWEST = (
+    "import glob\n"
+    "f = sorted(glob.glob('/checkpoints/step-*.pt'))[-1]\n"
+    "b = bytearray(open(f, 'rb').read())\n"
+    "m = len(b) // 2\n"
+    "b[m : m + 64] = bytes(x ^ 0xFF for x in b[m : m + 64])\n"
+    "open(f, 'wb').write(b)\n"
+    "print(f)\n"
+)
+FILL_DISK = "dd if=/dev/zero of=/checkpoints/.fill bs=1M 2>/dev/null; df -k /checkpoints | tail -1"
+
+
+@dataclass
+class Scenario:
+    what: str  # the table's first column
+    inject: object  # (Drill) -> None
+    expect: str | int = "finish"
+    says: str = ""  # the one line a clear ending prints (a substring)
+    env: dict[str, str] = field(default_factory=dict)
+    small_disk: bool = False
+    max_restarts: int = 1
+    victims: int = 0  # how many containers the fault takes (their exit codes are not judged)
+
+
+def survivor(d: Drill, *not_these: str) -> str:
+    return next(c for c in d.containers() if inspect(c)["state"] == "running" and c not in not_these)
+
+
+def kill_rank(rank: int):
+    def inject(d: Drill) -> None:
+        d.start(at_step=d.args.at_step)
+        victim = d.rank_container(rank)
+        d.notes["victim"] = inspect(victim)["name"]
+        docker("kill", victim)
+        d.fault()  # once Docker has done it: a busy machine can take seconds to run the command
+
+    return inject
+
+
+def crash_store(d: Drill) -> None:
+    d.start(at_step=d.args.at_step)
+    store = d.containers("rendezvous")[0]
+    docker("exec", store, "python", "-c", CRASH_STORE, check=False)  # the exec dies with the store: no exit code
+    d.fault()
+    back = wait_for(lambda: inspect(store)["restart_count"] >= 1 and inspect(store)["state"] == "running", 120)
+    d.notes["store_back_s"] = round(time.time() - d.fault_t, 1) if back else None
+
+
+def fill_disk(d: Drill) -> None:
+    d.start(at_step=d.args.at_step)
+    d.notes["disk_after_fill"] = docker("exec", survivor(d), "sh", "-c", FILL_DISK).strip()
+    d.fault()
+
+
+def corrupt_newest(d: Drill) -> None:
+    d.start(at_step=d.args.at_step)
+    victim = d.rank_container(0)  # the writer: nothing writes a newer checkpoint over the damaged one
+    d.notes["victim"] = inspect(victim)["name"]
+    docker("kill", victim)
+    d.fault()
+    d.notes["corrupted"] = docker("exec", survivor(d, victim), "python", "-c", CORRUPT_NEWEST).strip()
+
+
+def stop_then_start(d: Drill) -> None:
+    d.start(at_step=d.args.at_step)
+    d.fault()
+    d.p.compose("stop", "-t", "30", "worker", timeout=300)
+    d.notes["stop_took_s"] = round(time.time() - d.fault_t, 1)
+    d.notes["stopped_exit_codes"] = [inspect(c)["exit_code"] for c in d.containers()]
+    started = time.time()
+    d.p.compose("start", "worker", timeout=300)
+    d.notes["start_to_step_s"] = wait_seconds(d, started, d.workers)
+
+
+def scale_down_up(d: Drill) -> None:
+    d.start(at_step=d.args.at_step)
+    d.fault()
+    d.p.compose("up", "-d", "--no-build", "--no-recreate", "--scale", f"worker={d.workers - 1}", "worker")
+    d.notes["down_to_step_s"] = wait_seconds(d, d.fault_t, d.workers - 1)
+    up = time.time()
+    d.p.compose("up", "-d", "--no-build", "--no-recreate", "--scale", f"worker={d.workers}", "worker")
+    d.notes["up_to_step_s"] = wait_seconds(d, up, d.workers)
+
+
+def pause_peer(d: Drill) -> None:
+    d.start(at_step=d.args.at_step)
+    victim = next(c for c in d.containers() if c != d.rank_container(0))
+    d.notes["victim"] = inspect(victim)["name"]
+    docker("pause", victim)
+    d.fault()
+    try:
+        d.notes["pause_to_smaller_world_s"] = wait_seconds(d, d.fault_t, d.workers - 1)
+    finally:
+        back = time.time()
+        docker("unpause", victim)
+    d.notes["unpause_to_full_world_s"] = wait_seconds(d, back, d.workers)
+
+
+def partition_peer(d: Drill) -> None:
+    d.start(at_step=d.args.at_step)
+    victim = next(c for c in d.containers() if c != d.rank_container(0))
+    d.notes["victim"] = inspect(victim)["name"]
+    network = f"{d.p.name}_default"
+    docker("network", "disconnect", network, victim)
+    d.fault()
+    try:
+        d.notes["cut_to_smaller_world_s"] = wait_seconds(d, d.fault_t, d.workers - 1)
+    finally:
+        back = time.time()
+        docker("network", "connect", network, victim, check=False)  # a container that exited meanwhile: no-op
+    d.notes["reconnect_to_full_world_s"] = wait_seconds(d, back, d.workers)
+
+
+def bad_setting(d: Drill) -> None:
+    d.fault()  # the fault is there from the start
+    d.start()
+
+
+def one_too_many(d: Drill) -> None:
+    d.fault()
+    d.start()  # --workers containers for a world of at most --workers - 1 (MAX_WORKERS below)
+
+
+def healthy(d: Drill) -> None:
+    d.start()  # no fault: the control (no alert may fire)
+
+
+def wait_seconds(d: Drill, since: float, world: int) -> float | None:
+    """Seconds from ``since`` to rank 0's first step in a world of ``world`` (None: not within --bound)."""
+    found = {}
+
+    def trained() -> bool:
+        found["t"] = first_step_after(d.p.lines(), since, world)
+        return found["t"] is not None
+
+    return round(found["t"] - since, 1) if wait_for(trained, d.args.bound, poll_s=2.0) else None
+
+
+def scenarios(workers: int) -> dict[str, Scenario]:
+    """Every drill, in the order ``make drills`` runs them."""
+    return {
+        "healthy": Scenario("no fault (the control: no alert may fire)", healthy, max_restarts=0),
+        "worker-kill": Scenario("a worker killed (`docker kill`, rank 1)", kill_rank(1), victims=1, max_restarts=0),
+        "rank0-kill": Scenario("rank 0's container killed", kill_rank(0), victims=1, max_restarts=0),
+        "store-crash": Scenario(
+            "the store's process killed (SIGKILL: a crash; `docker kill` is a manual stop, never restarted)",
+            crash_store,
+        ),
+        "full-disk": Scenario(
+            "the checkpoint volume filled (16 MiB tmpfs, `dd`)",
+            fill_disk,
+            expect=1,
+            says="could not take the checkpoint",
+            small_disk=True,
+            max_restarts=3,
+        ),
+        "corrupt-checkpoint": Scenario(
+            "the newest checkpoint corrupted, rank 0 killed", corrupt_newest, victims=1, max_restarts=0
+        ),
+        "bad-setting": Scenario(
+            "a bad setting (`DDP_LR=-1`)", bad_setting, expect=2, says="config error: lr=-1", env={"DDP_LR": "-1"}
+        ),
+        "one-too-many": Scenario(
+            f"{workers} containers, MAX_WORKERS={workers - 1}",
+            one_too_many,
+            env={"MAX_WORKERS": str(workers - 1), "WORKERS": ""},
+            victims=1,
+        ),
+        "stop-start": Scenario("every worker stopped, then started", stop_then_start, max_restarts=0),
+        "scale-down-up": Scenario(
+            f"scaled to {workers - 1}, then back to {workers}", scale_down_up, victims=1, max_restarts=0
+        ),
+        "pause": Scenario("a peer paused (`docker pause`), unpaused later", pause_peer),
+        "partition": Scenario(
+            "a peer cut off its network, reconnected later", partition_peer, victims=1, max_restarts=3
+        ),
+    }

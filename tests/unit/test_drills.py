@@ -1,0 +1,53 @@
+"""The failure drills' judgement without Docker (bench/cluster/drill_kit.py, drills.py, tools/renderers/cluster.py):
+a second world's FINISHED, a restart storm or a missing line fails a drill; a drill not run reads "not run"."""
+
+from __future__ import annotations
+
+from bench.cluster.drill_faults import Scenario
+from bench.cluster.drill_kit import one_finish
+from bench.cluster.drills import judge
+from tools.renderers.cluster import render_drills
+
+
+def test_one_finish_is_one_line_per_rank_of_one_world():
+    assert one_finish([(1, 3), (0, 3), (2, 3)])
+    assert not one_finish([(0, 3), (1, 3), (2, 3), (0, 2), (1, 2)])  # a second world finished too
+    assert not one_finish([(0, 3), (1, 3)]) and not one_finish([(0, 2), (0, 2)]) and not one_finish([])
+
+
+def result(**changes) -> dict:
+    row = {"name": "worker-1", "id": "a", "state": "exited", "exit_code": 0, "restart_count": 0}
+    r = {
+        "ended": True,
+        "bound": 300,
+        "one_finish": True,
+        "containers": [dict(row), dict(row, name="worker-2")],
+        "finished": {"lines": 2, "worlds": [2], "ranks": 2},
+        "traceback_lines": 0,
+        "alerts": [],
+    }
+    return {**r, **changes}
+
+
+def test_a_drill_fails_on_a_restart_storm_or_an_ending_without_its_line():
+    finish = Scenario("x", lambda d: None, max_restarts=1)
+    assert all(judge(result(), finish, []).values())
+    storm = result(containers=[dict(c, restart_count=3) for c in result()["containers"]])
+    assert not judge(storm, finish, [])["no container restarted more than 1x"]
+    disk = Scenario("x", lambda d: None, expect=1, says="could not take the checkpoint", max_restarts=3)
+    ended = result(containers=[dict(c, exit_code=1) for c in result()["containers"]], finished={"lines": 0})
+    said = [
+        "worker-1: [rank 0] ERROR could not take the checkpoint",
+        "worker-2: [rank 1] ERROR could not take the checkpoint",
+    ]
+    assert all(judge(ended, disk, said).values())
+    assert not all(judge(ended, disk, said[:1]).values())  # one worker ended without the line
+
+
+def test_the_table_says_not_run_for_a_drill_that_did_not_run():
+    settings = {"workers": 2, "steps": 9, "effective_batch": 8, "checkpoint_every": 5, "at_step": 3}
+    settings.update(collective_timeout=30, store_wait=30, bound=300)
+    ran = result(passed=False, checks={"no traceback": False}, problems={"first": []}, store=[])
+    doc = {"settings": settings, "planned": {"a": "drill a", "b": "drill b"}, "drills": {"a": ran}}
+    rows = [line for line in render_drills(doc) if line.startswith("| drill ") and "verdict" not in line]
+    assert rows[0].startswith("| drill a | **FAIL** |") and rows[1] == "| drill b | not run | | | | | | |"
