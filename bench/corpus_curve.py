@@ -21,7 +21,6 @@ Writes ``bench/results/corpus-curve.json`` (with provenance, bench/provenance.py
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -153,16 +152,12 @@ def plot(doc: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
-    from bench.provenance import describe_output, load_average, output_path, provenance
+    from bench.provenance import describe_output, load_average, write_result
 
     parser = build_parser()
     args = parser.parse_args(argv)
     before = load_average()
-    result = measure(args)
-    path = output_path(parser, args, "corpus-curve")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = json.loads(json.dumps({"schema": "corpus-curve/1", **provenance(args, load_before=before), **result}))
-    path.write_text(json.dumps(doc, indent=1))
+    path, doc = write_result(parser, args, "corpus-curve", measure(args), before)
     plot(doc, path.with_suffix(".png"))
     from tools.renderers.corpus import render_corpus_curve
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -134,6 +135,18 @@ def output_path(parser: argparse.ArgumentParser, args: argparse.Namespace, name:
     return (RESULTS if documented else TRIALS) / f"{name}{suffix}"
 
 
+def write_result(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, name: str, result: dict, load_before: list[float]
+) -> tuple[Path, dict]:
+    """Write ``result`` with its provenance to ``output_path(parser, args, name)`` as schema ``<name>/1``; return
+    the path and the document as written (JSON's types: what a renderer reading the file back gets)."""
+    path = output_path(parser, args, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = json.loads(json.dumps({"schema": f"{name}/1", **provenance(args, load_before=load_before), **result}))
+    path.write_text(json.dumps(doc, indent=1))
+    return path, doc
+
+
 def describe_output(path: Path) -> str:
     """One line saying where a result went and whether it replaced a committed file."""
     try:
@@ -146,7 +159,5 @@ def describe_output(path: Path) -> str:
 
 
 if __name__ == "__main__":
-    import json
-
     json.dump(provenance({"argv": sys.argv[1:]}, load_average()), sys.stdout, indent=2)
     print()

@@ -17,7 +17,6 @@ that drift is not float-rounding small after a few hundred steps, while in float
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -98,16 +97,12 @@ def table(result: dict, dtypes: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
-    from bench.provenance import describe_output, load_average, output_path, provenance
+    from bench.provenance import describe_output, load_average, write_result
 
     parser = build_parser()
     args = parser.parse_args(argv)
     before = load_average()
-    result = measure(args)
-    path = output_path(parser, args, "world-drift")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"schema": "world-drift/1", **provenance(args, load_before=before), **result}
-    path.write_text(json.dumps(doc, indent=1))
+    path, result = write_result(parser, args, "world-drift", measure(args), before)
     print(f"world {args.worlds[0]} against world {args.worlds[1]}, global batch {args.effective_batch}:")
     print("\n".join(table(result, args.dtypes)))
     print(describe_output(path))

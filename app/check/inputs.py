@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.specs import SpecError, build, check_kwargs, resolve
+from app.specs import SpecError, build
+from app.specs import build_loss as build_loss_spec
 
 SEQ_LEN = 16  # tokens per sample in the synthetic input of a model that starts with an Embedding
 CONV_SIDE = {1: 64, 2: 16, 3: 8}  # spatial size per dimension of the synthetic input of a ConvNd-first model
@@ -109,21 +110,13 @@ def mean_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def build_loss(spec: str | None, kwargs: dict):
-    """The loss function ``loss(output, target) -> scalar``: a class in the spec is instantiated with the keywords
-    (``torch.nn:CrossEntropyLoss``), a function is used as it is, with the keywords bound
-    (``torch.nn.functional:smooth_l1_loss``)."""
-    import functools
-    import inspect
-
+    """The loss function ``loss(output, target) -> scalar`` (``app.specs.build_loss``: a class instantiated with the
+    keywords, a function with them bound); no spec: ``mean_loss``."""
     if spec is None:
         if kwargs:
             raise InputError("--loss-kwargs needs --loss")
         return mean_loss
-    fn = resolve(spec)
-    if inspect.isclass(fn):
-        return build(spec, kwargs)
-    check_kwargs(fn, kwargs, spec, partial=True)  # the keywords only: the call gives output, target
-    return functools.partial(fn, **kwargs) if kwargs else fn
+    return build_loss_spec(spec, kwargs)
 
 
 def check_loss(loss_fn, model: nn.Module, x: torch.Tensor, y: torch.Tensor, what: str) -> None:

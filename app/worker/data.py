@@ -73,14 +73,6 @@ def markov_sequences(size: int, seq_len: int, seed: int) -> Dataset:
     return Dataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
-def build_dataset(model: str, size: int, seed: int, seq_len: int = 32) -> Dataset:
-    if model == "mini_mlp":
-        return teacher_classification(size, seed)
-    if model == "tiny_transformer":
-        return markov_sequences(size, seq_len, seed)
-    raise ValueError(f"no data set for model {model!r}")
-
-
 def cross_entropy(output: torch.Tensor, target: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """Cross-entropy over the last dim, a mean over every position: class logits ``[B, C]`` or next-token logits
     ``[B, T, C]`` alike (the built-in models' loss, ``loss: cross_entropy``); ``kwargs`` go to ``F.cross_entropy``."""
@@ -102,7 +94,7 @@ class GlobalBatches:
 
     Example::
 
-        batches = GlobalBatches(build_dataset("mini_mlp", 2048, 0), 128, 32, rank=1, world_size=3, seed=0,
+        batches = GlobalBatches(teacher_classification(2048, 0), 128, 32, rank=1, world_size=3, seed=0,
                                 device=torch.device("cpu"))
         micro_batches = batches.next_micro_batches()   # rank 1's 43 samples of step 1, as 22 + 21
     """

@@ -246,7 +246,7 @@ def _resume_lrs(rank: int, world: int, directory: str) -> tuple[float, float]:
     import torch.distributed as dist
 
     from app.worker.checkpoint import Checkpointer
-    from app.worker.data import GlobalBatches, build_dataset
+    from app.worker.data import GlobalBatches, teacher_classification
     from app.worker.dist import DistContext
 
     ctx = DistContext(rank, rank, world, torch.device("cpu"), dist.get_backend())
@@ -255,7 +255,7 @@ def _resume_lrs(rank: int, world: int, directory: str) -> tuple[float, float]:
         model = MiniMLP()
         opt = torch.optim.AdamW(model.parameters(), lr=SCHEDULE.lr)
         sched = LRSchedule(opt, cfg, GLOBAL) if cfg else None
-        batches = GlobalBatches(build_dataset("mini_mlp", 256, 0), GLOBAL, MICRO, rank, world, 0, ctx.device)
+        batches = GlobalBatches(teacher_classification(256, 0), GLOBAL, MICRO, rank, world, 0, ctx.device)
         run = {"model_name": "mini_mlp", "seed": 0, "lr": (cfg or SCHEDULE).lr, "global_batch": GLOBAL}
         ckpt = Checkpointer(
             folder, every=1, keep=2, ctx=ctx, model=model, optimizer=opt, batches=batches, lr_schedule=sched, **run

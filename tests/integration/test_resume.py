@@ -84,7 +84,7 @@ def _rng_round_trip(rank: int, world: int, directory: str) -> dict:
     every rank back exactly where it was when the checkpoint was written."""
     import torch.distributed as dist
 
-    from app.worker.data import GlobalBatches, build_dataset
+    from app.worker.data import GlobalBatches, teacher_classification
     from app.worker.dist import DistContext
 
     ctx = DistContext(rank, rank, world, torch.device("cpu"), dist.get_backend())
@@ -92,7 +92,7 @@ def _rng_round_trip(rank: int, world: int, directory: str) -> dict:
     def checkpointer(lr: float) -> Checkpointer:
         torch.manual_seed(0)
         model = MiniMLP()
-        batches = GlobalBatches(build_dataset("mini_mlp", 256, 0), 64, 32, rank, world, 0, ctx.device)
+        batches = GlobalBatches(teacher_classification(256, 0), 64, 32, rank, world, 0, ctx.device)
         run = {"model_name": "mini_mlp", "seed": 0, "lr": lr, "global_batch": 64}
         return Checkpointer(
             directory,

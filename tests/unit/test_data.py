@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from app.parallel.accum import grad_accum_steps_for, micro_batch_sizes, split_global_batch
-from app.worker.data import GlobalBatches, build_dataset
+from app.worker.data import GlobalBatches, teacher_classification
 
-DATA = build_dataset("mini_mlp", 1000, seed=0)
+DATA = teacher_classification(1000, seed=0)
 CPU = torch.device("cpu")
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 
 def test_the_transformers_targets_are_its_inputs_shifted_by_one_token():
-    from app.worker.data import build_dataset
+    from app.worker.data import markov_sequences
 
-    data = build_dataset("tiny_transformer", size=16, seed=0, seq_len=8)
+    data = markov_sequences(size=16, seq_len=8, seed=0)
     inputs, targets = data.inputs, data.targets
     assert inputs.shape == targets.shape == (16, 8)
     assert (inputs[:, 1:] == targets[:, :-1]).all(), "next-token prediction: target t is input t + 1"
