@@ -9,6 +9,9 @@ STEPS ?= 20         # training steps of the demo
 BUCKET_MB ?= 25     # DDP bucket size in MiB
 WRAPPER ?= ours     # ours (app.parallel.ddp) | torch (torch.nn.parallel.DistributedDataParallel)
 PYTEST_ARGS ?=
+# pytest-xdist workers of `make test` (0: one process). More than the cores: most of the e2e tests' time is spent
+# waiting on containers and timeouts, not computing; tests sharing one cluster start-up stay on one worker.
+TEST_WORKERS ?= 4
 
 # One BLAS thread per rank: several ranks share this machine's cores, more threads only fight each other.
 export OMP_NUM_THREADS ?= 1
@@ -42,7 +45,7 @@ check: venv ## does MODEL_SPEC train the same on N CPU ranks as on one process? 
 	$(PY) -m app.check $(strip $(MODEL_SPEC)) $(CHECK_ARGS)
 
 test: venv ## the test suite: unit, integration (real gloo ranks, Prometheus), e2e (Docker: one-line skip until make docker-setup)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(strip $(TEST_WORKERS)) --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: venv ## the unit tests only (one process, no network; under a minute)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

@@ -5,6 +5,10 @@
 - ``tests/e2e``: Docker Compose and containers for real (``-m e2e``).
 
 Each test is marked by the folder it sits in, so ``pytest -m "not e2e"`` selects without per-file decorators.
+
+``make test`` runs the tests on several pytest-xdist workers (``-n``, ``--dist loadgroup``): most of the e2e tests'
+time is waiting on containers, not on the two cores. The tests that share a module-scoped fixture (one cluster
+start-up, asserted on by several tests) are put in one xdist group, so that start-up still happens once.
 """
 
 from __future__ import annotations
@@ -17,11 +21,42 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 
 
+# tryfirst: pytest-xdist's worker reads the xdist_group marks in its own hook of this name.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         folder = Path(str(item.fspath)).resolve().relative_to(TESTS).parts[0]
         if folder in ("unit", "integration", "e2e"):
             item.add_marker(getattr(pytest.mark, folder))
+    for item, group in shared_start_up_groups(items).items():
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def shared_start_up_groups(items: list[pytest.Item]) -> dict[pytest.Item, str]:
+    """Each test that uses a module- or class-scoped fixture, with a group name shared by every test of its module
+    that it is linked to through such fixtures (directly or via another test), so xdist runs them on one worker and
+    the fixture is set up once. Tests with only function- or session-scoped fixtures get no group: they spread."""
+    root: dict[str, str] = {}  # union-find over "module::fixture" keys
+
+    def find(key: str) -> str:
+        while root.setdefault(key, key) != key:
+            key = root[key]
+        return key
+
+    shared: dict[pytest.Item, list[str]] = {}
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs if info else {}
+        keys = [
+            f"{item.module.__name__}::{name}"
+            for name in item.fixturenames
+            if defs.get(name) and defs[name][-1].scope in ("module", "class", "package")
+        ]
+        if keys:
+            shared[item] = keys
+            for key in keys[1:]:
+                root[find(key)] = find(keys[0])
+    return {item: find(keys[0]) for item, keys in shared.items()}
 
 
 @pytest.fixture(autouse=True)
