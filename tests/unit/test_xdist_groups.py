@@ -1,0 +1,66 @@
+"""``make test`` runs on pytest-xdist workers; a cluster start-up shared by several tests must still happen once.
+
+tests/conftest.py gives every test linked to a module-scoped fixture one ``xdist_group``. This runs pytest-xdist
+for real (three workers) on a small module and reads where each test ran: a grouping that xdist ignores (as under
+pytest 9.2, see pyproject.toml) would set the fixture up on several workers, as it would start several clusters.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CONFTEST = """
+import pytest
+from tests.conftest import shared_start_up_groups
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    for item, group in shared_start_up_groups(items).items():
+        item.add_marker(pytest.mark.xdist_group(group))
+"""
+
+MODULE = """
+import os, pytest
+
+def note(what):
+    with open(os.environ["LOG"], "a") as f:
+        f.write(f"{what} {os.environ['PYTEST_XDIST_WORKER']}\\n")
+
+@pytest.fixture(scope="module")
+def cluster():
+    note("start-up")
+
+@pytest.fixture(scope="module")
+def prometheus(cluster):
+    note("start-up")
+"""
+MODULE += "".join(f"\ndef test_cluster_{i}(cluster):\n    note('cluster')\n" for i in range(4))
+MODULE += "".join(f"\ndef test_prometheus_{i}(prometheus):\n    note('cluster')\n" for i in range(2))
+MODULE += "".join(f"\ndef test_alone_{i}():\n    note('alone')\n" for i in range(6))
+
+
+def test_tests_sharing_a_start_up_run_on_one_worker_which_starts_it_once(tmp_path):
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "test_shared.py").write_text(MODULE)
+    log = tmp_path / "where.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LOG": str(log)}
+    args = ["-n", "3", "--dist", "loadgroup", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path)]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", *args, str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    lines = [line.split() for line in log.read_text().splitlines()]
+    assert sum(1 for what, _ in lines if what == "start-up") == 2  # cluster, then prometheus on top of it
+    workers = {worker for what, worker in lines if what in ("start-up", "cluster")}
+    assert len(workers) == 1, f"one shared start-up ran on {sorted(workers)}"
+    assert sum(1 for what, _ in lines if what == "alone") == 6
