@@ -44,7 +44,6 @@ import torch.nn.functional as F
 from bench import scaling_fit as model
 from bench.pipeline_bubble import OneLineParser  # one-line errors, exit 2: the house rule for bad input
 from bench.provenance import REPO, RESULTS, describe_output, load_average, output_path, provenance
-from tools import report
 
 SCHEMA = "scaling.v2"
 MODELS = ("mini_mlp", "deep_mlp", "tiny_transformer")
@@ -415,11 +414,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def render(doc: dict) -> str:
     """The generated block of docs/scaling.md, provenance line first, as ``make bench-report`` writes it."""
+    from tools import report  # here, not at the top: a container rank gets bench/ alone, without tools/
+
     return report.render("scaling", doc)
 
 
 def rendered_page(page: str, doc: dict) -> str:
     """``page`` with its ``scaling`` block replaced by ``render(doc)`` (``doc`` need not be the committed result)."""
+    from tools import report
+
     pattern = report.block_pattern("scaling")
     if not pattern.search(page):
         raise ValueError("docs/scaling.md has no <!-- bench-report:scaling --> ... <!-- /bench-report:scaling -->")
