@@ -257,9 +257,11 @@ def measure(args) -> dict:
     per_world = {}
     for world in args.worlds:
         print(f"world {world}: collectives and DDP steps ...", flush=True)
-        per_world[world] = [{**r, "check_batch": args.check_batch} for r in spawn_world(on_rank, world, cfg)]
+        # A world of 4 on 2 loaded cores ran past spawn_world's default 300 s: a slow machine is not a hang here.
+        ranks = spawn_world(on_rank, world, cfg, timeout=1800)
+        per_world[world] = [{**r, "check_batch": args.check_batch} for r in ranks]
     print("one process: compute per batch ...", flush=True)
-    sweep = spawn_world(compute_sweep, 1, cfg)[0]
+    sweep = spawn_world(compute_sweep, 1, cfg, timeout=1800)[0]
     containers = measure_containers(args) if args.containers != "no" else {"skipped": "--containers no"}
     points = model.collective_points(per_world)
     fits = model.fit_all(points, usable_cores())
