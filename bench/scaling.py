@@ -1,6 +1,6 @@
 """A scaling model fitted from measured collectives: what step time to expect past this machine's 2-4 ranks.
 
-    make scaling                                            # measure, fit, predict, check: ~7 min, 2 loaded cores
+    make scaling                                  # measure, fit, predict, check: ~10 min at load ~50, 2 cores
     .venv/bin/python -m bench.scaling --worlds 2 --sizes 4K..1M --containers no   # a quick trial (runs/)
     .venv/bin/python -m bench.scaling --render-docs         # rewrite docs/scaling.md's block from the JSON
 

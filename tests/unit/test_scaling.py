@@ -150,7 +150,7 @@ def test_a_changed_result_changes_the_page():
     """The check above can fail: one fitted value edited in the result shows up on the page."""
     page = scaling.DOC.read_text()
     doc = json.loads(RESULT.read_text())
-    doc["fit"]["all_reduce"]["alpha_s"] *= 2
+    doc["fit"]["ring"]["all_reduce"]["alpha_s"] *= 2
     assert scaling.rendered_page(page, doc) != page
 
 
