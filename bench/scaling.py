@@ -1,6 +1,6 @@
 """A scaling model fitted from measured collectives: what step time to expect past this machine's 2-4 ranks.
 
-    make scaling                                            # measure, fit, predict, check: ~7 min, 2 loaded cores
+    make scaling                                  # measure, fit, predict, check: ~10 min at load ~50, 2 cores
     .venv/bin/python -m bench.scaling --worlds 2 --sizes 4K..1M --containers no   # a quick trial (runs/)
     .venv/bin/python -m bench.scaling --render-docs         # rewrite docs/scaling.md's block from the JSON
 
@@ -8,9 +8,12 @@
    worlds of 2, 3 and 4 processes (``app.demos.world.spawn_world``). Repeats are interleaved (every size and
    collective once per round, shuffled; more rounds below 4 MiB), a barrier precedes each timed call, a point is
    the slowest rank's time (send/recv: half a ping-pong between ranks 0 and 1), median over the rounds. In the same
-   worlds: DDP steps of the project's models (``app.parallel.wrap_model``, ours, default buckets), synced and under
-   ``no_sync()``, interleaved.
-2. Fit alpha and beta per collective by least squares (``bench/scaling_fit.py``) and report every point's error.
+   worlds: DDP steps of the project's models (``app.parallel.wrap_model``, ours, default buckets), interleaved, in
+   three variants that measure the model's terms apart: under ``no_sync()`` (the compute; then a one-float
+   all-reduce, what a collective costs right after compute), with a comm hook that sends nothing (the reducer's
+   hooks and copies), and synchronised (what the model is checked against).
+2. Fit alpha and beta per collective by least squares (``bench/scaling_fit.py``) and report every point's error;
+   worlds with more ranks than cores are fitted on their own (their ring steps also wait for a core).
 3. Predict DDP step time and communication share at 8-1024 ranks for a fixed global batch, with this machine's
    per-sample compute (one process, per-rank batches 8/32/128, a line per phase) and two networks: gloo as fitted
    here, NCCL with an assumed alpha and bus bandwidth. The pipeline bubble gets the fitted send/recv term and is
@@ -41,12 +44,13 @@ import torch.nn.functional as F
 from bench import scaling_fit as model
 from bench.pipeline_bubble import OneLineParser  # one-line errors, exit 2: the house rule for bad input
 from bench.provenance import REPO, RESULTS, describe_output, load_average, output_path, provenance
-from tools import report
 
-SCHEMA = "scaling.v1"
+SCHEMA = "scaling.v2"
 MODELS = ("mini_mlp", "deep_mlp", "tiny_transformer")
 RANKS = (8, 16, 32, 64, 128, 256, 512, 1024)
 COMPUTE_BATCHES = (8, 32, 128)
+# A MiniMLP step takes about a millisecond, so one descheduling moves it by 100%: ten times the rounds (a second).
+ROUNDS = {"mini_mlp": 10}
 SMALL = 4 << 20  # bytes: below this a collective point gets --small-repeats rounds
 IMAGE = "ddp-cluster:latest"
 RESULT_TAG = "SCALING_RESULT "  # a container rank's one line of results on stdout
@@ -143,23 +147,61 @@ def ping_pong(rank: int, tensor: torch.Tensor) -> None:
         dist.send(tensor, 0)
 
 
+def no_comm_hook(state, bucket) -> torch.futures.Future:
+    """A comm hook that communicates nothing: the bucket comes back as it went. With it our wrapper still runs every
+    per-parameter hook, the copy into each bucket and the copy out into ``p.grad``: the reducer's local cost alone."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+DDP_VARIANTS = ("local", "hooks", "synced")  # no_sync(); the reducer without communication; a real DDP step
+
+
 def time_ddp(rank: int, world: int, cfg: dict) -> dict:
-    """Per model: this rank's synced step seconds and its no_sync() phases, interleaved; the bucket sizes."""
+    """Per model: this rank's seconds per step of each of ``DDP_VARIANTS``, interleaved; the bucket sizes.
+
+    Each variant has its own copy of the model (seed 0) and optimizer. Steps run in rounds, one step of every
+    variant per round in a new order (the same on every rank), a barrier before each: the three see the same load,
+    and one step's rank skew is not billed to the next. ``hooks`` keeps (forward, backward, optimizer), ``local``
+    the same and a fourth: the seconds of a one-float all-reduce issued right after its step.
+    """
+    import torch.distributed as dist
+
     from app.parallel import wrap_model
 
     out = {}
     for name in cfg["models"]:
-        net, x, y, loss_fn = workload(name, cfg["check_batch"] // world)
-        ddp = wrap_model(net, "ours")
-        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-        for _ in range(2):
-            timed_step(ddp, opt, x, y, loss_fn)  # warm-up
-        synced, local = [], []
-        for _ in range(cfg["steps"]):
-            with ddp.no_sync():  # the compute alone, under the same contention as the synced step
-                local.append(timed_step(ddp, opt, x, y, loss_fn))
-            synced.append(sum(timed_step(ddp, opt, x, y, loss_fn)))
-        out[name] = {"synced": synced, "local": local, "buckets": list(ddp.bucket_sizes)}
+        steps = {}
+        for variant in DDP_VARIANTS:
+            net, x, y, loss_fn = workload(name, cfg["check_batch"] // world)
+            ddp = wrap_model(net, "ours")
+            if variant == "hooks":
+                ddp.register_comm_hook(None, no_comm_hook)
+            opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+            steps[variant] = (ddp, opt, x, y, loss_fn)
+        times: dict = {variant: [] for variant in DDP_VARIANTS}
+        probe = torch.zeros(1)
+        for round_ in range(2 + cfg["steps"] * ROUNDS.get(name, 1)):  # rounds 0 and 1 warm up
+            order = list(DDP_VARIANTS)
+            random.Random(round_).shuffle(order)
+            for variant in order:
+                ddp, opt, x, y, loss_fn = steps[variant]
+                dist.barrier()
+                if variant == "local":
+                    with ddp.no_sync():
+                        phases = timed_step(ddp, opt, x, y, loss_fn)
+                    # A one-float all-reduce right after the compute: what a collective issued at the end of
+                    # a backward costs (waiting for the slowest peer, waking gloo's threads), not one issued
+                    # right after a barrier, as the collectives above are.
+                    start = time.perf_counter()
+                    dist.all_reduce(probe)
+                    phases = (*phases, time.perf_counter() - start)
+                else:
+                    phases = timed_step(ddp, opt, x, y, loss_fn)
+                if round_ >= 2:
+                    times[variant].append(sum(phases) if variant == "synced" else phases)
+        out[name] = {**times, "buckets": list(steps["synced"][0].bucket_sizes)}
     return out
 
 
@@ -180,20 +222,22 @@ def compute_sweep(rank: int, world: int, cfg: dict) -> dict:
     return out
 
 
-def predictions(sweep: dict, buckets: dict, fits: dict, global_batch: int) -> tuple[list[dict], dict]:
-    """Step time and comm share per model and rank count: per-sample compute lines, gloo's fit, NCCL's assumption."""
+def predictions(sweep: dict, buckets: dict, fits: dict, fixed: dict, global_batch: int) -> tuple[list[dict], dict]:
+    """Step time and comm share per model and rank count: per-sample compute lines, gloo's fit, NCCL's assumption.
+    ``fixed``: per model, the reducer's and the sync term's seconds (the check's, at its smallest world)."""
     lines, rows = {}, []
+    ar = fits["ring"]["all_reduce"]
     for name, by_batch in sweep.items():
         batches = sorted(by_batch)
         fwd = model.linear_fit(batches, [by_batch[b][0] for b in batches])
         bwd = model.linear_fit(batches, [by_batch[b][1] for b in batches])
         opt = statistics.median(by_batch[b][2] for b in batches)
         lines[name] = {"forward_s": fwd, "backward_s": bwd, "optimizer_s": opt, "gradient_bytes": sum(buckets[name])}
+        lines[name].update(fixed[name])
         for ranks in RANKS:
             b = global_batch / ranks
             compute = {"forward": fwd[0] + fwd[1] * b, "backward": bwd[0] + bwd[1] * b, "optimizer": opt}
-            ar = fits["all_reduce"]
-            gloo = model.ddp_step(compute, buckets[name], ranks, ar["alpha_s"], ar["beta_bytes_per_s"])
+            gloo = model.ddp_step(compute, buckets[name], ranks, ar["alpha_s"], ar["beta_bytes_per_s"], **fixed[name])
             nccl = model.ddp_step(compute, buckets[name], ranks, NCCL["alpha_s"], NCCL["beta_bytes_per_s"])
             rows.append({"model": name, "ranks": ranks, "per_rank_batch": b, "gloo": gloo, "nccl": nccl})
     return rows, lines
@@ -213,34 +257,44 @@ def measure(args) -> dict:
     per_world = {}
     for world in args.worlds:
         print(f"world {world}: collectives and DDP steps ...", flush=True)
-        per_world[world] = [{**r, "check_batch": args.check_batch} for r in spawn_world(on_rank, world, cfg)]
+        # A world of 4 on 2 loaded cores ran past spawn_world's default 300 s: a slow machine is not a hang here.
+        ranks = spawn_world(on_rank, world, cfg, timeout=1800)
+        per_world[world] = [{**r, "check_batch": args.check_batch} for r in ranks]
     print("one process: compute per batch ...", flush=True)
-    sweep = spawn_world(compute_sweep, 1, cfg)[0]
+    sweep = spawn_world(compute_sweep, 1, cfg, timeout=1800)[0]
     containers = measure_containers(args) if args.containers != "no" else {"skipped": "--containers no"}
     points = model.collective_points(per_world)
-    fits = model.fit_all(points)
+    fits = model.fit_all(points, usable_cores())
     check, buckets = model.ddp_check(per_world, fits)
-    preds, lines = predictions(sweep, buckets, fits, args.global_batch)
-    errors = [abs(float(p["error"])) for p in points]
+    smallest = min(r["world_size"] for r in check)
+    fixed = {r["model"]: {k: r[k] for k in ("reducer_s", "sync_s")} for r in check if r["world_size"] == smallest}
+    preds, lines = predictions(sweep, buckets, fits, fixed, args.global_batch)
     return {
         "fit_method": "least squares on relative residuals; error = model / measured - 1",
         "point": "median over interleaved rounds of the slowest rank (send/recv: half a ping-pong, rank 0)",
+        "cores": usable_cores(),
         "collectives": points,
         "fit": fits,
         "summary": {
-            "points": len(errors),
-            "within_15pct": sum(e <= 0.15 for e in errors),
-            "max_abs_error": max(errors),
+            "collectives": model.error_summary([p["error"] for p in points]),
+            "ddp_check": model.error_summary([r["error"] for r in check]),
+            "ddp_check_overlap": model.error_summary([r["error_overlap"] for r in check]),
         },
         "ddp_check": check,
         "compute_lines": lines,
         "compute_note": "per-rank batch b: forward and backward = intercept + slope*b fitted at b = 8, 32, 128 in one "
-        "process; optimizer = median; the check uses the same world's no_sync() steps instead",
+        "process; optimizer = median; reducer and sync: the check's at its smallest world (per step, whatever b); "
+        "the check uses the same world's no_sync() steps instead",
         "nccl_assumption": NCCL,
         "predictions": preds,
         "bubble": model.bubble_rows(json.loads(BUBBLE.read_text()), fits),
         "containers": containers,
     }
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (what the ranks share), as bench.provenance records them."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def in_container(args) -> int:
@@ -312,7 +366,9 @@ def measure_containers(args) -> dict:
             docker("rm", "-f", *leftover)
         subprocess.run(["docker", "network", "rm", tag], capture_output=True, timeout=60)
     points = model.collective_points(per_world)
-    return {"image": IMAGE, "network": "user-defined bridge", "collectives": points, "fit": model.fit_all(points)}
+    fits = model.fit_all(points, usable_cores())
+    summary = {"collectives": model.error_summary([p["error"] for p in points])}
+    return {"image": IMAGE, "network": "user-defined bridge", "collectives": points, "fit": fits, "summary": summary}
 
 
 def sizes(text: str) -> list[int]:
@@ -360,11 +416,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def render(doc: dict) -> str:
     """The generated block of docs/scaling.md, provenance line first, as ``make bench-report`` writes it."""
+    from tools import report  # here, not at the top: a container rank gets bench/ alone, without tools/
+
     return report.render("scaling", doc)
 
 
 def rendered_page(page: str, doc: dict) -> str:
     """``page`` with its ``scaling`` block replaced by ``render(doc)`` (``doc`` need not be the committed result)."""
+    from tools import report
+
     pattern = report.block_pattern("scaling")
     if not pattern.search(page):
         raise ValueError("docs/scaling.md has no <!-- bench-report:scaling --> ... <!-- /bench-report:scaling -->")

@@ -44,8 +44,9 @@ def fit(collective: str, points: list[tuple[int, float, float]]) -> dict:
         alpha, inv_beta = 0.0, float(np.linalg.lstsq(rows[:, 1:], np.ones(len(points)), rcond=None)[0][0])
     if inv_beta <= 0:
         raise ValueError(f"{collective}: no positive bandwidth fits these points (times do not grow with size)")
-    errors = [predict(collective, n, nbytes, alpha, 1 / inv_beta) / s - 1 for n, nbytes, s in points]
-    return {"alpha_s": float(alpha), "beta_bytes_per_s": float(1 / inv_beta), "errors": errors}
+    alpha, beta = float(alpha), float(1 / inv_beta)
+    errors = [predict(collective, n, nbytes, alpha, beta) / s - 1 for n, nbytes, s in points]
+    return {"alpha_s": alpha, "beta_bytes_per_s": beta, "errors": errors}
 
 
 def ddp_comm(bucket_bytes: list[int], n: int, alpha: float, beta: float) -> tuple[float, float]:
@@ -54,22 +55,34 @@ def ddp_comm(bucket_bytes: list[int], n: int, alpha: float, beta: float) -> tupl
     return sum(times), times[-1]
 
 
-def ddp_step(compute: dict, bucket_bytes: list[int], n: int, alpha: float, beta: float) -> dict:
+def ddp_step(
+    compute: dict,
+    bucket_bytes: list[int],
+    n: int,
+    alpha: float,
+    beta: float,
+    reducer_s: float = 0.0,
+    sync_s: float = 0.0,
+) -> dict:
     """Predicted step seconds of bucketed DDP, without and with overlap, and communication's share of each.
 
-    ``compute``: seconds of ``forward``, ``backward``, ``optimizer`` for one rank's batch. Without overlap the
-    all-reduces follow backward. With overlap a bucket is all-reduced while backward computes earlier layers, so
-    backward hides up to its own duration, but never the last bucket: it is only full when backward ends.
+    ``compute``: seconds of ``forward``, ``backward``, ``optimizer`` for one rank's batch. ``reducer_s``: the
+    wrapper's own local work per step (hooks, copies into and out of the buckets), measured with a comm hook that
+    sends nothing. ``sync_s``: what a collective issued at the end of a backward costs more than one issued right
+    after a barrier (waiting for the slowest peer, waking the communication threads), once per step. Both are CPU
+    time or waiting on the critical path: overlap hides neither. Without overlap the all-reduces follow backward.
+    With overlap a bucket is all-reduced while backward computes earlier layers, so backward hides up to its own
+    duration, but never the last bucket: it is only full when backward ends.
     """
     comm, last = ddp_comm(bucket_bytes, n, alpha, beta)
-    work = compute["forward"] + compute["backward"] + compute["optimizer"]
+    work = compute["forward"] + compute["backward"] + compute["optimizer"] + reducer_s + sync_s
     exposed = max(comm - compute["backward"], last)
     return {
         "comm_s": comm,
         "step_s": work + comm,
-        "share": comm / (work + comm),
+        "share": (comm + sync_s) / (work + comm),
         "step_overlap_s": work + exposed,
-        "share_overlap": exposed / (work + exposed),
+        "share_overlap": (exposed + sync_s) / (work + exposed),
     }
 
 
@@ -117,36 +130,69 @@ def collective_points(per_world: dict) -> list[dict]:
     return points
 
 
-def fit_all(points: list[dict]) -> dict:
-    fits = {}
-    for name in TERMS:
-        mine = [p for p in points if p["collective"] == name]
-        f = fit(name, [(p["world_size"], p["bytes"], p["measured_s"]) for p in mine])
-        for p, err in zip(mine, f.pop("errors")):
-            p["predicted_s"], p["error"] = p["measured_s"] * (1 + err), err
-        fits[name] = f
+def fit_all(points: list[dict], cores: int) -> dict:
+    """alpha and beta per collective, and each point's model time and error (written into the point).
+
+    The ring terms assume a core per rank. Worlds with more ranks than ``cores`` break that: each ring step also
+    waits for a descheduled peer to get a core, a latency the ring's ``a(n)·alpha`` does not grow with. So the worlds
+    with ``n <= cores`` are fitted together (``"ring"``: what the predictions use) and each larger world on its own
+    (``"oversubscribed"``: n -> fits, what that world's points and DDP check use). With no world within ``cores``,
+    all are fitted together.
+    """
+    within = {p["world_size"] for p in points if p["world_size"] <= cores} or {p["world_size"] for p in points}
+    groups = {"ring": within, **{n: {n} for n in sorted({p["world_size"] for p in points} - within)}}
+    fits: dict = {"ring": {}, "oversubscribed": {}}
+    for group, worlds in groups.items():
+        target = fits["ring"] if group == "ring" else fits["oversubscribed"].setdefault(str(group), {})
+        for name in TERMS:
+            mine = [p for p in points if p["collective"] == name and p["world_size"] in worlds]
+            f = fit(name, [(p["world_size"], p["bytes"], p["measured_s"]) for p in mine])
+            for p, err in zip(mine, f.pop("errors")):
+                p["predicted_s"], p["error"], p["fit"] = p["measured_s"] * (1 + err), err, str(group)
+            target[name] = f
     return fits
 
 
+def fit_for(fits: dict, world: int) -> dict:
+    """The fits that describe ``world``: its own if it was oversubscribed, else the ring fit."""
+    return fits["oversubscribed"].get(str(world), fits["ring"])
+
+
 def ddp_check(per_world: dict, fits: dict) -> tuple[list[dict], dict]:
-    """The model against each measured DDP step: compute from the same world's no_sync steps, comm from the fit."""
-    ar = fits["all_reduce"]
+    """The model against each measured DDP step, every term measured in the same world, interleaved with it.
+
+    Per step the slowest rank counts (a synchronised step waits for it); per term the median over steps.
+    compute: the ``no_sync()`` step's phases; reducer: the no-communication step minus the compute; sync: the
+    compute followed by the one-float all-reduce, minus the compute, minus the fit's one-float all-reduce; comm: the
+    fit, one all-reduce per bucket. Returns the rows and, per model, its bucket sizes.
+    """
     rows, buckets = [], {}
     for world, ranks in per_world.items():
+        ar = fit_for(fits, world)["all_reduce"]
         for name in ranks[0]["ddp"]:
             per_rank = [r["ddp"][name] for r in ranks]
             measured = statistics.median(max(s) for s in zip(*(r["synced"] for r in per_rank)))
-            # The slowest rank's phases, median over steps: the synced step waits for the slowest rank too.
-            local = [max(phases, key=sum) for phases in zip(*(r["local"] for r in per_rank))]
+            local = [max(phases, key=lambda p: sum(p[:3])) for phases in zip(*(r["local"] for r in per_rank))]
             compute = dict(zip(("forward", "backward", "optimizer"), (statistics.median(p) for p in zip(*local))))
+            hooks_s = statistics.median(max(map(sum, s)) for s in zip(*(r["hooks"] for r in per_rank)))
+            # The compute and the probe after it, per rank, then the slowest: the faster rank's probe includes its
+            # wait for the slower one, whose compute is already counted (the max of the sums, not the sum of maxes).
+            probed_s = statistics.median(max(map(sum, s)) for s in zip(*(r["local"] for r in per_rank)))
+            local_s = statistics.median(sum(p[:3]) for p in local)
+            reducer_s = max(0.0, hooks_s - sum(compute.values()))
+            hot = predict("all_reduce", world, 4, ar["alpha_s"], ar["beta_bytes_per_s"])
+            sync_s = max(0.0, probed_s - local_s - hot)
             buckets[name] = per_rank[0]["buckets"]
-            pred = ddp_step(compute, buckets[name], world, ar["alpha_s"], ar["beta_bytes_per_s"])
+            pred = ddp_step(compute, buckets[name], world, ar["alpha_s"], ar["beta_bytes_per_s"], reducer_s, sync_s)
             rows.append(
                 {
                     "model": name,
                     "world_size": world,
                     "per_rank_batch": ranks[0]["check_batch"] // world,
                     "compute_s": sum(compute.values()),
+                    "reducer_s": reducer_s,
+                    "sync_s": sync_s,
+                    "comm_s": pred["comm_s"],
                     "measured_step_s": measured,
                     "predicted_step_s": pred["step_s"],
                     "predicted_step_overlap_s": pred["step_overlap_s"],
@@ -159,7 +205,7 @@ def ddp_check(per_world: dict, fits: dict) -> tuple[list[dict], dict]:
 
 def bubble_rows(doc: dict, fits: dict) -> dict:
     """pipeline-bubble.json's emulated rows: GPipe's formula and the formula + fitted send/recv term vs measured."""
-    sr = fits["send_recv"]
+    sr = fits["ring"]["send_recv"]
     rows = []
     for r in (r for r in doc["rows"] if r["compute"] == "emulated"):
         compute = statistics.fmean(r["compute_ms_per_stage"]) / 1e3
@@ -174,6 +220,8 @@ def bubble_rows(doc: dict, fits: dict) -> dict:
                 "with_comm": idle,
                 "transfer_s": transfer,
                 "measured": r["measured_mean"],
+                "formula_error": r["theory"] / r["measured_mean"] - 1,
+                "error": idle / r["measured_mean"] - 1,
             }
         )
     return {
@@ -181,6 +229,19 @@ def bubble_rows(doc: dict, fits: dict) -> dict:
         "rows": rows,
         "mean_abs_error_formula": statistics.fmean(abs(r["formula"] - r["measured"]) for r in rows),
         "mean_abs_error_with_comm": statistics.fmean(abs(r["with_comm"] - r["measured"]) for r in rows),
+        "errors": error_summary([r["error"] for r in rows]),
+        "formula_errors": error_summary([r["formula_error"] for r in rows]),
+    }
+
+
+def error_summary(errors: list[float]) -> dict:
+    """How a set of relative errors (model / measured - 1) meets the ±15% goal: count, mean and worst |error|."""
+    magnitudes = [abs(float(e)) for e in errors]
+    return {
+        "points": len(errors),
+        "within_15pct": sum(e <= 0.15 for e in magnitudes),
+        "mean_abs_error": statistics.fmean(magnitudes),
+        "max_abs_error": max(magnitudes),
     }
 
 
@@ -228,18 +289,21 @@ def _size(nbytes: int) -> str:
 
 def render_fit(doc: dict) -> list[str]:
     lines = [
-        "| collective | alpha (µs) | beta = busbw (MB/s) | points | within 15% | median \\|error\\| "
+        "| fitted on | collective | alpha (µs) | beta = busbw (MB/s) | points | within 15% | median \\|error\\| "
         "| max \\|error\\| | median noise |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, f in doc["fit"].items():
-        mine = [p for p in doc["collectives"] if p["collective"] == name]
-        errs = [abs(p["error"]) for p in mine]
-        noise = np.median([p["spread"] for p in mine]) if all("spread" in p for p in mine) else float("nan")
-        lines.append(
-            f"| {name} | {f['alpha_s'] * 1e6:.0f} | {f['beta_bytes_per_s'] / 1e6:.0f} | {len(errs)} "
-            f"| {sum(e <= 0.15 for e in errs)} | {np.median(errs):.0%} | {max(errs):.0%} | {noise:.0%} |"
-        )
+    groups = [("ring", doc["fit"]["ring"]), *doc["fit"]["oversubscribed"].items()]
+    for group, fits in groups:
+        label = "n ≤ cores (ring)" if group == "ring" else f"n = {group} alone"
+        for name, f in fits.items():
+            mine = [p for p in doc["collectives"] if p["collective"] == name and p["fit"] == group]
+            errs = [abs(p["error"]) for p in mine]
+            noise = np.median([p["spread"] for p in mine])
+            lines.append(
+                f"| {label} | {name} | {f['alpha_s'] * 1e6:.0f} | {f['beta_bytes_per_s'] / 1e6:.0f} | {len(errs)} "
+                f"| {sum(e <= 0.15 for e in errs)} | {np.median(errs):.0%} | {max(errs):.0%} | {noise:.0%} |"
+            )
     lines += ["", "Noise: the interquartile range of a point's rounds divided by its median, median over points."]
     worlds = sorted({p["world_size"] for p in doc["collectives"]})
     lines += ["", "Every point: measured ms (model's error), per world size.", ""]
@@ -248,25 +312,38 @@ def render_fit(doc: dict) -> list[str]:
         "|---|---:|" + "---:|" * len(worlds),
     ]
     index = {(p["collective"], p["bytes"], p["world_size"]): p for p in doc["collectives"]}
-    for name in doc["fit"]:
+    for name in doc["fit"]["ring"]:
         for nbytes in sorted({p["bytes"] for p in doc["collectives"]}):
             cells = [index.get((name, nbytes, n)) for n in worlds]
             text = [f"{_ms(c['measured_s'])} ({c['error']:+.0%})" if c else "—" for c in cells]
             lines.append(f"| {name} | {_size(nbytes)} | " + " | ".join(text) + " |")
+    lines += ["", summary_line("Points", doc["summary"]["collectives"])]
     return lines
+
+
+def summary_line(what: str, s: dict) -> str:
+    return (
+        f"{what} within ±15%: {s['within_15pct']} of {s['points']}; mean |error| {s['mean_abs_error']:.0%}, worst "
+        f"{s['max_abs_error']:.0%}."
+    )
 
 
 def render_check(doc: dict) -> list[str]:
     lines = [
-        "| model | n | per-rank batch | compute ms | measured step ms | model, no overlap | model, overlap |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| model | n | per-rank batch | compute ms | + reducer ms | + sync ms | + all-reduces ms | model, no overlap "
+        "| measured step ms | model, overlap |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in doc["ddp_check"]:
         lines.append(
             f"| {r['model']} | {r['world_size']} | {r['per_rank_batch']} | {_ms(r['compute_s'])} | "
-            f"{_ms(r['measured_step_s'])} | {_ms(r['predicted_step_s'])} ({r['error']:+.0%}) | "
+            f"{_ms(r['reducer_s'])} | {_ms(r['sync_s'])} | {_ms(r['comm_s'])} | "
+            f"{_ms(r['predicted_step_s'])} ({r['error']:+.0%}) | {_ms(r['measured_step_s'])} | "
             f"{_ms(r['predicted_step_overlap_s'])} ({r['error_overlap']:+.0%}) |"
         )
+    summary = doc["summary"]
+    lines += ["", summary_line("Steps, model without overlap,", summary["ddp_check"])]
+    lines += [summary_line("Steps, model with overlap,", summary["ddp_check_overlap"])]
     return lines
 
 
@@ -295,8 +372,11 @@ def render_bubble(doc: dict) -> list[str]:
     for r in doc["bubble"]["rows"]:
         lines.append(
             f"| {r['schedule']} | {r['stages']} | {r['micro_batches']} | {r['formula']:.3f} | {r['with_comm']:.3f} | "
-            f"{r['measured']:.3f} | {r['formula'] - r['measured']:+.3f} | {r['with_comm'] - r['measured']:+.3f} |"
+            f"{r['measured']:.3f} | {r['formula_error']:+.0%} | {r['error']:+.0%} |"
         )
+    lines += ["", "Errors relative to the measured idle share (model / measured − 1)."]
+    lines += ["", summary_line("Rows, formula alone,", doc["bubble"]["formula_errors"])]
+    lines += [summary_line("Rows, formula + send/recv term,", doc["bubble"]["errors"])]
     return lines
 
 
@@ -322,7 +402,6 @@ def render_block(doc: dict) -> list[str]:
     settings, then every table. Registered as ``scaling`` in ``tools.report.RENDERERS``."""
     m = doc["machine"]
     nccl = doc["nccl_assumption"]
-    summary = doc["summary"]
     return [
         f"Load average while measuring: {m['load_average_before']} before, {m['load_average_after']} after (1, 5, "
         f"15 min) on {m['cores']} cores: other jobs shared the machine, so every figure below is noisy.",
@@ -332,8 +411,6 @@ def render_block(doc: dict) -> list[str]:
         "### Fitted alpha and beta (gloo, CPU, one host, processes)",
         "",
         *render_fit(doc),
-        "",
-        f"Points within 15%: {summary['within_15pct']} of {summary['points']} (worst {summary['max_abs_error']:.0%}).",
         "",
         "### The same collectives between containers (Docker, one user-defined bridge network)",
         "",
@@ -353,7 +430,4 @@ def render_block(doc: dict) -> list[str]:
         "### Pipeline bubble with the send/recv term",
         "",
         *render_bubble(doc),
-        "",
-        f"Mean |error| over these rows: formula {doc['bubble']['mean_abs_error_formula']:.3f}, with the send/recv "
-        f"term {doc['bubble']['mean_abs_error_with_comm']:.3f} (idle share points).",
     ]
