@@ -1,0 +1,54 @@
+"""Where a trainer's start-up time goes: one line from rank 0 just before its first step.
+
+``app.train`` marks each phase as it ends, and rank 0 logs them once, in the run's own log format::
+
+    12:00:09 [rank 0] INFO start-up: process 0.41 s, torch import 5.12 s, workload check 0.21 s, ... = 7.30 s
+
+``process`` is the time from this process's creation (the launcher's spawn of it) to the first mark: the interpreter's
+own start and the torch-free imports. ``bench/startup.py`` reads the line from the containers' logs to break
+``docker compose up`` -> first step into phases (docs/cluster.md); nothing else depends on its wording. Torch-free:
+the clock starts before the seconds-long ``import torch`` it measures.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process was created (Linux: /proc), or None where that cannot be read."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            # Field 22 is the start time in clock ticks since boot; the fields after the command (in parentheses,
+            # which may hold spaces) are split from the last ")".
+            start_ticks = int(f.read().rpartition(")")[2].split()[19])
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class StartupClock:
+    """Phase durations, each from the previous mark (the first from the process's creation).
+
+    Example::
+
+        clock = StartupClock()          # "process": the time until now since the process was created
+        import torch
+        clock.mark("torch import")
+        log.info("%s", clock.line())    # start-up: process 0.41 s, torch import 5.12 s = 5.53 s
+    """
+
+    def __init__(self):
+        age = process_age_s()
+        self.phases: list[tuple[str, float]] = [("process", age)] if age is not None else []
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases.append((phase, now - self._last))
+        self._last = now
+
+    def line(self) -> str:
+        parts = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.phases)
+        return f"start-up: {parts} = {sum(s for _, s in self.phases):.2f} s"
