@@ -38,7 +38,7 @@ from app.cli import setup_logging
 from app.exit_codes import BAD_CONFIG, FAILED, OK, STORAGE_FAILED
 from app.worker.config import ConfigError, TrainConfig, WorldEnv, describe, load_config
 from app.worker.control import StopSignal  # torch-free: installed before the seconds-long torch import
-from app.worker.startup import StartupClock  # torch-free: it times the torch import
+from app.worker.startup import StartupClock, defer_dynamo_import  # torch-free: it times the torch import
 
 log = logging.getLogger("app.train")
 
@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return FAILED
     clock.mark("process group")
+    # TRAINER_DEFER_DYNAMO=1 (compose.yaml): torch.optim's seconds-long import of torch._dynamo skipped. After the
+    # process group: init_process_group touches torch._dynamo whenever a module of that name is there.
+    defer_dynamo_import()
     try:
         return train(cfg, resolved.sources, ctx, world, grad_accum_steps, stop, metrics, clock)
     except (ConfigError, CheckpointMismatch) as e:
@@ -167,7 +170,8 @@ def train(
         )
     announce_endpoints(ctx, cfg, world.node)
     clock.mark("endpoints")
-    # torch.optim imports torch._dynamo at its first optimizer (seconds): here, so the breakdown shows it apart.
+    # torch.optim imports torch._dynamo at its first optimizer (seconds): here, so the breakdown shows it apart
+    # (nothing to import when defer_dynamo_import put its stand-in there).
     import torch._dynamo  # noqa: F401
 
     clock.mark("torch._dynamo import")

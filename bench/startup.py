@@ -1,8 +1,9 @@
 """Where `docker compose up --scale worker=4` spends its time before the first training step, phase by phase.
 
-    make bench-startup                             # = python -m bench.startup (Docker; builds the image once)
+    make bench-startup                             # make image, then python -m bench.startup (its build: cached)
+    python -m bench.startup                        # builds its own image (ddp-startup) first
     python -m bench.startup --repeats 5            # more interleaved repeats
-    python -m bench.startup --variant store_started --repeats 1 --no-build    # one quick look
+    python -m bench.startup --variant now --repeats 1 --no-build   # one quick look
     IMAGE_NAME=my-image python -m bench.startup     # an image name of your own beside other checkouts'
 
 Each run is a fresh compose project (its own name, network, store and checkpoint volume) of ``--workers`` worker
@@ -25,12 +26,14 @@ Each milestone is the last container's (the world waits for the slowest); so the
 store's own start (its container, then its torch import until "listening") is reported beside them: it lies on the
 path only when the workers wait for a healthy store.
 
-Variants (``--variant``, repeatable) are compose settings toggled by environment variable, run interleaved (each
-repeat runs every variant, in an order that alternates) so that the machine's load hits them alike; the table gives
-each phase's median over the repeats and the ratio of the totals. Written: bench/results/startup.json (provenance:
-``bench/provenance.py``) for the documented run (every flag at its default), otherwise runs/startup.json; rendered
-into docs/cluster.md by ``make bench-report``. Each project is taken down (``docker compose down -v``) whatever
-happens.
+Variants (``--variant``, repeatable) are compose settings toggled by environment variable: ``before`` undoes both
+start-up fixes (STORE_CONDITION=service_healthy: the workers start once the store is healthy; TRAINER_DEFER_DYNAMO=0:
+the trainer imports torch._dynamo, as torch.optim does), ``store_healthy`` only the first, ``now`` is compose.yaml
+as it is. They run interleaved (each repeat runs every variant, in an order that alternates) so that the machine's
+load hits them alike; the table gives each phase's median over the repeats and the ratio of the totals.
+Written: bench/results/startup.json (provenance: ``bench/provenance.py``) for the documented run (every flag at its
+default), otherwise runs/startup.json; rendered into docs/cluster.md by ``make bench-report``. Each project is taken
+down (``docker compose down -v``) whatever happens.
 """
 
 from __future__ import annotations
@@ -49,12 +52,17 @@ from bench.provenance import describe_output, load_average, write_result
 
 # name -> (what it is, the environment that makes it)
 VARIANTS = {
+    "before": (
+        "as before the fixes: workers wait for a healthy store, the trainer imports torch._dynamo",
+        {"STORE_CONDITION": "service_healthy", "TRAINER_DEFER_DYNAMO": "0"},
+    ),
     "store_healthy": (
-        "workers wait for a healthy store (depends_on: service_healthy)",
+        "only the store fix undone (STORE_CONDITION=service_healthy)",
         {"STORE_CONDITION": "service_healthy"},
     ),
-    "store_started": ("workers start with the store (service_started; compose.yaml's default)", {}),
+    "now": ("compose.yaml's defaults: workers start with the store, torch._dynamo deferred", {}),
 }
+DEFAULT_VARIANTS = ["before", "now"]
 LAUNCHER_MILESTONES = [  # (phase ending at the last container's line, the line)
     ("launcher import", "] INFO trainer settings:"),
     ("agent + store", "] INFO waiting until every replica"),
@@ -185,7 +193,7 @@ def print_table(result: dict) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.startup", description=__doc__.splitlines()[0])
-    p.add_argument("--variant", action="append", choices=list(VARIANTS), help="repeatable; default: every variant")
+    p.add_argument("--variant", action="append", choices=list(VARIANTS), help="repeatable; default: before, now")
     p.add_argument("--repeats", type=int, default=3, help="runs of each variant, interleaved")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--steps", type=int, default=3, help="steps of each run (the first one is what is timed)")
@@ -201,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     # The fields project_env reads that this bench does not vary.
     args.effective_batch, args.micro_batch, args.dtype, args.checkpoint_every = 128, 32, "float32", 1000
     os.environ.setdefault("IMAGE_NAME", "ddp-startup")  # not the shared ddp-cluster tag other checkouts may use
-    variants = args.variant or list(VARIANTS)
+    variants = args.variant or DEFAULT_VARIANTS
     if not args.no_build:
         Project(f"startup-{os.getpid()}-build", project_env(f"startup-{os.getpid()}-build", args)).compose(
             "build", "worker", timeout=1800
