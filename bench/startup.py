@@ -143,9 +143,9 @@ def one_run(args, variant: str, index: int) -> dict:
         "DDP_CHECKPOINT_EVERY": str(10 * args.steps),  # only the final save: the start-up is what is measured
         **VARIANTS[variant][1],
     }
+    t_up = time.time()
     try:
-        t_up = time.time()
-        p.compose("up", "-d", "--no-build", "--scale", f"worker={args.workers}", "worker", timeout=300)
+        p.compose("up", "-d", "--no-build", "--scale", f"worker={args.workers}", "worker", timeout=args.timeout)
         up_returned = time.time() - t_up
         p.wait_until(lambda: p.all_exited(args.workers), args.timeout, "every worker finishing")
         run = phases_of_run(
@@ -157,12 +157,26 @@ def one_run(args, variant: str, index: int) -> dict:
         )
         codes = [r["ExitCode"] for r in p.workers()]
         return {"variant": variant, "repeat": index, "up_returned_s": round(up_returned, 3), "exit_codes": codes, **run}
+    except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:  # a run that failed is a result too
+        why = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        return {"variant": variant, "repeat": index, "failed": why, "after_s": round(time.time() - t_up, 1)}
     finally:
         p.down()
 
 
-def summary(runs: list[dict]) -> dict:
-    """Each phase's median over the runs of one variant (and of the total), with the spread of the total."""
+def summary(all_runs: list[dict]) -> dict:
+    """Each phase's median over the runs of one variant that finished (and of the total), the total's spread."""
+    runs = [r for r in all_runs if "failed" not in r]
+    if not runs:
+        return {
+            "phases": {},
+            "total_s": None,
+            "total_min_s": None,
+            "total_max_s": None,
+            "store_listening_s": None,
+            "repeats": 0,
+            "failed": len(all_runs),
+        }
     names = list(runs[0]["phases"])
     totals = [r["total_s"] for r in runs]
     return {
@@ -172,23 +186,35 @@ def summary(runs: list[dict]) -> dict:
         "total_max_s": max(totals),
         "store_listening_s": round(statistics.median(r["store_listening_s"] or 0.0 for r in runs), 3),
         "repeats": len(runs),
+        "failed": len(all_runs) - len(runs),
     }
 
 
 def print_table(result: dict) -> None:
-    variants = list(result["summary"])
+    summary = result["summary"]
+    variants = list(summary)
+
+    def row(label: str, values) -> None:
+        print(f"{label:<34}" + "".join(f"{v:>16.2f}" if v is not None else f"{'-':>16}" for v in values))
+
     print(f"\nup -> first step, {result['workers']} workers, median of {result['repeats']} interleaved repeats (s)")
     print(f"{'phase':<34}" + "".join(f"{v:>16}" for v in variants))
-    for phase in result["summary"][variants[0]]["phases"]:
-        print(f"{phase:<34}" + "".join(f"{result['summary'][v]['phases'].get(phase, 0.0):>16.2f}" for v in variants))
-    print(f"{'total (up -> first step)':<34}" + "".join(f"{result['summary'][v]['total_s']:>16.2f}" for v in variants))
-    print(
-        f"{'(store listening at)':<34}"
-        + "".join(f"{result['summary'][v]['store_listening_s']:>16.2f}" for v in variants)
-    )
-    if len(variants) == 2:
-        a, b = (result["summary"][v]["total_s"] for v in variants)
-        print(f"ratio {variants[1]} / {variants[0]}: {b / a:.2f}")
+    for phase in phase_names(summary):
+        row(phase, [summary[v]["phases"].get(phase) for v in variants])
+    row("total (up -> first step)", [summary[v]["total_s"] for v in variants])
+    row("(store listening at)", [summary[v]["store_listening_s"] for v in variants])
+    print("runs failed: " + ", ".join(f"{v} {summary[v]['failed']}" for v in variants))
+    totals = [summary[v]["total_s"] for v in variants]
+    if len(variants) == 2 and None not in totals:
+        print(f"ratio {variants[1]} / {variants[0]}: {totals[1] / totals[0]:.2f}")
+
+
+def phase_names(summary: dict) -> list[str]:
+    """Every phase any variant measured, in the order they happen."""
+    names: list[str] = []
+    for s in summary.values():
+        names += [n for n in s["phases"] if n not in names]
+    return names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="runs of each variant, interleaved")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--steps", type=int, default=3, help="steps of each run (the first one is what is timed)")
-    p.add_argument("--timeout", type=float, default=300, help="seconds each run may take to finish")
+    p.add_argument("--timeout", type=float, default=600, help="seconds each run may take to start, then to finish")
     p.add_argument("--no-build", action="store_true", help="use the image as built")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/startup.json for the documented run)")
     return p
@@ -219,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.repeats):
         for variant in variants if i % 2 == 0 else variants[::-1]:
             run = one_run(args, variant, i)
-            print(f"repeat {i} {variant}: {run['total_s']:.1f} s up -> first step", flush=True)
+            said = run.get("failed") or f"{run['total_s']:.1f} s up -> first step"
+            print(f"repeat {i} {variant}: {said}", flush=True)
             runs.append(run)
     result = {
         "workers": args.workers,
@@ -231,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     path, _ = write_result(parser, args, "startup", result, before)
     print_table(result)
     print(describe_output(path))
-    return 0 if all(set(r["exit_codes"]) == {0} for r in runs) else 1
+    return 0 if all(set(r.get("exit_codes", [1])) == {0} for r in runs) else 1
 
 
 if __name__ == "__main__":
