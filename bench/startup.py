@@ -27,10 +27,12 @@ store's own start (its container, then its torch import until "listening") is re
 path only when the workers wait for a healthy store.
 
 Variants (``--variant``, repeatable) are compose settings toggled by environment variable: ``before`` undoes both
-start-up fixes (STORE_CONDITION=service_healthy: the workers start once the store is healthy; TRAINER_DEFER_DYNAMO=0:
-the trainer imports torch._dynamo, as torch.optim does), ``store_healthy`` only the first, ``now`` is compose.yaml
-as it is. They run interleaved (each repeat runs every variant, in an order that alternates) so that the machine's
-load hits them alike; the table gives each phase's median over the repeats and the ratio of the totals.
+start-up fixes (STORE_CONDITION=service_healthy: the workers start once the store is healthy;
+TRAINER_DEFER_DYNAMO=0: the trainer imports torch._dynamo, as torch.optim does), ``store_healthy`` only the first,
+``now`` is compose.yaml as it is. (The first world's held last call, LAUNCH_FIRST_WORLD_HOLD_SECONDS, is on in all
+of them: without it a loaded machine formed partial first worlds, tests/unit/test_first_world.py.) They run
+interleaved (each repeat runs every variant, in an order that alternates) so that the machine's load hits them
+alike; the table gives each phase's median over the repeats and the ratio of the totals.
 Written: bench/results/startup.json (provenance: ``bench/provenance.py``) for the documented run (every flag at its
 default), otherwise runs/startup.json; rendered into docs/cluster.md by ``make bench-report``. Each project is taken
 down (``docker compose down -v``) whatever happens.
@@ -53,7 +55,7 @@ from bench.provenance import describe_output, load_average, write_result
 # name -> (what it is, the environment that makes it)
 VARIANTS = {
     "before": (
-        "as before the fixes: workers wait for a healthy store, the trainer imports torch._dynamo",
+        "the two measured fixes undone: workers wait for a healthy store, the trainer imports torch._dynamo",
         {"STORE_CONDITION": "service_healthy", "TRAINER_DEFER_DYNAMO": "0"},
     ),
     "store_healthy": (
