@@ -33,9 +33,9 @@ TRAINER_DEFER_DYNAMO=0: the trainer imports torch._dynamo, as torch.optim does),
 of them: without it a loaded machine formed partial first worlds, tests/unit/test_first_world.py.) They run
 interleaved (each repeat runs every variant, in an order that alternates) so that the machine's load hits them
 alike; the table gives each phase's median over the repeats and the ratio of the totals.
-Written: bench/results/startup.json (provenance: ``bench/provenance.py``) for the documented run (every flag at its
-default), otherwise runs/startup.json; rendered into docs/cluster.md by ``make bench-report``. Each project is taken
-down (``docker compose down -v``) whatever happens.
+Written after every repeat: bench/results/startup.json (provenance: ``bench/provenance.py``) for the documented run
+(every flag at its default), otherwise runs/startup.json; rendered into docs/cluster.md by ``make bench-report``.
+Each project is taken down (``docker compose down -v``) whatever happens.
 """
 
 from __future__ import annotations
@@ -243,21 +243,22 @@ def main(argv: list[str] | None = None) -> int:
             "build", "worker", timeout=1800
         )
     before = load_average()
-    runs = []
+    runs: list[dict] = []
     for i in range(args.repeats):
         for variant in variants if i % 2 == 0 else variants[::-1]:
             run = one_run(args, variant, i)
             said = run.get("failed") or f"{run['total_s']:.1f} s up -> first step"
             print(f"repeat {i} {variant}: {said}", flush=True)
             runs.append(run)
-    result = {
-        "workers": args.workers,
-        "repeats": args.repeats,
-        "variants": {v: VARIANTS[v][0] for v in variants},
-        "runs": runs,
-        "summary": {v: summary([r for r in runs if r["variant"] == v]) for v in variants},
-    }
-    path, _ = write_result(parser, args, "startup", result, before)
+        # Rewritten after every repeat: a run cut short keeps the repeats it completed.
+        result = {
+            "workers": args.workers,
+            "repeats": i + 1,
+            "variants": {v: VARIANTS[v][0] for v in variants},
+            "runs": runs,
+            "summary": {v: summary([r for r in runs if r["variant"] == v]) for v in variants},
+        }
+        path, _ = write_result(parser, args, "startup", result, before)
     print_table(result)
     print(describe_output(path))
     return 0 if all(set(r.get("exit_codes", [1])) == {0} for r in runs) else 1
