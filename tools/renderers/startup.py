@@ -37,6 +37,13 @@ def render_startup(doc: dict) -> list[str]:
         + " | ".join(_cell(summary[v]["store_listening_s"]) for v in variants)
         + " |"
     )
+    if any(v < -1 for r in doc["runs"] for v in r.get("phases", {}).values()):
+        lines += [
+            "",
+            "A negative phase: a container restarted during the start-up (`restart: on-failure`); Docker's start "
+            "time is its last start, its log lines are its first attempt's, so the phases around it overlap. The "
+            "total (`up` → rank 0's first step) stands.",
+        ]
     failed = [r for r in doc["runs"] if "failed" in r]
     why = "; ".join(sorted({f"{r['variant']}: {r['failed']}" for r in failed}))
     lines += ["", "Variants: " + "; ".join(f"`{v}`: {what}" for v, what in doc["variants"].items()) + "."]
@@ -56,7 +63,17 @@ def render_startup(doc: dict) -> list[str]:
     rows = []
     before, now = (summary.get(v, {}).get("total_s") for v in ("before", "now"))
     if before and now:
-        rows.append(("the fixes shorten the start", "now ÷ before < 1", f"{now / before:.2f}", now < before))
+        # Decided on three finished runs of each at least: one or two against a machine's load say little.
+        enough = all(summary[v]["repeats"] >= 3 for v in ("before", "now"))
+        finished = f" ({summary['before']['repeats']} and {summary['now']['repeats']} runs finished)"
+        rows.append(
+            (
+                "the fixes shorten the start",
+                "now ÷ before < 1",
+                f"{now / before:.2f}{finished}",
+                (now < before) if enough else None,
+            )
+        )
     last = summary[variants[-1]]["total_s"]
     load = doc["machine"].get("load_average_before") or [0.0]
     quiet = load[0] < 1.5  # a "quiet machine": less than one core's worth of other work on 2 cores
@@ -70,6 +87,10 @@ def render_startup(doc: dict) -> list[str]:
         )
     )
     out = lines + claims_table(rows)
-    if held is None:
-        out += ["", f"`?`: the machine was not quiet (load {load[0]:.1f} on its cores before the run): not decided."]
+    if any(r[3] is None for r in rows):
+        out += [
+            "",
+            f"`?`: not decided: fewer than three finished runs of a variant, or a machine that was not quiet (load "
+            f"{load[0]:.1f} on its cores before the run).",
+        ]
     return out
