@@ -144,7 +144,7 @@ export BASE_IMAGE COMPOSE_FILE
 # one build cache. No buildx here, so no Bake.
 export COMPOSE_BAKE ?= false
 
-.PHONY: docker-setup image up down logs e2e chaos drills
+.PHONY: docker-setup image up down logs e2e chaos drills bench-startup
 docker-setup: ## Docker engine + Compose v2 (+ local base image and docker/wheels/ where no registry is reachable)
 	@if [ -f $(SETUP_ENGINE) ]; then WHEELS=$(CURDIR)/docker/wheels bash $(SETUP_ENGINE); \
 	elif docker compose version >/dev/null 2>&1; then echo "docker-setup: docker and compose are there"; \
@@ -179,6 +179,9 @@ chaos: venv image ## the chaos proof: a worker killed and brought back vs an unt
 
 drills: venv image ## the failure drills (kill, store crash, full disk, ...; --list): table + JSON in bench/results/
 	$(PY) -m bench.cluster.drills --no-build
+
+bench-startup: venv image ## up -> first step of 4 workers, phase by phase; before/after the fixes, interleaved; JSON in bench/results/
+	IMAGE_NAME=ddp-cluster $(PY) -m bench.startup
 
 e2e: venv docker-setup ## the end-to-end tests: image, compose up --scale worker=4, Prometheus, every dashboard query
 	$(PY) -m pytest -m e2e tests/e2e $(PYTEST_ARGS)

@@ -38,12 +38,14 @@ from app.cli import setup_logging
 from app.exit_codes import BAD_CONFIG, FAILED, OK, STORAGE_FAILED
 from app.worker.config import ConfigError, TrainConfig, WorldEnv, describe, load_config
 from app.worker.control import StopSignal  # torch-free: installed before the seconds-long torch import
+from app.worker.startup import StartupClock, defer_dynamo_import  # torch-free: it times the torch import
 
 log = logging.getLogger("app.train")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Config, signals, metrics endpoint, process group (set up and torn down as a pair), the loop; the exit code."""
+    clock = StartupClock()  # rank 0 logs where the start-up went, before the first step (bench/startup.py reads it)
     stop = StopSignal()
     stop.install()
     # torchrun's variables, read once: the config checks, the metrics and the process group all use this.
@@ -53,12 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         resolved = load_config(argv)
         cfg = resolved.config
-        grad_accum_steps = cfg.check_world(world.world_size, world.local_world_size)
+        clock.mark("config")
+        grad_accum_steps = cfg.check_world(world.world_size, world.local_world_size)  # imports torch
         # The model, data and loss specs imported and tried on two samples, before the process group forms: a bad
         # spec exits 2 on every rank alike, and none waits in the rendezvous for one that failed.
         from app.worker.workload import check_workload
 
+        clock.mark("torch import")
         check_workload(cfg, world.world_size, grad_accum_steps)
+        clock.mark("workload check")
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return BAD_CONFIG
@@ -72,9 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     from app.worker.dist import RendezvousError, cleanup_distributed, init_distributed, lost_peer
     from app.worker.trainer import TrainingDiverged
 
+    clock.mark("trainer imports")
     metrics = start_metrics(cfg, world)
     if metrics is None:
         return BAD_CONFIG
+    clock.mark("metrics endpoint")
     log.info(
         "joining a world of %d at %s:%s (rendezvous_timeout_seconds=%g)",
         world.world_size,
@@ -94,8 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         metrics.shutdown()
         print(f"error: {e}", file=sys.stderr, flush=True)
         return FAILED
+    clock.mark("process group")
+    # TRAINER_DEFER_DYNAMO=1 (compose.yaml): torch.optim's seconds-long import of torch._dynamo skipped. After the
+    # process group: init_process_group touches torch._dynamo whenever a module of that name is there.
+    defer_dynamo_import()
     try:
-        return train(cfg, resolved.sources, ctx, world, grad_accum_steps, stop, metrics)
+        return train(cfg, resolved.sources, ctx, world, grad_accum_steps, stop, metrics, clock)
     except (ConfigError, CheckpointMismatch) as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return BAD_CONFIG
@@ -140,7 +151,9 @@ def start_metrics(cfg: TrainConfig, world: WorldEnv):
     return metrics
 
 
-def train(cfg: TrainConfig, sources: dict[str, str], ctx, world: WorldEnv, grad_accum_steps: int, stop, metrics) -> int:
+def train(
+    cfg: TrainConfig, sources: dict[str, str], ctx, world: WorldEnv, grad_accum_steps: int, stop, metrics, clock
+) -> int:
     """Inside the process group: the start-up checks every rank must agree on, then the loop, then the linger."""
     from app.worker.checkpoint_files import checkpoint_dir_problem
     from app.worker.step_kinds import build_step
@@ -156,8 +169,19 @@ def train(cfg: TrainConfig, sources: dict[str, str], ctx, world: WorldEnv, grad_
             f'{problem} on rank 0; choose a writable directory, or "" for no checkpoints'
         )
     announce_endpoints(ctx, cfg, world.node)
+    clock.mark("endpoints")
+    # torch.optim imports torch._dynamo at its first optimizer (seconds): here, so the breakdown shows it apart
+    # (nothing to import when defer_dynamo_import put its stand-in there).
+    import torch._dynamo  # noqa: F401
+
+    clock.mark("torch._dynamo import")
     # The one place the kinds differ (ddp | pipeline | dp): the step object the one Trainer is handed.
-    code = Trainer(cfg, ctx, world, stop, metrics, step=build_step(cfg, ctx, grad_accum_steps, metrics)).run()
+    step = build_step(cfg, ctx, grad_accum_steps, metrics)
+    clock.mark("model build")  # the second build of the model (the first was check_workload's) and its wrapper
+    trainer = Trainer(cfg, ctx, world, stop, metrics, step=step)  # finds and loads the newest checkpoint
+    clock.mark("checkpoint probe")
+    log.info("%s", clock.line())
+    code = trainer.run()
     if code == OK and not stop.requested and cfg.metrics_port and cfg.metrics_linger_seconds:
         log.info("keeping /metrics up for %g s (metrics_linger_seconds)", cfg.metrics_linger_seconds)
         stop.event.wait(cfg.metrics_linger_seconds)  # a SIGTERM cuts the wait short

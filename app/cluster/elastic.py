@@ -17,6 +17,7 @@ When torch changes one of these, this file is the one to fix (tests/integration/
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import pickle
@@ -29,6 +30,10 @@ from app.exit_codes import BAD_CONFIG, FAILED, OK, PEER_STOPPED, STORAGE_FAILED
 # The DNS name of every replica (compose: the service's name): the job's first world waits for all of them.
 PEERS = os.environ.get("LAUNCH_PEERS", "")
 PEERS_WAIT_SECONDS = float(os.environ.get("LAUNCH_PEERS_WAIT_SECONDS", "90"))
+# Before the first world, with every replica ready: how long after each arrival the rest are waited for (then the
+# world forms without them, as torch's last call would). Below join_timeout (compose.yaml: 120 s), so a member that
+# is in never times out waiting for one that is not coming.
+FIRST_WORLD_HOLD_SECONDS = float(os.environ.get("LAUNCH_FIRST_WORLD_HOLD_SECONDS", "30"))
 # A container can sit in the full world's redundancy list for a moment while a lost member's keep-alive expires;
 # longer than this, it is one container too many.
 REDUNDANT_GRACE_SECONDS = float(os.environ.get("LAUNCH_REDUNDANT_GRACE_SECONDS", "20"))
@@ -111,8 +116,6 @@ class Reporter:
     def client(self):
         """A TCPStore client of the rendezvous store, opened once."""
         if self._client is None:
-            import datetime
-
             import torch.distributed as dist
 
             self._client = dist.TCPStore(*self.store, is_master=False, timeout=datetime.timedelta(seconds=10))
@@ -236,12 +239,15 @@ def fresh_node_identity(reporter: Reporter) -> None:
 
 
 def complete_first_world_when_full(reporter: Reporter) -> None:
-    """Form the job's first world as soon as every replica is in it, not ``last_call_timeout`` later.
+    """Form the job's first world as soon as every replica is in it, not ``last_call_timeout`` later, and not before.
 
     torch's c10d rendezvous completes at once only with MAX members; with fewer it waits ``last_call_timeout``
     after the MIN-th, for members that may still come. Before the first world, ``wait_for_peers`` knows how many
-    will come (every replica is ready): when that many are in, nobody else is coming. Later worlds (a container
-    gone or come) keep the last call: there, the world may still be growing.
+    will come (every replica is ready): when that many are in, nobody else is coming. Until then the last call is
+    held open ``FIRST_WORLD_HOLD_SECONDS`` from each arrival: on a machine far above its cores, adding four agents
+    to the state took longer than the last call (``make bench-startup`` at load 35), and the first world formed
+    with two while the other two, already joining, waited out join_timeout and exited 1. Later worlds (a container
+    gone or come) keep torch's last call: there, the world may still be growing.
     """
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _DistributedRendezvousOpExecutor as Executor
 
@@ -250,10 +256,14 @@ def complete_first_world_when_full(reporter: Reporter) -> None:
     def add_then_maybe_complete(self) -> None:
         add(self)
         state = self._state
-        full = reporter.expected and len(state.participants) >= reporter.expected
-        if full and reporter.world == 0 and reporter.first_of_job and not state.complete:
+        if not (reporter.expected and reporter.world == 0 and reporter.first_of_job and not state.complete):
+            return
+        if len(state.participants) >= reporter.expected:
             log.debug("all %d expected replicas are in: forming the first world now", reporter.expected)
             self._mark_rendezvous_complete()
+        elif state.deadline is not None:  # the last call runs (MIN members are in): hold it for the rest
+            held = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=FIRST_WORLD_HOLD_SECONDS)
+            state.deadline = max(state.deadline, held)
 
     Executor._add_to_participants = add_then_maybe_complete
 

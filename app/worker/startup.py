@@ -1,0 +1,108 @@
+"""Where a trainer's start-up time goes: one line from rank 0 just before its first step.
+
+``app.train`` marks each phase as it ends, and rank 0 logs them once, in the run's own log format::
+
+    12:00:09 [rank 0] INFO start-up: process 0.41 s, torch import 5.12 s, workload check 0.21 s, ... = 7.30 s
+
+``process`` is the time from this process's creation (the launcher's spawn of it) to the first mark: the interpreter's
+own start and the torch-free imports. ``bench/startup.py`` reads the line from the containers' logs to break
+``docker compose up`` -> first step into phases (docs/cluster.md); nothing else depends on its wording. Torch-free:
+the clock starts before the seconds-long ``import torch`` it measures.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+import types
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process was created (Linux: /proc), or None where that cannot be read."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            # Field 22 is the start time in clock ticks since boot; the fields after the command (in parentheses,
+            # which may hold spaces) are split from the last ")".
+            start_ticks = int(f.read().rpartition(")")[2].split()[19])
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class StartupClock:
+    """Phase durations, each from the previous mark (the first from the process's creation).
+
+    Example::
+
+        clock = StartupClock()          # "process": the time until now since the process was created
+        import torch
+        clock.mark("torch import")
+        log.info("%s", clock.line())    # start-up: process 0.41 s, torch import 5.12 s = 5.53 s
+    """
+
+    def __init__(self):
+        age = process_age_s()
+        self.phases: list[tuple[str, float]] = [("process", age)] if age is not None else []
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases.append((phase, now - self._last))
+        self._last = now
+
+    def line(self) -> str:
+        parts = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.phases)
+        return f"start-up: {parts} = {sum(s for _, s in self.phases):.2f} s"
+
+
+# -- torch._dynamo, deferred ----------------------------------------------------------------------------------------
+DEFER_DYNAMO_VARIABLE = "TRAINER_DEFER_DYNAMO"
+
+
+class _DeferredDynamo(types.ModuleType):
+    """Stands in for ``torch._dynamo`` until something needs more of it than torch.optim does.
+
+    torch.optim imports torch._dynamo (the compiler's front end) at its first optimizer and calls two things of it
+    on every step: ``disable(fn)`` (keep the compiler out of fn) and ``graph_break()`` (split a compiled graph here).
+    Without torch.compile nothing is compiled, so ``disable`` has nothing to keep out and there is no graph to
+    break: both are exactly no-ops then. Anything else (torch.compile, a submodule, any other name) imports the real
+    torch._dynamo in this stand-in's place, and from then on everything is torch's own.
+    """
+
+    def disable(self, fn=None, recursive=True, **kwargs):
+        return fn if fn is not None else (lambda f: f)
+
+    def graph_break(self, msg=""):
+        return None
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name != "__path__":  # probes such as inspect's hasattr(m, "__file__")
+            raise AttributeError(name)
+        return getattr(_load_real_dynamo(), name)  # __path__ too: `import torch._dynamo.x` then finds the real one
+
+
+def _load_real_dynamo():
+    import torch
+
+    if isinstance(sys.modules.get("torch._dynamo"), _DeferredDynamo):
+        del sys.modules["torch._dynamo"]
+        vars(torch).pop("_dynamo", None)
+    real = importlib.import_module("torch._dynamo")
+    torch._dynamo = real
+    return real
+
+
+def defer_dynamo_import(environ=os.environ) -> bool:
+    """Put ``_DeferredDynamo`` in torch._dynamo's place when ``TRAINER_DEFER_DYNAMO=1`` and nothing has imported the
+    real one yet; True when it is in place. The import it saves is seconds of CPU per trainer (the start-up line's
+    ``torch._dynamo import``), paid at once by every container of a cluster on the same cores."""
+    if environ.get(DEFER_DYNAMO_VARIABLE, "0") != "1" or "torch._dynamo" in sys.modules:
+        return False
+    import torch
+
+    stand_in = _DeferredDynamo("torch._dynamo")
+    sys.modules["torch._dynamo"] = stand_in
+    torch._dynamo = stand_in
+    return True

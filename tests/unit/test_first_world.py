@@ -1,0 +1,82 @@
+"""The job's first world under compose (app.cluster.elastic.complete_first_world_when_full), on torch's own
+rendezvous state machine: it forms the moment every ready replica is in, and not before while they are arriving.
+
+    .venv/bin/python -m pytest tests/unit/test_first_world.py
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousSettings,
+    RendezvousTimeout,
+    _DistributedRendezvousOpExecutor,
+    _NodeDesc,
+    _RendezvousState,
+)
+
+from app.cluster import elastic
+from app.cluster.elastic import Reporter, complete_first_world_when_full
+
+LAST_CALL = timedelta(seconds=15)  # compose.yaml's RDZV_LAST_CALL_SECONDS
+
+
+class Holder:
+    """The state holder torch's executor reads and marks dirty (in a real agent: synced through the store)."""
+
+    def __init__(self):
+        self.state = _RendezvousState()
+
+    def mark_dirty(self) -> None:
+        pass
+
+
+@pytest.fixture
+def rendezvous(monkeypatch):
+    """join(i): replica i adds itself to round 0, as torch's join operation does; the patch undone afterwards."""
+    monkeypatch.setattr(
+        _DistributedRendezvousOpExecutor, "_add_to_participants", _DistributedRendezvousOpExecutor._add_to_participants
+    )
+    reporter = Reporter(None, "job", None)
+    complete_first_world_when_full(reporter)
+    settings = RendezvousSettings(
+        "job", 1, 8, RendezvousTimeout(join=timedelta(seconds=120), last_call=LAST_CALL), timedelta(seconds=2), 5
+    )
+    holder = Holder()
+
+    def join(i: int):
+        executor = _DistributedRendezvousOpExecutor(_NodeDesc(f"replica-{i}", 1, 0), holder, settings)
+        executor._state = holder.state  # what the executor's run() does before each action
+        executor._add_to_participants()
+        return holder.state
+
+    return reporter, join
+
+
+def test_the_first_world_forms_once_every_ready_replica_is_in_and_holds_its_last_call_until_then(rendezvous):
+    reporter, join = rendezvous
+    reporter.first_of_job, reporter.expected = True, 4  # wait_for_peers saw four replicas ready
+    for i in range(3):
+        state = join(i)
+        assert not state.complete, f"the first world formed with {i + 1} of the 4 ready replicas"
+    # torch's last call would end LAST_CALL after the first arrival; it is held FIRST_WORLD_HOLD_SECONDS from now.
+    hold = timedelta(seconds=elastic.FIRST_WORLD_HOLD_SECONDS)
+    assert (
+        state.deadline
+        > datetime.now(timezone.utc) + hold - timedelta(seconds=5)
+        > datetime.now(timezone.utc) + LAST_CALL
+    )
+    state = join(3)
+    assert state.complete and sorted(state.participants.values()) == [0, 1, 2, 3]  # at once: no last call
+
+
+def test_later_worlds_keep_torchs_last_call(rendezvous):
+    reporter, join = rendezvous
+    reporter.first_of_job, reporter.expected, reporter.world = True, 4, 1  # a world has run: this one may grow
+    state = join(0)
+    for i in range(1, 4):
+        state = join(i)
+    assert not state.complete  # four in, below MAX: torch waits the last call for more
+    assert state.deadline <= datetime.now(timezone.utc) + LAST_CALL

@@ -1,0 +1,94 @@
+"""The trainer's start-up helpers (app/worker/startup.py): the one start-up line, and torch._dynamo deferred.
+
+.venv/bin/python -m pytest tests/unit/test_startup.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from app.worker.startup import StartupClock
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Three AdamW steps and a state_dict round trip (every torch.optim entry point that touches torch._dynamo), then
+# whether the real torch._dynamo was imported, then a submodule import (what torch.compile would need).
+TRAIN = """
+import json, sys, torch
+from app.worker.startup import defer_dynamo_import, _DeferredDynamo
+deferred = defer_dynamo_import({"TRAINER_DEFER_DYNAMO": sys.argv[1]})
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+for _ in range(3):
+    opt.zero_grad()
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+opt.load_state_dict(opt.state_dict())
+opt.step()
+stand_in = isinstance(sys.modules.get("torch._dynamo"), _DeferredDynamo)
+import torch._dynamo.config
+print(json.dumps({
+    "deferred": deferred,
+    "stand_in_after_training": stand_in,
+    "real_after_submodule": type(sys.modules["torch._dynamo"]).__name__ == "module"
+    and hasattr(torch._dynamo, "optimize"),
+    "params": [p.detach().double().flatten().tolist() for p in model.parameters()],
+}))
+"""
+
+
+def train_deferred() -> dict:
+    """TRAIN in a fresh interpreter (no torch._dynamo imported yet), with the stand-in."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", TRAIN, "1"], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def train_here() -> list:
+    """TRAIN's parameters, in this process, with torch's own torch._dynamo."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+    opt.load_state_dict(opt.state_dict())
+    opt.step()
+    return [p.detach().double().flatten().tolist() for p in model.parameters()]
+
+
+def test_deferred_dynamo_trains_the_same_without_importing_it_and_gives_way_to_the_real_one():
+    deferred = train_deferred()
+    assert deferred["deferred"]
+    assert deferred["stand_in_after_training"], "torch.optim imported the real torch._dynamo despite the stand-in"
+    assert deferred["params"] == train_here()  # bit for bit: the stand-in changes nothing torch computes
+    assert deferred["real_after_submodule"], "a torch._dynamo submodule import did not bring the real one"
+
+
+def test_dynamo_is_deferred_only_when_asked():
+    from app.worker.startup import defer_dynamo_import
+
+    assert defer_dynamo_import({}) is False and defer_dynamo_import({"TRAINER_DEFER_DYNAMO": "0"}) is False
+
+
+def test_the_start_up_line_names_each_phase_and_their_sum():
+    clock = StartupClock()
+    torch.zeros(1)
+    clock.mark("torch import")
+    clock.mark("model build")
+    names = [name for name, _ in clock.phases]
+    assert names == ["process", "torch import", "model build"]  # process: this process's age, read from /proc
+    line = clock.line()
+    assert line.startswith("start-up: process ") and ", torch import " in line and ", model build " in line
+    assert line.endswith(f"= {sum(s for _, s in clock.phases):.2f} s")
