@@ -33,6 +33,7 @@ import logging
 import os
 import socket
 import sys
+import time
 
 from app.cli import setup_logging
 from app.exit_codes import BAD_CONFIG, FAILED, OK, STORAGE_FAILED
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     metrics = start_metrics(cfg, world)
     if metrics is None:
         return BAD_CONFIG
+    # At once, not at the step boundary: the scrapes during the graceful stop and the linger all see it.
+    stop.on_request.append(metrics.observe_stop_requested)
     log.info(
         "joining a world of %d at %s:%s (rendezvous_timeout_seconds=%g)",
         world.world_size,
@@ -158,10 +161,29 @@ def train(cfg: TrainConfig, sources: dict[str, str], ctx, world: WorldEnv, grad_
     announce_endpoints(ctx, cfg, world.node)
     # The one place the kinds differ (ddp | pipeline | dp): the step object the one Trainer is handed.
     code = Trainer(cfg, ctx, world, stop, metrics, step=build_step(cfg, ctx, grad_accum_steps, metrics)).run()
-    if code == OK and not stop.requested and cfg.metrics_port and cfg.metrics_linger_seconds:
-        log.info("keeping /metrics up for %g s (metrics_linger_seconds)", cfg.metrics_linger_seconds)
-        stop.event.wait(cfg.metrics_linger_seconds)  # a SIGTERM cuts the wait short
+    if code == OK and cfg.metrics_port and cfg.metrics_linger_seconds:
+        linger(cfg.metrics_linger_seconds, stop)
     return code
+
+
+# Two of the compose Prometheus' scrapes (5 s apart): a planned departure is seen without slowing every stop much.
+PLANNED_LINGER_SECONDS = 10.0
+
+
+def linger(seconds: float, stop) -> None:
+    """Keep /metrics up after training, so Prometheus scrapes the final values: the finish, or a stop on request.
+
+    After a finish a SIGTERM cuts the wait short. After a stop on request (the rank's ``ddp_stop_requested`` says its
+    departure is planned) it waits less than what is left of ``stop_timeout_seconds``, which would force exit 1.
+    """
+    if not stop.requested:
+        log.info("keeping /metrics up for %g s (metrics_linger_seconds)", seconds)
+        stop.event.wait(seconds)
+        return
+    seconds = min(seconds, PLANNED_LINGER_SECONDS, stop.seconds_left() - 2.0)
+    if seconds > 0:
+        log.info("keeping /metrics up for %.1f s: a planned departure, for Prometheus to see", seconds)
+        time.sleep(seconds)
 
 
 def announce_endpoints(ctx, cfg: TrainConfig, node: str) -> None:

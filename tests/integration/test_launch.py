@@ -107,7 +107,7 @@ def test_a_stop_on_request_that_checkpointed_exits_zero(tmp_path):
     assert list(tmp_path.glob("step-*.pt")), "no checkpoint written on the stop"
 
 
-# -- what a restart finds (app/cluster/job_state.py): Docker restarts an exit 2 as if it had crashed ---------------
+# -- what a new start finds (app/cluster/job_state.py): `up` again after a refusal -----------------------------------
 def c10d_args(port: int, *trainer: str) -> list[str]:
     """The compose workers' flags (a fixed --rdzv-id: --standalone would draw a new one each time)."""
     return [
@@ -124,14 +124,14 @@ def c10d_args(port: int, *trainer: str) -> list[str]:
     ]
 
 
-def test_a_refused_container_started_again_exits_zero_in_one_line(tmp_path):
+def test_a_refused_container_started_again_exits_2_in_one_line(tmp_path):
     # The config is checked before the store is dialled: no store needed (nothing listens on this port).
     args = c10d_args(free_port(), "--steps", "3")
     first = launch(*args, LAUNCH_STATE_DIR=str(tmp_path), DDP_STESP="10")
     assert first.returncode == 2, first.stderr[-3000:]
     assert "DDP_STESP: no such setting (did you mean DDP_STEPS?)" in first.stderr
     again = launch(*args, LAUNCH_STATE_DIR=str(tmp_path), DDP_STESP="10")
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.returncode == 2, again.stderr[-3000:]
     lines = [line for line in again.stderr.splitlines() if "[launch" in line]
     assert len(lines) == 1 and "refused before, with these same settings" in lines[0], again.stderr[-3000:]
     # Fixed settings are a new launch, not a repeat of the refusal: it gets as far as the (absent) store.
