@@ -161,9 +161,24 @@ def train(cfg: TrainConfig, sources: dict[str, str], ctx, world: WorldEnv, grad_
     announce_endpoints(ctx, cfg, world.node)
     # The one place the kinds differ (ddp | pipeline | dp): the step object the one Trainer is handed.
     code = Trainer(cfg, ctx, world, stop, metrics, step=build_step(cfg, ctx, grad_accum_steps, metrics)).run()
+    leave_together()
     if code == OK and cfg.metrics_port and cfg.metrics_linger_seconds:
         linger(cfg.metrics_linger_seconds, stop)
     return code
+
+
+def leave_together() -> None:
+    """Every rank past its last collective before any tears its connections down (as app.worker.dist.distributed()
+    does for the demo): the final save ends in a broadcast from rank 0, which returns before its receivers have read
+    it, and a rank whose peer closes a connection it still reads from can abort at exit ("terminate called without
+    an active exception"). Every rank gets here (finished, or stopped at one agreed step); a peer that is gone by
+    now costs nothing more than its absence."""
+    import torch.distributed as dist
+
+    try:
+        dist.barrier()
+    except RuntimeError:
+        log.debug("a peer left before the final barrier", exc_info=True)
 
 
 # Two of the compose Prometheus' scrapes (5 s apart): a planned departure is seen without slowing every stop much.

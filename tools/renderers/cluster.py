@@ -121,6 +121,8 @@ def drill_row(d: dict) -> str:
         alerts = ", ".join(f"{named(a)} ({a['after_fault_s']} s)" for a in d["alerts"] if a["fired"]) or "none"
         pending = ", ".join(named(a) for a in d["alerts"] if not a["fired"])
         alerts += f"; pending only: {pending}" if pending else ""
+        if d.get("victim_rank") is not None:  # the rank a DDPRankDown must name
+            alerts = f"(the fault's rank: {d['victim_rank']}) {alerts}"
     return f"{verdict} | {new_world} | {redone} | {codes} | {finished} | {alerts} | `{cell(first[:160])}`"
 
 
