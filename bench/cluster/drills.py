@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads(path.read_text()).get("drills", {}) if args.add and path.exists() else {}
     for name in args.drill or list(every):  # one after the other: a small machine
         results[name] = run_drill(name, every[name], args)
+        results[name]["commit"] = provenance(args)["commit"]  # per drill: --add keeps rows of earlier runs
         show(name, results[name])
         planned = {n: s.what for n, s in every.items()}  # the docs table lists the drills not run as "not run"
         doc = {"schema": "drills/2", **provenance(args, load_before=before), "planned": planned, "drills": results}

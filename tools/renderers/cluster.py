@@ -70,7 +70,10 @@ def render_drills(doc: dict) -> list[str]:
         if d is None:
             lines.append(f"| {what} | not run | | | | | | |")
             continue
-        lines.append(f"| {what} | {drill_row(d)} |")
+        row = drill_row(d)
+        if d.get("commit") and d["commit"] != doc.get("commit"):  # kept from an earlier run (drills.py --add)
+            row = row.replace(" | ", f" (measured at `{d['commit'][:7]}`) | ", 1)
+        lines.append(f"| {what} | {row} |")
     failed = [
         f"{name}: " + "; ".join(c for c, ok in d["checks"].items() if not ok)
         for name, d in drills.items()
