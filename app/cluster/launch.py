@@ -15,9 +15,8 @@ module adds what a person reading ``docker compose ps`` and ``docker compose log
   ``WORKERS``, more containers than the world's maximum); 1 anything else. Plain torchrun re-raises a stop signal
   (exit 1 after a clean stop) and reports a trainer's exit 2 as a ``ChildFailedError`` (exit 1).
 - **The launcher does the restarts, not Docker** (compose.yaml: ``restart: "no"`` on workers): a failed trainer is
-  restarted by the agent (``--max-restarts``), a lost rendezvous store is waited for (``LAUNCH_STORE_LOST_SECONDS``,
-  120) and joined again, up to ``--max-restarts`` times. So an exit code is the container's last word: 2 (refused)
-  or 1 (a storage fault, a spent budget) is never retried, and ``docker compose ps`` shows it.
+  restarted by the agent (``--max-restarts``); a lost store (``LAUNCH_STORE_LOST_SECONDS``, 120) or a join that
+  timed out is joined again as often. An exit code is the container's last word, as ``docker compose ps`` shows.
 - **One ending per job** (``app.cluster.job_state``, under ``LAUNCH_STATE_DIR``): a container started again (``up``,
   ``start``) finds its refusal recorded and exits 2 again in one line within a second (before importing torch),
   or finds its job finished and exits 0: it forms no new world and prints no second FINISHED.
@@ -324,11 +323,14 @@ def launch(argv: list[str] | None = None) -> int:
 
 
 def run_rejoining(args, reporter: Reporter, store: tuple[str, int] | None) -> None:
-    """torch's ``run`` (elastic_launch with the agent above), run again when the rendezvous store was lost.
+    """torch's ``run`` (elastic_launch with the agent above), run again when the rendezvous store was lost or no
+    world took this agent in within join_timeout.
 
     Docker restarts no worker (compose.yaml), so this is where a store crash heals: the agent's trainers stopped
-    and checkpointed, the store comes back empty, and the agent joins the next world there. At most
-    ``--max-restarts`` times; a store that stays away for ``LAUNCH_STORE_LOST_SECONDS`` ends it (exit 1).
+    and checkpointed, the store comes back empty, and the agent joins the next world there. And where an agent
+    whose join lost out (measured at load 50 on 2 cores: two of three joined, the third timed out while the world
+    of two trained) tries again, as Docker's restart used to make it. At most ``--max-restarts`` times; a store that
+    stays away for ``LAUNCH_STORE_LOST_SECONDS`` ends it (exit 1), as does the last join timeout.
     """
     from torch.distributed.run import run
 
@@ -336,10 +338,10 @@ def run_rejoining(args, reporter: Reporter, store: tuple[str, int] | None) -> No
         try:
             return run(args)
         except Exception as e:  # noqa: BLE001 - only a lost store is retried; the caller explains the rest
-            if not store or attempt == args.max_restarts or not store_lost(e):
+            if not store or attempt == args.max_restarts or not (store_lost(e) or join_timed_out(e)):
                 raise
             log.warning(
-                "%s; waiting up to %g s for it to rejoin (%d of %d)",
+                "%s; waiting up to %g s for the store, then joining again (%d of %d)",
                 explain(e, store, args.rdzv_id),
                 STORE_LOST_SECONDS,
                 attempt + 1,
@@ -348,6 +350,12 @@ def run_rejoining(args, reporter: Reporter, store: tuple[str, int] | None) -> No
             wait_for_store(*store, STORE_LOST_SECONDS)
             reporter._read = reporter._client = None  # the old client talks to a store that is gone
             fresh_node_identity(reporter)  # the new store must not take this agent for its last incarnation
+
+
+def join_timed_out(e: Exception) -> bool:
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    return isinstance(e, RendezvousTimeoutError)
 
 
 def store_lost(e: Exception) -> bool:
@@ -386,8 +394,6 @@ if __name__ == "__main__":
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    # Not sys.exit: the interpreter's teardown of torch (its elastic agent's store clients and threads) can abort
-    # with "terminate called without an active exception" (SIGABRT, exit 134 in `docker compose ps`: measured after
-    # a rendezvous timeout at load 59) and replace the exit code said above. Every record is on disk by now; the
-    # trainer (app.train) leaves the same way.
+    # Not sys.exit: torch's teardown can abort ("terminate called without an active exception": exit 134 seen
+    # after a join timeout at load 59) and replace the exit code said above. As app.train leaves.
     os._exit(code)
