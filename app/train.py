@@ -33,6 +33,7 @@ import logging
 import os
 import socket
 import sys
+import time
 
 from app.cli import setup_logging
 from app.exit_codes import BAD_CONFIG, FAILED, OK, STORAGE_FAILED
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     if metrics is None:
         return BAD_CONFIG
     clock.mark("metrics endpoint")
+    # At once, not at the step boundary: the scrapes during the graceful stop and the linger all see it.
+    stop.on_request.append(metrics.observe_stop_requested)
     log.info(
         "joining a world of %d at %s:%s (rendezvous_timeout_seconds=%g)",
         world.world_size,
@@ -182,10 +185,44 @@ def train(
     clock.mark("checkpoint probe")
     log.info("%s", clock.line())
     code = trainer.run()
-    if code == OK and not stop.requested and cfg.metrics_port and cfg.metrics_linger_seconds:
-        log.info("keeping /metrics up for %g s (metrics_linger_seconds)", cfg.metrics_linger_seconds)
-        stop.event.wait(cfg.metrics_linger_seconds)  # a SIGTERM cuts the wait short
+    leave_together()
+    if code == OK and cfg.metrics_port and cfg.metrics_linger_seconds:
+        linger(cfg.metrics_linger_seconds, stop)
     return code
+
+
+def leave_together() -> None:
+    """Every rank past its last collective before any tears its connections down (as app.worker.dist.distributed()
+    does for the demo): the final save ends in a broadcast from rank 0, which returns before its receivers have read
+    it, and a rank whose peer closes a connection it still reads from can abort at exit ("terminate called without
+    an active exception"). Every rank gets here (finished, or stopped at one agreed step); a peer that is gone by
+    now costs nothing more than its absence."""
+    import torch.distributed as dist
+
+    try:
+        dist.barrier()
+    except RuntimeError:
+        log.debug("a peer left before the final barrier", exc_info=True)
+
+
+# Two of the compose Prometheus' scrapes (5 s apart): a planned departure is seen without slowing every stop much.
+PLANNED_LINGER_SECONDS = 10.0
+
+
+def linger(seconds: float, stop) -> None:
+    """Keep /metrics up after training, so Prometheus scrapes the final values: the finish, or a stop on request.
+
+    After a finish a SIGTERM cuts the wait short. After a stop on request (the rank's ``ddp_stop_requested`` says its
+    departure is planned) it waits less than what is left of ``stop_timeout_seconds``, which would force exit 1.
+    """
+    if not stop.requested:
+        log.info("keeping /metrics up for %g s (metrics_linger_seconds)", seconds)
+        stop.event.wait(seconds)
+        return
+    seconds = min(seconds, PLANNED_LINGER_SECONDS, stop.seconds_left() - 2.0)
+    if seconds > 0:
+        log.info("keeping /metrics up for %.1f s: a planned departure, for Prometheus to see", seconds)
+        time.sleep(seconds)
 
 
 def announce_endpoints(ctx, cfg: TrainConfig, node: str) -> None:

@@ -14,17 +14,18 @@ module adds what a person reading ``docker compose ps`` and ``docker compose log
   trainer exited 0 after checkpointing; 2 bad configuration (torchrun's ``--nnodes``, the trainer's settings,
   ``WORKERS``, more containers than the world's maximum); 1 anything else. Plain torchrun re-raises a stop signal
   (exit 1 after a clean stop) and reports a trainer's exit 2 as a ``ChildFailedError`` (exit 1).
-- **No retry of what a retry cannot fix** (``app.cluster.job_state``, under ``LAUNCH_STATE_DIR``): Docker's
-  ``restart: on-failure`` restarts an exit 2 like a crash; the restarted launcher finds its refusal recorded, says
-  so in one line and exits 0 within a second (before importing torch). Likewise a container started again after
-  its job has finished: it forms no new world and prints no second FINISHED.
+- **The launcher does the restarts, not Docker** (compose.yaml: ``restart: "no"`` on workers): a failed trainer is
+  restarted by the agent (``--max-restarts``); a lost store (``LAUNCH_STORE_LOST_SECONDS``, 120) or a join that
+  timed out is joined again as often. An exit code is the container's last word, as ``docker compose ps`` shows.
+- **One ending per job** (``app.cluster.job_state``, under ``LAUNCH_STATE_DIR``): a container started again (``up``,
+  ``start``) finds its refusal recorded and exits 2 again in one line within a second (before importing torch),
+  or finds its job finished and exits 0: it forms no new world and prints no second FINISHED.
 - **Checks before the agent starts**, each one line within a bounded time: the trainer's settings (app.worker.config),
   ``WORKERS`` against the ``--nnodes`` range, the checkpoint directory taking a file and having room for one more
   checkpoint, the rendezvous store answering (``LAUNCH_STORE_WAIT_SECONDS``).
 - **A storage fault is not retried**: a trainer that could not write a checkpoint exits 74 (``STORAGE_FAILED``); the
-  agent restarts no world for it and the launcher exits 1 in one line. Docker's ``on-failure`` restarts it anyway
-  (it cannot tell exit codes apart); each restart ends at the checkpoint directory check, within seconds, until
-  the disk has room again, so the policy's budget (3) is spent without a step trained again.
+  agent restarts no world for it and the launcher exits 1 in one line. A later ``up`` ends at the checkpoint
+  directory check, within seconds, until the disk has room again.
 - **One line per event** instead of torch's multi-line reports and tracebacks: this container joining a world
   (its rank, the members, which containers left or came since the last world), its trainer failing (rank, exit
   code or signal), leaving a world and why, the reason the launcher gives up. What it reads of torch's private
@@ -57,6 +58,9 @@ from app.exit_codes import BAD_CONFIG, FAILED, OK, STORAGE_FAILED
 from app.net import TcpUnreachable, wait_for_tcp
 
 STORE_WAIT_SECONDS = float(os.environ.get("LAUNCH_STORE_WAIT_SECONDS", "30"))
+# A store lost mid-run (crashed and restarted, or this container cut off its network) is waited for this long before
+# the agent joins it again: longer than the start-up wait, since the others may need a re-formation first.
+STORE_LOST_SECONDS = float(os.environ.get("LAUNCH_STORE_LOST_SECONDS", "120"))
 
 
 log = logging.getLogger("app.cluster.launch")
@@ -271,7 +275,7 @@ def launch(argv: list[str] | None = None) -> int:
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import parse_args
 
     args = parse_args(argv)  # torchrun's own parser (usage + exit 2 on errors)
     job.arrived()
@@ -298,7 +302,7 @@ def launch(argv: list[str] | None = None) -> int:
         watch.daemon = True
         watch.start()
     try:
-        run(args)  # torch.distributed.run.run: elastic_launch with the agent above
+        run_rejoining(args, reporter, store)
     except SignalException as e:
         return outcome_of_stop(reporter, e.sigval.name)
     except SpareAtTheEnd:
@@ -318,14 +322,58 @@ def launch(argv: list[str] | None = None) -> int:
     return OK
 
 
-def ending_already_known(job: JobState) -> int | None:
-    """OK when a restart of this container has nothing to do (refused before, or its job has finished); else None.
+def run_rejoining(args, reporter: Reporter, store: tuple[str, int] | None) -> None:
+    """torch's ``run`` (elastic_launch with the agent above), run again when the rendezvous store was lost or no
+    world took this agent in within join_timeout.
 
-    Docker restarts a container that exited 2 as if it had crashed; this ends the retry at once, in one line.
+    Docker restarts no worker (compose.yaml), so this is where a store crash heals: the agent's trainers stopped
+    and checkpointed, the store comes back empty, and the agent joins the next world there. And where an agent
+    whose join lost out (measured at load 50 on 2 cores: two of three joined, the third timed out while the world
+    of two trained) tries again, as Docker's restart used to make it. At most ``--max-restarts`` times; a store that
+    stays away for ``LAUNCH_STORE_LOST_SECONDS`` ends it (exit 1), as does the last join timeout.
+    """
+    from torch.distributed.run import run
+
+    for attempt in range(args.max_restarts + 1):
+        try:
+            return run(args)
+        except Exception as e:  # noqa: BLE001 - only a lost store is retried; the caller explains the rest
+            if not store or attempt == args.max_restarts or not (store_lost(e) or join_timed_out(e)):
+                raise
+            log.warning(
+                "%s; waiting up to %g s for the store, then joining again (%d of %d)",
+                explain(e, store, args.rdzv_id),
+                STORE_LOST_SECONDS,
+                attempt + 1,
+                args.max_restarts,
+            )
+            wait_for_store(*store, STORE_LOST_SECONDS)
+            reporter._read = reporter._client = None  # the old client talks to a store that is gone
+            fresh_node_identity(reporter)  # the new store must not take this agent for its last incarnation
+
+
+def join_timed_out(e: Exception) -> bool:
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    return isinstance(e, RendezvousTimeoutError)
+
+
+def store_lost(e: Exception) -> bool:
+    """Whether the agent failed because the rendezvous store went away (not closed, not timed out)."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+
+    if isinstance(e, (RendezvousClosedError, RendezvousTimeoutError, SpareAtTheEnd)):
+        return False
+    return explain(e, ("", 0), "").startswith("lost the rendezvous store")
+
+
+def ending_already_known(job: JobState) -> int | None:
+    """The exit code when a new start of this container has nothing to do (refused before: 2; its job has finished:
+    0); else None. Ends in one line, within a second: no torch import, no second world, no second FINISHED.
     """
     if reason := job.refused_before():
-        log.error("refused before, with these same settings: %s; not retrying (exit 0): fix it, then up again", reason)
-        return OK
+        log.error("refused before, with these same settings: %s; exit 2: fix it, then up again", reason)
+        return BAD_CONFIG
     if finished := job.finished_since_arrival():
         log.info(
             "job finished (step %s) while this container was part of it: nothing left to do; exit 0",
@@ -344,4 +392,8 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     code = main()
     logging.shutdown()
-    sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not sys.exit: torch's teardown can abort ("terminate called without an active exception": exit 134 seen
+    # after a join timeout at load 59) and replace the exit code said above. As app.train leaves.
+    os._exit(code)

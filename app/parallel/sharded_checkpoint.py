@@ -28,6 +28,7 @@ into exit code 2).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -48,6 +49,23 @@ MANIFEST = "manifest.json"
 
 class CheckpointError(Exception):
     """A sharded checkpoint that cannot be loaded here: another stage, a changed file, a missing piece."""
+
+
+class ShardWriteError(CheckpointError):
+    """A save the disk did not take (no space, no permission), raised on every rank together.
+
+    ``where`` names the file and the rank that failed first, ``cause`` the system's reason with its errno name
+    ("No space left on device (ENOSPC)"). Nothing of the failed save is left behind; the previous manifest, and the
+    shards it lists, are untouched.
+    """
+
+    def __init__(self, where: str, cause: str):
+        super().__init__(f"{where}: cannot write ({cause}); no manifest written, the previous checkpoint is whole")
+        self.where, self.cause = where, cause
+
+
+def _why(e: OSError) -> str:
+    return f"{e.strerror or type(e).__name__} ({errno.errorcode.get(e.errno, e.errno)})"
 
 
 def stage_of(model: nn.Module, optimizer) -> int:
@@ -95,11 +113,14 @@ def _sharded_names(model: nn.Module, optimizer, stage: int) -> set[str]:
 
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())  # on disk before the rename makes it visible: a crash never leaves half a file
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it visible: a crash never leaves half a file
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a full disk keeps no half-written file
 
 
 def save_sharded(directory, model: nn.Module, optimizer, extra: dict | None = None, process_group=None) -> None:
@@ -107,7 +128,6 @@ def save_sharded(directory, model: nn.Module, optimizer, extra: dict | None = No
     directory = Path(directory)
     stage = stage_of(model, optimizer)
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
-    directory.mkdir(parents=True, exist_ok=True)
     entries, state = _entries(model, optimizer, stage)
     pieces = {}
     for key, values, slices in entries:
@@ -138,33 +158,48 @@ def save_sharded(directory, model: nn.Module, optimizer, extra: dict | None = No
     )
     name = f"shard-{rank:05d}-of-{world:05d}-{token[0]}.pt"
     try:
+        directory.mkdir(parents=True, exist_ok=True)
         _atomic_write(directory / name, data)
         mine = {"rank": rank, "file": name, "sha256": hashlib.sha256(data).hexdigest()}
         mine["pieces"] = {n: [p["lo"], p["hi"]] for n, p in pieces.items()}
     except OSError as e:
-        mine = f"{directory / name}: cannot write ({e.strerror})"
+        mine = (f"{directory / name} (rank {rank})", _why(e))
     shards = [None] * world
     dist.all_gather_object(shards, mine, group=process_group)  # every rank learns whether every shard is on disk
-    failed = next((s for s in shards if isinstance(s, str)), None)
-    if failed is not None:
-        raise CheckpointError(f"{failed}; no manifest written, the previous checkpoint (if any) is still whole")
-    if rank == 0:
-        manifest = {
-            "format": FORMAT,
-            "stage": stage,
-            "world_size": world,
-            "params": _param_shapes(model, stage),
-            "units": _units(model, stage),
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
-            "extra": extra or {},
-            "shards": shards,
-        }
-        _atomic_write(directory / MANIFEST, json.dumps(manifest, indent=1, default=str).encode())
-        listed = {s["file"] for s in shards}
-        for old in directory.glob("shard-*.pt"):
-            if old.name not in listed:
-                old.unlink()  # an earlier save's shards: no manifest points at them any more
+    failed = next((s for s in shards if isinstance(s, tuple)), None)
+    if failed is None and rank == 0:
+        failed = _write_manifest(directory, model, optimizer, stage, world, extra, shards)
+    verdict = [failed]  # rank 0's manifest too: a rank that failed alone would leave the others at the barrier
+    dist.broadcast_object_list(
+        verdict, src=dist.get_global_rank(process_group, 0) if process_group else 0, group=process_group
+    )
+    if verdict[0] is not None:
+        (directory / name).unlink(missing_ok=True)  # the space it took, for the next try; no manifest lists it
+        raise ShardWriteError(*verdict[0])
     dist.barrier(group=process_group)  # nobody returns before the checkpoint is complete
+
+
+def _write_manifest(directory: Path, model, optimizer, stage: int, world: int, extra, shards) -> tuple | None:
+    """Rank 0: the manifest, then the earlier saves' shards removed; (where, cause) if the disk refused it."""
+    manifest = {
+        "format": FORMAT,
+        "stage": stage,
+        "world_size": world,
+        "params": _param_shapes(model, stage),
+        "units": _units(model, stage),
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+        "extra": extra or {},
+        "shards": shards,
+    }
+    try:
+        _atomic_write(directory / MANIFEST, json.dumps(manifest, indent=1, default=str).encode())
+    except OSError as e:
+        return f"{directory / MANIFEST} (rank 0)", _why(e)
+    listed = {s["file"] for s in shards}
+    for old in directory.glob("shard-*.pt"):
+        if old.name not in listed:
+            old.unlink()  # an earlier save's shards: no manifest points at them any more
+    return None
 
 
 def _param_shapes(model: nn.Module, stage: int) -> dict:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from app.parallel.sharded_checkpoint import MANIFEST, CheckpointError, load_sharded, save_sharded
+from app.parallel.sharded_checkpoint import MANIFEST, CheckpointError, ShardWriteError, load_sharded, save_sharded
 from app.worker.checkpoint_files import checkpoint_path, list_checkpoints, load_checkpoint, load_latest, save_checkpoint
 
 log = logging.getLogger(__name__)
@@ -308,7 +308,13 @@ class Checkpointer:
             "wall_time": time.time(),
             "global_batch": self.global_batch,
         }
-        save_sharded(self.directory, sharded.model, sharded.optimizer, extra=extra)
+        try:
+            save_sharded(self.directory, sharded.model, sharded.optimizer, extra=extra)
+        except ShardWriteError as e:  # on every rank together: the same one line as a plain checkpoint's
+            raise CheckpointWriteError(
+                f"checkpoint_dir {self.directory} could not take the checkpoint of step {step}: {e.cause}, writing "
+                f"{e.where}. Free space or fix the permissions, or point checkpoint_dir elsewhere. {self.last_good()}"
+            ) from None
         return (Path(self.directory) / MANIFEST, time.perf_counter() - t0) if self.ctx.is_main else None
 
     def note_progress(self, step: int) -> None:

@@ -32,6 +32,8 @@ class StopSignal:
         self.event = threading.Event()
         self.name = ""
         self.timeout_s = 10.0
+        self.at = 0.0  # time.monotonic() of the signal
+        self.on_request: list = []  # called (in the signal's thread) when the signal comes, before the stop
 
     def install(self) -> None:
         # Must run before any other thread starts: threads inherit the mask, and one with the signal unblocked would
@@ -45,7 +47,10 @@ class StopSignal:
             if self.event.is_set():
                 continue  # Ctrl-C reaches the worker twice (terminal + torchrun): only the timer forces an exit
             self.name = signal.Signals(signum).name
+            self.at = time.monotonic()
             self.event.set()
+            for callback in self.on_request:
+                callback()
             threading.Thread(target=self._force_exit, name="stop-timeout", daemon=True).start()
 
     def _force_exit(self) -> None:
@@ -61,6 +66,10 @@ class StopSignal:
     @property
     def requested(self) -> bool:
         return self.event.is_set()
+
+    def seconds_left(self) -> float:
+        """Seconds until the forced exit (``timeout_s`` after the signal); inf before any signal."""
+        return self.timeout_s - (time.monotonic() - self.at) if self.requested else float("inf")
 
 
 class StepControl:

@@ -8,7 +8,8 @@ dashboard can answer "which rank is slow, and where does it run?".
 Elastic series (every rank of every world): ``ddp_world_size``, the range ``ddp_min_world_size`` /
 ``ddp_max_world_size``, ``ddp_elastic_restarts``, ``ddp_world_generation`` (worlds formed so far, carried in the
 checkpoints), ``ddp_reformation_seconds`` (newest checkpoint's wall time → this world's first finished step) and
-``ddp_steps_redone_total``. Pipeline series (``ddp_pipeline_*``) appear only once a pipeline stage reports
+``ddp_steps_redone_total``, and ``ddp_stop_requested`` (1 on a rank told to stop: its departure is planned).
+Pipeline series (``ddp_pipeline_*``) appear only once a pipeline stage reports
 (``observe_pipeline``), so a data-parallel run exposes none of them. ZeRO series (``ddp_zero_*``) likewise appear
 only for ``parallel=zero1|zero2|zero3`` (``enable_zero``): per step, seconds and bytes of the reduce-scatters and
 all-gathers (stages 2-3; stage 1's all-reduce is ``ddp_allreduce_*``), and what this rank holds after the step:
@@ -137,6 +138,9 @@ class TrainMetrics:
             "Time lost in the last re-formation: newest checkpoint written -> this world's first step (0 if fresh)",
         )
         self.redone = counter("ddp_steps_redone_total", "Steps trained again after a resume")
+        # Set on the rank that was itself told to stop (SIGTERM: `docker compose stop`, a scale-down, a pod deleted)
+        # and kept up a few seconds for a scrape: its container then leaves on purpose, and DDPRankDown stays quiet.
+        self.stop_requested = gauge("ddp_stop_requested", "1 once this rank was told to stop: a planned departure")
         self.world.set(world_size)
         self.min_world.set(world_size)
         self.max_world.set(world_size)
@@ -191,6 +195,9 @@ class TrainMetrics:
     def observe_progress(self, step: int, target: int) -> None:
         self.global_step.set(step)
         self.target_steps.set(target)
+
+    def observe_stop_requested(self) -> None:
+        self.stop_requested.set(1)
 
     def observe_checkpoint(self, step: int, seconds: float | None) -> None:
         if seconds is not None:
@@ -353,6 +360,7 @@ class NoMetrics:
     def observe_step(self, **_) -> None: ...
     def observe_progress(self, step: int, target: int) -> None: ...
     def observe_checkpoint(self, step: int, seconds: float | None) -> None: ...
+    def observe_stop_requested(self) -> None: ...
     def observe_world(self, **_) -> None: ...
     def observe_resume(self, **_) -> None: ...
     def observe_reformation(self, seconds: float) -> None: ...

@@ -605,12 +605,11 @@ def test_an_unknown_setting_exits_2_naming_the_nearest(typo_run):
 
 
 def test_a_bad_configuration_is_not_retried(typo_run):
-    # restart: on-failure:3 restarts the exit 2 once; that restart ends at once, 0, without a second error.
+    # Docker restarts no worker (restart: "no"): each container ends once, with its exit 2 and its one error.
     for s in typo_run["settled"]:
         text = typo_run["logs"][s["Id"]]
-        assert (s["RestartCount"], s["State"]["ExitCode"]) == (1, 0), (s["RestartCount"], text[-3000:])
-        assert text.count(TYPO) == 2, text[-3000:]  # the error, then its mention in the one line of the restart
-        assert text.count("refused before, with these same settings") == 1, text[-3000:]
+        assert (s["RestartCount"], s["State"]["ExitCode"]) == (0, 2), (s["RestartCount"], text[-3000:])
+        assert text.count(TYPO) == 1, text[-3000:]
         assert "joining a world" not in text and "Traceback" not in text, text[-3000:]
 
 
@@ -641,14 +640,18 @@ def test_one_container_too_many_is_refused_once_and_the_job_ends_once(spare_run)
     spares = [cid for cid, text in logs.items() if "one more than the world's maximum of 2" in text]
     assert len(spares) == 1, everything[-4000:]
     spare = next(s for s in spare_run["settled"] if s["Id"] == spares[0])
-    assert (spare["RestartCount"], spare["State"]["ExitCode"]) == (1, 0), logs[spares[0]][-3000:]
-    assert logs[spares[0]].count("refused before, with these same settings") == 1, logs[spares[0]][-3000:]
+    assert (spare["RestartCount"], spare["State"]["ExitCode"]) == (0, 2), logs[spares[0]][-3000:]
     # One job, one ending: two FINISHED lines (ranks 0 and 1 of the world of 2), no world of 1 ever.
     finished = sorted((int(r), int(ws), int(s)) for r, ws, s, _ in FINISHED.findall(everything))
     assert finished == [(0, 2, 1500), (1, 2, 1500)], everything[-4000:]
     assert "joined a world of 1" not in everything and "AttributeError" not in everything, everything[-4000:]
     others = [s for s in spare_run["settled"] if s["Id"] != spares[0]]
     assert {(s["RestartCount"], s["State"]["ExitCode"]) for s in others} == {(0, 0)}
+
+
+# torchrun starts a trainer as `python -u -m app.train ...` (NUL-separated in /proc/PID/cmdline); its launcher's own
+# command line ends in `-m app.train` too, without the -u.
+TRAINER = "-u\0-m\0app.train\0"
 
 
 def kill_process(container: str, needle: str, deadline_s: float = 120) -> None:
@@ -691,11 +694,11 @@ def store_kill_run() -> dict:
             assert time.monotonic() < deadline, f"the store did not come back healthy: {inspect(store)[0]['State']}"
             time.sleep(1)
         store_restarts = inspect(store)[0]["RestartCount"]
-        # The agents do not outlive their store (RendezvousConnectionError, exit 1): Docker restarts each worker
-        # once, and they meet again at the new, empty store, resuming from the checkpoint. Then a worker crashes:
+        # The agents lose their store (RendezvousConnectionError): each launcher waits for it (no Docker restart)
+        # and they meet again at the new, empty store, resuming from the checkpoint. Then a worker crashes:
         # the world must form again there too.
         victim = worker_rows(compose)[0]["ID"]
-        kill_process(victim, "-m app.train")
+        kill_process(victim, TRAINER)  # its trainer, not its launcher: the agent restarts it (Docker restarts none)
         settled = wait_until_settled(compose, 2, RUN_DEADLINE_S)
         logs = compose("logs", "--no-color", "--timestamps", "worker").stdout
         return {"store_restarts": store_restarts, "settled": settled, "logs": logs}

@@ -97,29 +97,48 @@ MUTATIONS = {
     # At or below the target: a job that finished would page once its workers are gone.
     "job ended at the target": ("DDPJobEndedEarly", "ddp_step[1h])) <", "ddp_step[1h])) <="),
     # Any rank seen lately, not only those of a world of today's size: a planned scale-down would page.
-    "rank down for a rank the world no longer has": (
+    # Every rank silent (no `up` check): the survivors, whose trainers restart in a re-formation, would page.
+    "rank down for survivors that restart": (
         "DDPRankDown",
-        "last_over_time(ddp_world_size[1h]) == on() group_left() max(ddp_world_size)",
-        "last_over_time(ddp_world_size[1h])",
+        "unless on(instance) up)",
+        "unless on(instance) ddp_rank_info)",
+    ),
+    # Without "stop requested", a scale-down or `docker compose stop` would page for the rank that left on purpose.
+    "rank down for a planned departure": (
+        "DDPRankDown",
+        "\n            unless on(instance) (max by (instance) (last_over_time(ddp_stop_requested[10m])) == 1)",
+        "",
     ),
     # Without "finished", ranks that leave a finished job one by one would page.
     "rank down after the end": (
         "DDPRankDown",
-        "\n            unless on() max(ddp_step) >= on() (max(ddp_target_steps) > 0)\n",
-        "\n",
+        "\n            unless on() (max(last_over_time(ddp_target_steps[10m])) > 0)"
+        " <= on() max(last_over_time(ddp_step[10m]))",
+        "",
     ),
     # 0 of 0 steps is no finish: ranks waiting in their first rendezvous would hide a rank that is gone.
     "rank down hidden by ranks not yet started": (
         "DDPRankDown",
-        "max(ddp_step) >= on() (max(ddp_target_steps) > 0)",
-        "max(ddp_step) >= on() max(ddp_target_steps)",
+        "(max(last_over_time(ddp_target_steps[10m])) > 0) <=",
+        "max(last_over_time(ddp_target_steps[10m])) <=",
     ),
-    # 20 s: shorter than a re-formation keeps the survivors answering for the old world, which would page.
-    "rank down within a re-formation": ("DDPRankDown", "for: 45s", "for: 20s"),
-    # 90 s: a rank the world still expects would page too late.
-    "rank down after 90 s": ("DDPRankDown", "for: 45s", "for: 90s"),
-    # A short memory: the alert would resolve while the rank is still gone (the old rule's 30 s).
-    "rank down forgets the rank": ("DDPRankDown", "ddp_world_size[1h]", "ddp_world_size[30s]"),
+    # Without "their world is whole", a survivor still restarting while the others answer would page.
+    "rank down for a survivor still joining": (
+        "DDPRankDown",
+        "\n                and on() count(ddp_rank_info) >= on() max(ddp_world_size)",
+        "",
+    ),
+    # Without the silent-target branch, a paused or hung worker (still discovered) never pages.
+    "rank down blind to a hung worker": ("DDPRankDown", "max_over_time(up[1m])) == 0", "max_over_time(up[1m])) < 0"),
+    # 90 s: a killed rank would page later than a minute.
+    "rank down after 90 s": ("DDPRankDown", "for: 20s", "for: 90s"),
+    # Any rank it ever held: a worker renumbered by a re-formation would page twice, once under a rank now another's.
+    "rank down names every rank it held": (
+        "DDPRankDown",
+        "\n                == on(instance) group_left()\n"
+        "              max by (instance) (max_over_time(timestamp(ddp_rank_info)[10m:5s]))\n",
+        "\n",
+    ),
     # At or below: a steady world would page.
     "world shrank on a steady world": ("DDPWorldShrank", "max(ddp_world_size) <", "max(ddp_world_size) <="),
     # Without "finished", every job would page once its workers exit at the end.

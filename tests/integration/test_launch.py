@@ -107,7 +107,7 @@ def test_a_stop_on_request_that_checkpointed_exits_zero(tmp_path):
     assert list(tmp_path.glob("step-*.pt")), "no checkpoint written on the stop"
 
 
-# -- what a restart finds (app/cluster/job_state.py): Docker restarts an exit 2 as if it had crashed ---------------
+# -- what a new start finds (app/cluster/job_state.py): `up` again after a refusal -----------------------------------
 def c10d_args(port: int, *trainer: str) -> list[str]:
     """The compose workers' flags (a fixed --rdzv-id: --standalone would draw a new one each time)."""
     return [
@@ -124,19 +124,75 @@ def c10d_args(port: int, *trainer: str) -> list[str]:
     ]
 
 
-def test_a_refused_container_started_again_exits_zero_in_one_line(tmp_path):
+def test_a_refused_container_started_again_exits_2_in_one_line(tmp_path):
     # The config is checked before the store is dialled: no store needed (nothing listens on this port).
     args = c10d_args(free_port(), "--steps", "3")
     first = launch(*args, LAUNCH_STATE_DIR=str(tmp_path), DDP_STESP="10")
     assert first.returncode == 2, first.stderr[-3000:]
     assert "DDP_STESP: no such setting (did you mean DDP_STEPS?)" in first.stderr
     again = launch(*args, LAUNCH_STATE_DIR=str(tmp_path), DDP_STESP="10")
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.returncode == 2, again.stderr[-3000:]
     lines = [line for line in again.stderr.splitlines() if "[launch" in line]
     assert len(lines) == 1 and "refused before, with these same settings" in lines[0], again.stderr[-3000:]
     # Fixed settings are a new launch, not a repeat of the refusal: it gets as far as the (absent) store.
     fixed = launch(*args, LAUNCH_STATE_DIR=str(tmp_path), DDP_STEPS="10", LAUNCH_STORE_WAIT_SECONDS="1")
     assert fixed.returncode == 1 and "unreachable for 1 s" in fixed.stderr, fixed.stderr[-3000:]
+
+
+def test_a_join_that_times_out_is_tried_again_within_the_budget_then_ends_in_one_line(tmp_path):
+    # Docker restarts no worker: the launcher itself joins again after a join timeout (here: a world of 2 that only
+    # this container comes to), --max-restarts times, then exits 1 with the one line.
+    from tests.integration.test_rendezvous_store import start_store
+
+    port = free_port()
+    store = start_store(port)
+    try:
+        args = c10d_args(port, "--steps", "3")
+        args[0] = "--nnodes=2"
+        args.insert(0, "--rdzv-conf=join_timeout=3,last_call_timeout=1")
+        args.insert(0, "--max-restarts=1")
+        out = launch(*args)
+    finally:
+        store.terminate()
+        store.wait(30)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert_no_traceback(out.stderr)
+    lines = [line for line in out.stderr.splitlines() if "[launch" in line and "no world formed in time" in line]
+    assert len(lines) == 2 and "then joining again (1 of 1)" in lines[0], out.stderr[-3000:]
+    assert lines[1].endswith(": exit 1"), out.stderr[-3000:]
+
+
+def test_a_store_that_crashes_and_comes_back_is_joined_again_and_the_run_finishes(tmp_path):
+    # What compose's store-crash does, in one process: no Docker restart, the launcher waits for the new, empty
+    # store on the same address and its agent joins a world there, resuming from the checkpoint.
+    from tests.integration.test_rendezvous_store import start_store
+
+    port = free_port()
+    store = start_store(port)
+    ckpt = tmp_path / "ckpt"
+    trainer = worker_args("until_stopped", checkpoint_dir=ckpt, steps=300, checkpoint_every=5, log_every=10)
+    args = c10d_args(port, *trainer)
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "app.cluster.launch", "--max-restarts=1", *args],
+        cwd=REPO,
+        env=clean_env(LAUNCH_STORE_LOST_SECONDS="60"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for_lines(proc, proc.stderr, "INFO step 10/", timeout=240)
+        store.kill()
+        store.wait(30)
+        wait_for_lines(proc, proc.stderr, "then joining again (1 of 1)", timeout=120)
+        store = start_store(port)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        store.terminate()
+        store.wait(30)
+    assert proc.returncode == 0, err[-3000:]
+    assert out.count("FINISHED") == 1 and "INFO resumed from" in err, err[-3000:]
 
 
 def test_a_container_started_again_after_its_job_finished_does_not_train_again(tmp_path):

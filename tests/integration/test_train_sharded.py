@@ -10,6 +10,8 @@
   restored on resume the difference is 1.2e-02: the comparison sees which batches the resumed run took.
 - A checkpoint of another stage or kind, or a shard that no longer matches the manifest: ``config error: ...``, one
   line, exit 2, and the checkpoint directory unchanged. So is an ``fsdp_units`` naming no module.
+- A save the disk refuses stops every zero2 rank with the ddp path's one line (naming checkpoint_dir, the cause and
+  the file) and exit 74, as ``parallel=ddp`` does (tests/integration/test_resume.py): no traceback, no retry.
 - ``ddp_zero_*`` metrics after a short zero2 run: exact bytes for MiniMLP's one bucket, wait times > 0.
 
 Run: ``python -m pytest tests/integration/test_train_sharded.py`` (minutes on a few cores: a dozen worker runs).
@@ -17,8 +19,10 @@ Run: ``python -m pytest tests/integration/test_train_sharded.py`` (minutes on a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import resource
 import shutil
 import subprocess
 from pathlib import Path
@@ -157,6 +161,34 @@ def test_a_shard_that_does_not_match_the_manifest_is_refused(tmp_path, zero2_wor
     shard.write_bytes(shard.read_bytes() + b"\0")  # changed after the manifest was written
     error = _refused(d, parallel="zero2", dtype="float64")
     assert shard.name in error and "does not match the manifest" in error, error
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes: int):
+    """Processes started inside inherit RLIMIT_FSIZE = ``nbytes``: a bigger write fails with EFBIG (Python ignores
+    SIGXFSZ). Unlike a read-only directory this holds for root too (CI), and it refuses the save, not the start-up
+    probe (an empty file)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_save_the_disk_refuses_ends_every_zero_rank_in_one_line_with_exit_74(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    with file_size_limit(1024):  # every shard is bigger
+        procs = start_ranks(*worker_args("fixed_global_batch", steps=STEPS, checkpoint_dir=ckpt, parallel="zero2"))
+    outs = finish(procs, timeout=300)
+    assert [p.returncode for p in procs] == [74, 74], outs  # STORAGE_FAILED: the launcher restarts no world for it
+    for _, err in outs:
+        errors = [line for line in err.splitlines() if " ERROR " in line or line.startswith("error")]
+        assert len(errors) == 1, err
+        assert f"checkpoint_dir {ckpt} could not take the checkpoint of step 4: File too large (EFBIG)" in errors[0]
+        assert "No checkpoint was written" in errors[0] and "Traceback" not in err, err
+    left = [p.name for p in ckpt.iterdir() if p.name.startswith(("shard-", ".shard-", MANIFEST))]
+    assert left == [], "a failed save leaves no shard, no manifest and no temporary file"
 
 
 def test_fsdp_units_naming_no_module_is_a_config_error(tmp_path):

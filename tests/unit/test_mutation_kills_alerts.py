@@ -15,21 +15,26 @@ import pytest
 
 RULES = Path(__file__).resolve().parents[2] / "docker" / "prometheus" / "alerts.yml"
 
-# A rank's trainer restarts: it stops answering at 40 s and answers again at 70 s, within DDPRankDown's 45 s `for:`.
-# Nobody is paged while it is gone (a restart within the `for:` is no page). Kills the mutant that drops the `for:`.
+# A worker leaves discovery for 20 s (a DNS blip: gone at 40 s, back at 60 s), within DDPRankDown's 20 s `for:`.
+# Nobody is paged while it is gone (an absence shorter than the `for:` is no page). Kills the mutant that drops the
+# `for:`.
 RANK_GONE = """
   - interval: 10s
     input_series:
+      - series: 'up{instance="a:9400"}'
+        values: '1x12'
+      - series: 'up{instance="b:9400"}'
+        values: '1 1 1 1 stale _ 1x6'
       - series: 'ddp_rank_info{instance="a:9400", rank="0"}'
         values: '1x12'
       - series: 'ddp_rank_info{instance="b:9400", rank="1"}'
-        values: '1 1 1 1 stale _ _ 1x5'
+        values: '1 1 1 1 stale _ 1x6'
       - series: 'ddp_world_size{instance="a:9400", rank="0"}'
         values: '2x12'
       - series: 'ddp_world_size{instance="b:9400", rank="1"}'
-        values: '2 2 2 2 stale _ _ 2x5'
+        values: '2 2 2 2 stale _ 2x6'
     alert_rule_test:
-      - eval_time: 60s
+      - eval_time: 50s
         alertname: DDPRankDown
         exp_alerts: []
       - eval_time: 100s

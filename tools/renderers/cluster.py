@@ -70,7 +70,10 @@ def render_drills(doc: dict) -> list[str]:
         if d is None:
             lines.append(f"| {what} | not run | | | | | | |")
             continue
-        lines.append(f"| {what} | {drill_row(d)} |")
+        row = drill_row(d)
+        if d.get("commit") and d["commit"] != doc.get("commit"):  # kept from an earlier run (drills.py --add)
+            row = row.replace(" | ", f" (measured at `{d['commit'][:7]}`) | ", 1)
+        lines.append(f"| {what} | {row} |")
     failed = [
         f"{name}: " + "; ".join(c for c, ok in d["checks"].items() if not ok)
         for name, d in drills.items()
@@ -121,6 +124,8 @@ def drill_row(d: dict) -> str:
         alerts = ", ".join(f"{named(a)} ({a['after_fault_s']} s)" for a in d["alerts"] if a["fired"]) or "none"
         pending = ", ".join(named(a) for a in d["alerts"] if not a["fired"])
         alerts += f"; pending only: {pending}" if pending else ""
+        if d.get("victim_rank") is not None:  # the rank a DDPRankDown must name
+            alerts = f"(the fault's rank: {d['victim_rank']}) {alerts}"
     return f"{verdict} | {new_world} | {redone} | {codes} | {finished} | {alerts} | `{cell(first[:160])}`"
 
 
