@@ -34,6 +34,7 @@ def render_mutation(doc: dict) -> list[str]:
         f"seed {doc['seed']}: {doc['sample']} drawn of {doc['generated']} generated, {doc['ran']} ran, "
         f"{doc['equivalent']} judged equivalent; not counted: {not_run}. Wall time {doc['wall_seconds'] / 60:.0f} "
         f"min with {doc['settings'].get('jobs', 1)} at once, median {median} a mutant."
+        + (f" Never run per mutant: {doc['not_selected']}." if doc.get("not_selected") else "")
         + (
             " Kills not rerun unmutated (the run was cut short before that check)."
             if doc.get("kills_confirmed") is False
