@@ -65,3 +65,58 @@ def test_a_refused_container_is_told_its_reason_only_with_the_same_settings_and_
     nothing_kept.finish(step=1)
     assert nothing_kept.refused_before() is None and nothing_kept.finished_since_arrival() is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job"]
+
+
+@pytest.mark.parametrize(
+    "flags, address",
+    [
+        (["--rdzv-backend=c10d", "--rdzv-endpoint=store:29500"], ("store", 29500)),
+        (["--rdzv-backend=c10d", "--rdzv-endpoint=store"], ("store", 29400)),  # torchrun's default port
+        (["--standalone", "--rdzv-backend=c10d", "--rdzv-endpoint=store:29500"], None),  # the agent hosts its own
+        (["--rdzv-backend=static", "--rdzv-endpoint=store:29500"], None),  # no c10d store to wait for
+        (["--rdzv-backend=c10d"], None),
+    ],
+)
+def test_the_launcher_waits_for_the_c10d_store_only_where_one_is_named(flags, address):
+    from torch.distributed.run import parse_args
+
+    from app.cluster.launch import store_address
+
+    assert store_address(parse_args([*flags, "--nnodes=1:2", "-m", "app.train"])) == address
+
+
+def test_a_store_port_that_is_not_a_number_is_one_line_and_exit_2():
+    from torch.distributed.run import parse_args
+
+    from app.cluster.launch import LaunchError, store_address
+
+    with pytest.raises(LaunchError, match="--rdzv-endpoint='store:abc': give HOST:PORT") as e:
+        store_address(parse_args(["--rdzv-backend=c10d", "--rdzv-endpoint=store:abc", "-m", "app.train"]))
+    assert e.value.code == 2
+
+
+def test_a_checkpoint_dir_without_room_for_the_next_save_is_refused_before_training(tmp_path):
+    """The launcher's storage check: the newest step file's size against the free space (a sparse file of 8 TiB
+    stands for a checkpoint bigger than the disk), ZeRO's shards summed, hidden temp files not counted."""
+    from app.cluster.launch import LaunchError, check_checkpoint_dir, newest_checkpoint_bytes
+
+    (tmp_path / "step-00000010.pt").write_bytes(b"x" * 300)
+    (tmp_path / "step-00000020.pt").write_bytes(b"x" * 200)
+    (tmp_path / ".step-00000030.pt.tmp").write_bytes(b"x" * 5000)
+    assert newest_checkpoint_bytes(str(tmp_path)) == 200
+    shards = tmp_path / "zero"
+    shards.mkdir()
+    for name, size in [("manifest.json", 10), ("shard-0.pt", 100), ("shard-1.pt", 120)]:
+        (shards / name).write_bytes(b"x" * size)
+    assert newest_checkpoint_bytes(str(shards)) == 230
+    check_checkpoint_dir(str(tmp_path))  # room enough: nothing said
+    check_checkpoint_dir("")  # no checkpoints
+    check_checkpoint_dir(str(tmp_path / "not yet"))  # the trainer creates it
+    try:
+        with open(tmp_path / "step-00000040.pt", "wb") as f:
+            f.truncate(8 * 2**40)
+    except OSError:
+        pytest.skip("this file system cannot hold an 8 TiB sparse file")
+    with pytest.raises(LaunchError, match=r"has \d+ bytes free, its newest checkpoint took 8796093022208") as e:
+        check_checkpoint_dir(str(tmp_path))
+    assert e.value.code == 1
