@@ -45,7 +45,15 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
         ("app/worker/models*",),
         ("tests/unit/test_specs*.py", "tests/unit/test_user_model*.py", "tests/unit/test_data.py"),
     ),
-    (("app/worker/metrics*",), ("tests/integration/test_metrics*.py", "-k", "not real_prometheus")),
+    (
+        ("app/worker/metrics*",),
+        (
+            "tests/unit/test_mutation_kills_worker*.py",
+            "tests/integration/test_metrics*.py",
+            "-k",
+            "not real_prometheus",
+        ),
+    ),
     (("app/worker/pipeline_*",), ("tests/integration/test_train_pipeline*.py",)),
     (("app/worker/sharded_step*",), ("tests/integration/test_train_sharded*.py",)),
     (
