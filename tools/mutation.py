@@ -39,9 +39,12 @@ docs/development.md. Exit status: 0 when the score reaches ``--target``, 1 other
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -74,6 +77,26 @@ def load_triage(path: Path = TRIAGE) -> dict[str, dict]:
         if not isinstance(e, dict) or e.get("verdict") not in VERDICTS or not e.get("reason"):
             raise SystemExit(f"mutation: {path.name}: {key}: needs verdict ({' or '.join(VERDICTS)}) and a reason")
     return {str(k): v for k, v in entries.items()}
+
+
+def run_group(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run`` in a process group of its own, which is killed whole when it ends or times out: a mutant
+    that hangs a gloo test leaves its rank processes behind otherwise, and they hold a shared machine's cores. The
+    output goes to a file, not a pipe: a leftover process holding the pipe open would keep the reader waiting."""
+    with tempfile.TemporaryFile("w+") as out:
+        p = subprocess.Popen(cmd, cwd=cwd, env=env_for(cwd), stdout=out, stderr=out, text=True, start_new_session=True)
+        try:
+            p.wait(timeout=timeout)
+        finally:
+            _kill_group(p.pid)  # on a timeout, the selection; else what the tests left running
+            p.wait()
+        out.seek(0)
+        return subprocess.CompletedProcess(cmd, p.returncode, out.read(), "")
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def pytest_cmd(selection: list[str], test_timeout: float) -> list[str]:
@@ -111,7 +134,7 @@ def run_selection(copy: Path, c: Candidate, timeout: float, test_timeout: float 
     for cmd in cmds:
         left = timeout - (time.monotonic() - started)
         try:
-            r = subprocess.run(cmd, cwd=copy, env=env_for(copy), capture_output=True, text=True, timeout=left)
+            r = run_group(cmd, copy, left)
         except subprocess.TimeoutExpired:
             return "killed (timeout)", time.monotonic() - started, "", []
         out = r.stdout + r.stderr
@@ -168,7 +191,7 @@ def confirm_kills(copies: Queue[Path], rows: list[dict], timeout: float, jobs: i
                 *collect,
                 *selection,
             ]
-            r = subprocess.run(cmd, cwd=copy, env=env_for(copy), capture_output=True, text=True, timeout=timeout)
+            r = run_group(cmd, copy, timeout)
             return r.returncode != 0
         except subprocess.TimeoutExpired:
             return True

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -173,3 +175,24 @@ def test_the_score_leaves_out_equivalent_survivors_and_counts_untriaged_ones_as_
 
 def test_the_committed_triage_file_loads():
     assert all(e["verdict"] in ("equivalent", "real") for e in load_triage().values())
+
+
+def test_what_a_selection_leaves_running_is_ended_with_it(tmp_path):
+    """A timed-out or finished selection's leftover processes (a hung test's rank processes) are killed."""
+    from tools.mutation import run_group
+
+    pid_file = tmp_path / "pid"
+    leave_one = (
+        f"import subprocess, sys; p = subprocess.Popen(['sleep', '60']); open({str(pid_file)!r}, 'w').write(str(p.pid))"
+    )
+    for extra in ([], ["; import time; time.sleep(30)"]):
+        try:
+            run_group([sys.executable, "-c", leave_one + "".join(extra)], tmp_path, timeout=5)
+        except subprocess.TimeoutExpired:
+            assert extra, "only the sleeping one times out"
+        pid = int(pid_file.read_text())
+        deadline = time.monotonic() + 5
+        stat = Path(f"/proc/{pid}/stat")
+        while stat.exists() and stat.read_text().split()[2] != "Z":  # gone, or dead and not yet reaped
+            assert time.monotonic() < deadline, "the leftover process is still running"
+            time.sleep(0.1)
