@@ -4,6 +4,7 @@ against the tests of the file it changes; the score, the survivors and their tri
     make mutants                                            # 150 mutants, a new seed each run (printed)
     .venv/bin/python -m tools.mutation --seed 7 --sample 20   # a given sample: the same mutants as another run
     .venv/bin/python -m tools.mutation --list --seed 7        # the sample and each mutant's tests, run nothing
+    .venv/bin/python -m tools.mutation --seed 7 --only ID,ID  # some of that sample (did the new test kill it?)
     make mutants-curated                                    # the hand-kept list of tools/mutants.py
 
 The mutants come from cosmic-ray (``tools/mutation_gen.py``; the alert rules from a small PromQL operator set of our
@@ -23,7 +24,8 @@ The checkout is never mutated: its tracked and untracked-but-not-ignored files a
 (one per ``--jobs``), each mutant is applied there and its tests run with that folder as the working directory and
 first on ``PYTHONPATH`` (this checkout's virtualenv is reused), and the file is restored. Outcomes: ``killed`` (a
 test failed, or pytest could not even collect the tests: the module no longer imports), ``killed (timeout)`` (the
-tests ran past ``--timeout``: a hang is a bug a user notices, so it counts as killed), ``survived``, ``not applied``
+tests ran past ``--timeout``: a hang is a bug a user notices, so it counts as killed; one test past
+``--test-timeout`` is a failed test, so ``killed``), ``survived``, ``not applied``
 (cosmic-ray found no such position: the code changed since the sample was drawn). Every distinct test that killed a
 mutant is then run once unmutated; a kill by a test that fails anyway is ``unconfirmed`` and not counted.
 
@@ -37,9 +39,12 @@ docs/development.md. Exit status: 0 when the score reaches ``--target``, 1 other
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -56,6 +61,9 @@ from tools.mutants import PYTHON, REPO, check_imports_from_copy, copy_tree, env_
 from tools.mutation_gen import Candidate, all_candidates, apply_alert, apply_python, draw, expand, selection_for
 
 TRIAGE = REPO / "tools" / "mutation_triage.yaml"
+# What no mutant's selection runs, said in the results file and the docs: a Compose cluster takes minutes to start
+# and one per mutant would not fit any budget; what those tests check is also checked, per module, below them.
+NOT_SELECTED = "tests/e2e (Docker Compose clusters: minutes each, so never per mutant)"
 VERDICTS = ("equivalent", "real")
 NOT_RUN = ("not applied", "error", "unconfirmed", "not run (budget)")
 
@@ -71,19 +79,62 @@ def load_triage(path: Path = TRIAGE) -> dict[str, dict]:
     return {str(k): v for k, v in entries.items()}
 
 
-def run_selection(copy: Path, c: Candidate, timeout: float) -> tuple[str, float, str, list[str]]:
+def run_group(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run`` in a process group of its own, which is killed whole when it ends or times out: a mutant
+    that hangs a gloo test leaves its rank processes behind otherwise, and they hold a shared machine's cores. The
+    output goes to a file, not a pipe: a leftover process holding the pipe open would keep the reader waiting."""
+    with tempfile.TemporaryFile("w+") as out:
+        p = subprocess.Popen(cmd, cwd=cwd, env=env_for(cwd), stdout=out, stderr=out, text=True, start_new_session=True)
+        try:
+            p.wait(timeout=timeout)
+        finally:
+            _kill_group(p.pid)  # on a timeout, the selection; else what the tests left running
+            p.wait()
+        out.seek(0)
+        return subprocess.CompletedProcess(cmd, p.returncode, out.read(), "")
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def pytest_cmd(selection: list[str], test_timeout: float) -> list[str]:
+    """pytest on one mutant's selection: stop at the first failure (``-x``), no cache written into the copy, and
+    pytest-timeout's per-test limit, so that a mutant that hangs one test is killed in ``test_timeout`` seconds
+    rather than at the whole selection's ``--timeout``."""
+    return [
+        PYTHON,
+        "-m",
+        "pytest",
+        "-x",
+        "-q",
+        "-rfE",
+        "-p",
+        "no:cacheprovider",
+        *per_test_limit(test_timeout),
+        *selection,
+    ]
+
+
+def per_test_limit(test_timeout: float) -> list[str]:
+    """pytest's arguments for a per-test limit that also caps the tests' own ``timeout`` markers."""
+    return ["-p", "tools.mutation_timeout", "--timeout", str(round(test_timeout))] if test_timeout else []
+
+
+def run_selection(copy: Path, c: Candidate, timeout: float, test_timeout: float = 0) -> tuple[str, float, str, list]:
     """(outcome, seconds, output tail, the failed tests) of mutant ``c``'s tests, already applied in ``copy``: its
     ``promtool`` commands, then pytest on the rest of the selection, stopping at the first that fails."""
     tests = c.tests()
     cmds = [t.split() for t in tests if t.startswith("promtool ")]
     rest = expand(tuple(t for t in tests if not t.startswith("promtool ")), copy)
     if rest:
-        cmds.append([PYTHON, "-m", "pytest", "-x", "-q", "-rfE", "-p", "no:cacheprovider", *rest])
+        cmds.append(pytest_cmd(rest, test_timeout))
     started, out = time.monotonic(), ""
     for cmd in cmds:
         left = timeout - (time.monotonic() - started)
         try:
-            r = subprocess.run(cmd, cwd=copy, env=env_for(copy), capture_output=True, text=True, timeout=left)
+            r = run_group(cmd, copy, left)
         except subprocess.TimeoutExpired:
             return "killed (timeout)", time.monotonic() - started, "", []
         out = r.stdout + r.stderr
@@ -97,7 +148,7 @@ def run_selection(copy: Path, c: Candidate, timeout: float) -> tuple[str, float,
     return "survived", time.monotonic() - started, out[-1200:], []
 
 
-def run_mutant(copy: Path, c: Candidate, timeout: float) -> dict:
+def run_mutant(copy: Path, c: Candidate, timeout: float, test_timeout: float = 0) -> dict:
     target = copy / c.path
     original = target.read_text()
     mutated = (apply_alert if c.path.endswith(".yml") else apply_python)(c, original)
@@ -107,7 +158,7 @@ def run_mutant(copy: Path, c: Candidate, timeout: float) -> dict:
         return {**row, "outcome": "not applied", "seconds": 0.0, "killed_by": []}
     target.write_text(mutated)
     try:
-        outcome, took, tail, failed = run_selection(copy, c, timeout)
+        outcome, took, tail, failed = run_selection(copy, c, timeout, test_timeout)
     finally:
         target.write_text(original)
     row.update(after=c.after, outcome=outcome, seconds=round(took, 1), killed_by=failed[:3])
@@ -116,7 +167,7 @@ def run_mutant(copy: Path, c: Candidate, timeout: float) -> dict:
     return row
 
 
-def confirm_kills(copies: Queue[Path], rows: list[dict], timeout: float, jobs: int) -> None:
+def confirm_kills(copies: Queue[Path], rows: list[dict], timeout: float, jobs: int, test_timeout: float = 0) -> None:
     """Rerun unmutated each distinct test that killed a mutant, and each selection that timed out: a test that fails
     (or a selection that is as slow) anyway proves nothing about its mutants, which become ``unconfirmed``."""
     tests = sorted({t for r in rows if r["outcome"] == "killed" for t in r["killed_by"] if t != "promtool"})
@@ -129,8 +180,18 @@ def confirm_kills(copies: Queue[Path], rows: list[dict], timeout: float, jobs: i
             selection = expand(t, copy)
             if not selection:  # pytest with no argument would run the whole suite
                 return False
-            cmd = [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", *collect, *selection]
-            r = subprocess.run(cmd, cwd=copy, env=env_for(copy), capture_output=True, text=True, timeout=timeout)
+            cmd = [
+                PYTHON,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                *per_test_limit(test_timeout),
+                *collect,
+                *selection,
+            ]
+            r = run_group(cmd, copy, timeout)
             return r.returncode != 0
         except subprocess.TimeoutExpired:
             return True
@@ -176,16 +237,20 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p.add_argument("--sample", type=int, default=150, help="mutants to draw (default 150)")
     p.add_argument("--seed", type=int, default=None, help="the sample's seed (default: a new one, printed)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per mutant's tests; past it: killed (timeout)")
+    p.add_argument(
+        "--test-timeout", type=float, default=120, help="seconds per test, its own timeout marker capped; 0: none"
+    )
     p.add_argument("--jobs", type=int, default=1, help="mutants run at once, each in its own copy (default 1)")
     p.add_argument("--budget", type=float, default=0, help="minutes; mutants not started by then are not run")
     p.add_argument("--target", type=float, default=0.85, help="score to reach for exit status 0 (default 0.85)")
+    p.add_argument("--only", metavar="ID,ID", help="run only these mutants of the seed's sample (a triage check)")
     p.add_argument("--list", action="store_true", help="print the sample and each mutant's tests, run nothing")
     p.add_argument("--out", type=Path, default=None, help="JSON to write (default: bench/results/ at the defaults)")
     p.add_argument("--show", metavar="ID", help="print one mutant (file, line, the change, its tests), run nothing")
     p.add_argument("--rescore", type=Path, metavar="JSON", help="apply the triage file anew to a result, run nothing")
     args = p.parse_args(argv)
-    if args.sample < 1 or args.jobs < 1 or args.timeout <= 0 or args.budget < 0:
-        p.error("--sample and --jobs must be at least 1, --timeout positive, --budget 0 (none) or more")
+    if args.sample < 1 or args.jobs < 1 or args.timeout <= 0 or args.budget < 0 or args.test_timeout < 0:
+        p.error("--sample and --jobs must be at least 1, --timeout positive, --budget and --test-timeout 0 or more")
     return p, args
 
 
@@ -206,7 +271,7 @@ def run_all(sample: list[Candidate], args) -> tuple[list[dict], dict]:
                 return {**asdict(c), "tests": list(c.tests()), "outcome": "not run (budget)", "seconds": 0.0}
             copy = copies.get()
             try:
-                row = run_mutant(copy, c, args.timeout)
+                row = run_mutant(copy, c, args.timeout, args.test_timeout)
             finally:
                 copies.put(copy)
             done[0] += 1
@@ -216,7 +281,7 @@ def run_all(sample: list[Candidate], args) -> tuple[list[dict], dict]:
 
         with ThreadPoolExecutor(args.jobs) as pool:
             rows = list(pool.map(one, sample))
-        confirm_kills(copies, rows, args.timeout, args.jobs)
+        confirm_kills(copies, rows, args.timeout, args.jobs, args.test_timeout)
     return rows, copied_at
 
 
@@ -253,6 +318,11 @@ def main(argv=None) -> int:
         return show(candidates, args.show)
     sample = draw(candidates, args.sample, seed)
     print(f"seed {seed}: {len(sample)} of {len(candidates)} generated mutants (rerun: --seed {seed})", flush=True)
+    if args.only:
+        wanted = set(args.only.split(","))
+        if missing := wanted - {c.id for c in sample}:
+            parser.error(f"--only: {' '.join(sorted(missing))} not in the sample of seed {seed}")
+        sample = [c for c in sample if c.id in wanted]
     if args.list:
         for c in sample:
             print(f"{c.id} {c.path}:{c.line} {c.operator} {c.before!r} -> tests {' '.join(selection_for(c.path))}")
@@ -271,6 +341,7 @@ def main(argv=None) -> int:
         "generated": len(candidates),
         "sample": len(sample),
         "wall_seconds": round(time.monotonic() - started),
+        "not_selected": NOT_SELECTED,
         **result,
         "mutants": rows,
     }

@@ -38,15 +38,43 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
             "tests/integration/test_train_pipeline*.py::test_bad_input_is_one_line_and_exit_2",  # the pipeline checks
         ),
     ),
+    (("app/worker/data_files*",), ("tests/unit/test_data_files*.py", "tests/unit/test_workload*.py")),
     (("app/worker/data*",), ("tests/unit/test_data*.py", "tests/unit/test_mutation_kills_data*.py")),
-    (("app/worker/metrics*",), ("tests/integration/test_metrics*.py", "-k", "not real_prometheus")),
-    (("app/worker/pipeline_trainer*",), ("tests/integration/test_train_pipeline*.py",)),
+    (("app/worker/workload*",), ("tests/unit/test_workload*.py", "tests/unit/test_data_files*.py")),
+    (
+        ("app/worker/models*",),
+        ("tests/unit/test_specs*.py", "tests/unit/test_user_model*.py", "tests/unit/test_data.py"),
+    ),
+    (
+        ("app/worker/metrics*",),
+        (
+            "tests/unit/test_mutation_kills_worker*.py",
+            "tests/integration/test_metrics*.py",
+            "-k",
+            "not real_prometheus",
+        ),
+    ),
+    (("app/worker/pipeline_*",), ("tests/integration/test_train_pipeline*.py",)),
+    (("app/worker/sharded_step*",), ("tests/integration/test_train_sharded*.py",)),
     (
         ("app/worker/dist*", "app/worker/elastic*"),
         ("tests/integration/test_world*.py", "tests/integration/test_train.py", "-k", SLOW),
     ),
     (("app/worker/recipe*",), ("tests/integration/test_recipe*.py",)),
-    (("app/worker/*",), ("tests/integration/test_train.py", "tests/integration/test_resume*.py", "-k", SLOW)),
+    (
+        ("app/worker/progress*",),
+        ("tests/unit/test_mutation_kills_worker*.py", "tests/integration/test_train.py", "-k", SLOW),
+    ),
+    (
+        ("app/worker/*",),
+        (
+            "tests/unit/test_mutation_kills_worker*.py",
+            "tests/integration/test_train.py",
+            "tests/integration/test_resume*.py",
+            "-k",
+            SLOW,
+        ),
+    ),
     (
         ("app/parallel/accum*",),
         (
@@ -63,7 +91,7 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
         ("tests/unit/test_mutation_kills_parallel*.py", "tests/integration/test_tensor_parallel*.py"),
     ),
     (
-        ("app/parallel/probes*",),
+        ("app/parallel/probes*", "app/parallel/comm_stats*"),
         (
             "tests/integration/test_metrics*.py::test_bus_bandwidth_is_nccl_tests_busbw_over_the_wall_time_span",
             "tests/integration/test_metrics*.py::test_torch_ddp_bus_bandwidth_uses_first_launch_to_last_completion",
@@ -72,11 +100,19 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
         ),
     ),
     (("app/parallel/pipeline*",), ("tests/integration/test_pipeline.py", "tests/integration/test_train_pipeline*.py")),
+    # ZeRO and FSDP: their own tests against PyTorch's, not DDP's (which never imports them).
+    (("app/parallel/fsdp*",), ("tests/integration/test_fsdp*.py",)),
+    (("app/parallel/zero*", "app/parallel/sharded_grad*"), ("tests/integration/test_zero.py",)),
+    (
+        ("app/parallel/sharded_checkpoint*",),
+        ("tests/integration/test_zero_checkpoint*.py", "tests/integration/test_train_sharded*.py"),
+    ),
     (
         ("app/parallel/*",),
         (
             "tests/integration/test_ddp.py",
             "tests/integration/test_ddp_api*.py",
+            "tests/integration/test_ddp_buffers*.py",
             "-k",
             "not (nccl or gpu_check or known_delay or powersgd)",
         ),

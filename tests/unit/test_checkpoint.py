@@ -67,6 +67,18 @@ def test_truncated_newest_falls_back_to_previous(tmp_path, caplog):
     assert (tmp_path / "step-00000020.pt.corrupt").exists()
 
 
+def test_a_file_the_weights_only_loader_refuses_is_named_so_and_the_previous_one_loads(tmp_path, caplog):
+    import argparse
+
+    save_checkpoint(tmp_path, state(10), keep=3)
+    torch.save({**state(20), "extra": argparse.Namespace(x=1)}, checkpoint_path(tmp_path, 20))  # not just tensors
+    with caplog.at_level(logging.WARNING):
+        path, loaded = load_latest(tmp_path)
+    assert path == checkpoint_path(tmp_path, 10) and loaded["step"] == 10
+    assert "step-00000020.pt is unusable (refused by the weights-only loader: Unsupported global" in caplog.text
+    assert "weights_only=False" not in caplog.text  # torch's advice, never ours for a file of unknown origin
+
+
 def torn(directory, step: int) -> None:
     """A checkpoint cut in half, as a crash mid-copy or a full disk leaves it."""
     save_checkpoint(directory, state(step), keep=10)

@@ -6,9 +6,16 @@ is keyed by, and the score (tools/mutation.py, tools/mutation_gen.py). Runs no m
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
-from tools.mutation import load_triage, score
+from tools.mutants import REPO
+from tools.mutation import load_triage, pytest_cmd, score
 from tools.mutation_gen import Candidate, alert_candidates, apply_alert, draw, expand, selection_for
 
 RULES = """groups:
@@ -58,11 +65,35 @@ def test_the_sample_takes_one_variant_per_site_and_at_most_every_site():
             "tests/integration/test_metrics*.py::test_our_ddp_bus_bandwidth_uses_the_wrappers_comm_span",
         ),
         ("app/cluster/k8s_launch.py", "tests/unit/test_k8s_launch*.py"),
+        ("app/parallel/fsdp.py", "tests/integration/test_fsdp*.py"),  # not DDP's tests: they never import it
+        ("app/parallel/sharded_grad.py", "tests/integration/test_zero.py"),
+        ("app/worker/data_files.py", "tests/unit/test_data_files*.py"),
         ("docker/prometheus/alerts.yml", "promtool test rules docker/prometheus/alerts.test.yml"),
     ],
 )
 def test_each_file_runs_the_tests_of_its_folder_and_name(path, test):
     assert test in selection_for(path)
+
+
+def test_each_mutant_stops_at_its_first_failure_and_a_hung_test_fails_within_the_test_timeout(tmp_path):
+    cmd = pytest_cmd(["tests/unit/test_x.py"], test_timeout=90)
+    assert "-x" in cmd and cmd[cmd.index("--timeout") + 1] == "90" and cmd[-1] == "tests/unit/test_x.py"
+    assert "--timeout" not in pytest_cmd(["tests/unit/test_x.py"], test_timeout=0)
+    # A test's own, longer timeout marker is capped too (pytest-timeout alone lets the marker win).
+    (tmp_path / "test_hangs.py").write_text(
+        "import time, pytest\n\n@pytest.mark.timeout(600)\ndef test_hangs():\n    time.sleep(30)\n"
+    )
+    started = time.monotonic()
+    out = subprocess.run(
+        pytest_cmd(["test_hangs.py"], test_timeout=1),
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1 and "Timeout" in out.stdout, out.stdout[-2000:]
+    assert time.monotonic() - started < 25
 
 
 def test_a_file_without_a_rule_is_named_and_globs_that_match_nothing_are_dropped(tmp_path):
@@ -144,3 +175,24 @@ def test_the_score_leaves_out_equivalent_survivors_and_counts_untriaged_ones_as_
 
 def test_the_committed_triage_file_loads():
     assert all(e["verdict"] in ("equivalent", "real") for e in load_triage().values())
+
+
+def test_what_a_selection_leaves_running_is_ended_with_it(tmp_path):
+    """A timed-out or finished selection's leftover processes (a hung test's rank processes) are killed."""
+    from tools.mutation import run_group
+
+    pid_file = tmp_path / "pid"
+    leave_one = (
+        f"import subprocess, sys; p = subprocess.Popen(['sleep', '60']); open({str(pid_file)!r}, 'w').write(str(p.pid))"
+    )
+    for extra in ([], ["; import time; time.sleep(30)"]):
+        try:
+            run_group([sys.executable, "-c", leave_one + "".join(extra)], tmp_path, timeout=5)
+        except subprocess.TimeoutExpired:
+            assert extra, "only the sleeping one times out"
+        pid = int(pid_file.read_text())
+        deadline = time.monotonic() + 5
+        stat = Path(f"/proc/{pid}/stat")
+        while stat.exists() and stat.read_text().split()[2] != "Z":  # gone, or dead and not yet reaped
+            assert time.monotonic() < deadline, "the leftover process is still running"
+            time.sleep(0.1)

@@ -46,3 +46,18 @@ def test_pipeline_micro_batches_are_accepted_exactly_when_they_divide_the_micro_
     else:
         with pytest.raises(ConfigError, match=f"pipeline_microbatches={microbatches} does not divide micro_batch=32"):
             make()
+
+
+@pytest.mark.parametrize("steps, ok", [(None, True), (1, True), (2, False), (4, False)])
+def test_the_pipeline_refuses_gradient_accumulation_of_more_than_one_step(steps, ok):
+    """With parallel=pipeline its micro-batches are the accumulation: grad_accum_steps 2 or more is refused."""
+    from app.worker.config import ConfigError, TrainConfig
+
+    def make():
+        return TrainConfig(parallel="pipeline", micro_batch=32, grad_accum_steps=steps)
+
+    if ok:
+        assert make().grad_accum_steps == steps
+    else:
+        with pytest.raises(ConfigError, match=f"grad_accum_steps={steps}: with parallel=pipeline"):
+            make()

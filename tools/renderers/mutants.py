@@ -23,6 +23,8 @@ def render_mutation(doc: dict) -> list[str]:
     target = doc["settings"].get("target", 0.85)
     shown = f"{score:.0%}" if score is not None else "n/a"
     held = "held" if score is not None and score >= target else "not held"
+    if held == "held" and doc["not_run"].get("not run (budget)"):  # a part of the sample says nothing of the rest
+        held = f"not shown, only {doc['ran']} of the {doc['sample']} drawn ran"
     not_run = ", ".join(f"{n} {what}" for what, n in doc["not_run"].items() if n) or "none"
     secs = sorted(r["seconds"] for r in doc["mutants"] if r.get("seconds"))
     timeouts = sum(r["outcome"] == "killed (timeout)" for r in doc["mutants"])
@@ -34,6 +36,7 @@ def render_mutation(doc: dict) -> list[str]:
         f"seed {doc['seed']}: {doc['sample']} drawn of {doc['generated']} generated, {doc['ran']} ran, "
         f"{doc['equivalent']} judged equivalent; not counted: {not_run}. Wall time {doc['wall_seconds'] / 60:.0f} "
         f"min with {doc['settings'].get('jobs', 1)} at once, median {median} a mutant."
+        + (f" Never run per mutant: {doc['not_selected']}." if doc.get("not_selected") else "")
         + (
             " Kills not rerun unmutated (the run was cut short before that check)."
             if doc.get("kills_confirmed") is False
