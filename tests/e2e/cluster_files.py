@@ -133,6 +133,7 @@ _PROMQL_WORDS = {
     "last_over_time",
     "humanize",
     "changes",
+    "timestamp",
 }
 
 
