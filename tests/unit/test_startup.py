@@ -19,10 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Three AdamW steps and a state_dict round trip (every torch.optim entry point that touches torch._dynamo), then
 # whether the real torch._dynamo was imported, then a submodule import (what torch.compile would need).
-TRAIN = """
-import json, sys, torch
-from app.worker.startup import defer_dynamo_import, _DeferredDynamo
-deferred = defer_dynamo_import({"TRAINER_DEFER_DYNAMO": sys.argv[1]})
+STEPS = """
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -32,7 +29,15 @@ for _ in range(3):
     opt.step()
 opt.load_state_dict(opt.state_dict())
 opt.step()
-stand_in = isinstance(sys.modules.get("torch._dynamo"), _DeferredDynamo)
+"""
+TRAIN = (
+    """
+import json, sys, torch
+from app.worker.startup import defer_dynamo_import, _DeferredDynamo
+deferred = defer_dynamo_import({"TRAINER_DEFER_DYNAMO": sys.argv[1]})
+"""
+    + STEPS
+    + """stand_in = isinstance(sys.modules.get("torch._dynamo"), _DeferredDynamo)
 import torch._dynamo.config
 print(json.dumps({
     "deferred": deferred,
@@ -42,6 +47,7 @@ print(json.dumps({
     "params": [p.detach().double().flatten().tolist() for p in model.parameters()],
 }))
 """
+)
 
 
 def train_deferred() -> dict:
@@ -56,15 +62,9 @@ def train_deferred() -> dict:
 
 def train_here() -> list:
     """TRAIN's parameters, in this process, with torch's own torch._dynamo."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    for _ in range(3):
-        opt.zero_grad()
-        model(torch.randn(4, 8)).square().mean().backward()
-        opt.step()
-    opt.load_state_dict(opt.state_dict())
-    opt.step()
+    scope = {"torch": torch}
+    exec(STEPS, scope)  # the very steps TRAIN takes
+    model = scope["model"]
     return [p.detach().double().flatten().tolist() for p in model.parameters()]
 
 
