@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return FAILED
     clock.mark("process group")
-    # TRAINER_DEFER_DYNAMO=1 (compose.yaml): torch.optim's seconds-long import of torch._dynamo skipped. After the
-    # process group: init_process_group touches torch._dynamo whenever a module of that name is there.
+    # torch.optim's seconds-long import of torch._dynamo skipped (TRAINER_DEFER_DYNAMO=0: imported as torch does).
+    # After the process group: init_process_group touches torch._dynamo whenever a module of that name is there.
     defer_dynamo_import()
     try:
         return train(cfg, resolved.sources, ctx, world, grad_accum_steps, stop, metrics, clock)

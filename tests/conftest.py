@@ -8,7 +8,8 @@ Each test is marked by the folder it sits in, so ``pytest -m "not e2e"`` selects
 
 ``make test`` runs the tests on several pytest-xdist workers (``-n``, ``--dist loadgroup``): most of the e2e tests'
 time is waiting on containers, not on the two cores. The tests that share a module-scoped fixture (one cluster
-start-up, asserted on by several tests) are put in one xdist group, so that start-up still happens once.
+start-up, asserted on by several tests) are put in one xdist group, so that start-up still happens once; the e2e
+tests all run in one lane (``DOCKER_LANE``).
 """
 
 from __future__ import annotations
@@ -28,8 +29,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         folder = Path(str(item.fspath)).resolve().relative_to(TESTS).parts[0]
         if folder in ("unit", "integration", "e2e"):
             item.add_marker(getattr(pytest.mark, folder))
-    for item, group in shared_start_up_groups(items).items():
+    groups = shared_start_up_groups(items)
+    for item in items:
+        if "e2e" in item.keywords:
+            groups[item] = DOCKER_LANE
+    for item, group in groups.items():
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+# Every Docker test on one xdist worker, one after the other, as when the suite runs in one process: they share one
+# engine and the image its builds cache, and most of their time is spent waiting on containers, which the CPU-bound
+# integration tests on the other workers fill.
+DOCKER_LANE = "docker"
 
 
 def shared_start_up_groups(items: list[pytest.Item]) -> dict[pytest.Item, str]:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from app.worker.startup import defer_dynamo_import
+
 
 def _rank_entry(rank: int, world: int, folder: str, backend: str, fn, args: tuple) -> None:
     import torch.distributed as dist
@@ -31,6 +33,9 @@ def _rank_entry(rank: int, world: int, folder: str, backend: str, fn, args: tupl
         world_size=world,
         timeout=datetime.timedelta(seconds=120),
     )
+    # torch.optim's first optimizer would import torch._dynamo: seconds of CPU in every rank, for nothing compiled
+    # (app/worker/startup.py; TRAINER_DEFER_DYNAMO=0 keeps torch's import).
+    defer_dynamo_import()
     try:
         result = fn(rank, world, *args)
     finally:

@@ -95,10 +95,10 @@ def _load_real_dynamo():
 
 
 def defer_dynamo_import(environ=os.environ) -> bool:
-    """Put ``_DeferredDynamo`` in torch._dynamo's place when ``TRAINER_DEFER_DYNAMO=1`` and nothing has imported the
-    real one yet; True when it is in place. The import it saves is seconds of CPU per trainer (the start-up line's
-    ``torch._dynamo import``), paid at once by every container of a cluster on the same cores."""
-    if environ.get(DEFER_DYNAMO_VARIABLE, "0") != "1" or "torch._dynamo" in sys.modules:
+    """Put ``_DeferredDynamo`` in torch._dynamo's place unless ``TRAINER_DEFER_DYNAMO=0`` or something has imported
+    the real one already; True when it is in place. The import it saves is seconds of CPU per process that trains
+    (the start-up line's ``torch._dynamo import``), paid at once by every rank of a world on the same cores."""
+    if environ.get(DEFER_DYNAMO_VARIABLE, "1") == "0" or "torch._dynamo" in sys.modules:
         return False
     import torch
 

@@ -34,7 +34,7 @@ TRAIN = (
     """
 import json, sys, torch
 from app.worker.startup import defer_dynamo_import, _DeferredDynamo
-deferred = defer_dynamo_import({"TRAINER_DEFER_DYNAMO": sys.argv[1]})
+deferred = defer_dynamo_import({} if sys.argv[1] == "unset" else {"TRAINER_DEFER_DYNAMO": sys.argv[1]})
 """
     + STEPS
     + """stand_in = isinstance(sys.modules.get("torch._dynamo"), _DeferredDynamo)
@@ -50,11 +50,11 @@ print(json.dumps({
 )
 
 
-def train_deferred() -> dict:
-    """TRAIN in a fresh interpreter (no torch._dynamo imported yet), with the stand-in."""
+def train_deferred(setting: str = "unset") -> dict:
+    """TRAIN in a fresh interpreter (no torch._dynamo imported yet), TRAINER_DEFER_DYNAMO unset or set to this."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
-        [sys.executable, "-c", TRAIN, "1"], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
+        [sys.executable, "-c", TRAIN, setting], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -76,10 +76,9 @@ def test_deferred_dynamo_trains_the_same_without_importing_it_and_gives_way_to_t
     assert deferred["real_after_submodule"], "a torch._dynamo submodule import did not bring the real one"
 
 
-def test_dynamo_is_deferred_only_when_asked():
-    from app.worker.startup import defer_dynamo_import
-
-    assert defer_dynamo_import({}) is False and defer_dynamo_import({"TRAINER_DEFER_DYNAMO": "0"}) is False
+def test_told_0_torch_optim_imports_the_real_dynamo_as_it_does_without_the_trainer():
+    kept = train_deferred("0")
+    assert not kept["deferred"] and not kept["stand_in_after_training"]
 
 
 def test_the_start_up_line_names_each_phase_and_their_sum():
