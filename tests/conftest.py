@@ -70,6 +70,12 @@ def shared_start_up_groups(items: list[pytest.Item]) -> dict[pytest.Item, str]:
     return {item: find(keys[0]) for item, keys in shared.items()}
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests import world
+
+    world.close_all()
+
+
 @pytest.fixture(autouse=True)
 def _keep_worker_output(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """Where tests.trainer_run.keep_output writes a failed worker's whole output: one folder per test under

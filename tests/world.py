@@ -175,6 +175,8 @@ def run_world(fn, world_size: int, *args, timeout: float = 120, backend: str = "
 
 
 @atexit.register
-def _close_all() -> None:
+def close_all() -> None:
+    """Stop every world's ranks. At exit, and at the end of a pytest session (tests/conftest.py): a pytest-xdist
+    worker leaves without running atexit, and its ranks would outlive the run."""
     while _worlds:
         _worlds.popitem()[1].close()
