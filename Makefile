@@ -10,8 +10,8 @@ BUCKET_MB ?= 25     # DDP bucket size in MiB
 WRAPPER ?= ours     # ours (app.parallel.ddp) | torch (torch.nn.parallel.DistributedDataParallel)
 PYTEST_ARGS ?=
 # pytest-xdist workers of `make test` (0: one process). 3, what CI runs: the Docker tests in one lane, mostly
-# waiting on containers, beside two CPU-bound lanes; 24.5 min from a fresh clone on 2 cores against 33 in one
-# process (docs/development.md). Tests sharing one cluster start-up stay on one worker (tests/conftest.py).
+# waiting on containers, beside two CPU-bound lanes: a quarter faster than one process on 2 cores
+# (docs/development.md). Tests sharing one cluster start-up stay on one worker (tests/conftest.py).
 TEST_WORKERS ?= 3
 
 # One BLAS thread per rank: several ranks share this machine's cores, more threads only fight each other.
