@@ -64,3 +64,35 @@ def test_tests_sharing_a_start_up_run_on_one_worker_which_starts_it_once(tmp_pat
     workers = {worker for what, worker in lines if what in ("start-up", "cluster")}
     assert len(workers) == 1, f"one shared start-up ran on {sorted(workers)}"
     assert sum(1 for what, _ in lines if what == "alone") == 6
+
+
+PROBE = """
+import pytest
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    for item in items:
+        mark = item.get_closest_marker("xdist_group")
+        print("GROUP", item.nodeid, mark.args[0] if mark else None)
+"""
+
+
+def test_every_docker_test_runs_in_the_docker_lane_and_the_others_keep_their_own_groups(tmp_path):
+    # Two clusters at once on one engine and two cores: what the lane prevents. The real conftest, on real files.
+    (tmp_path / "lane_probe.py").write_text(PROBE)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    files = ["tests/e2e/test_chaos.py", "tests/e2e/test_k8s_emulation.py", "tests/integration/test_invariance.py"]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "lane_probe", "-p", "no:cacheprovider", *files],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    groups = {line.split()[1]: line.split()[2] for line in run.stdout.splitlines() if line.startswith("GROUP ")}
+    docker = {node: group for node, group in groups.items() if node.startswith("tests/e2e/")}
+    assert len(docker) > 4 and set(docker.values()) == {"docker"}, docker  # function-scoped k8s tests too
+    others = {group for node, group in groups.items() if node.startswith("tests/integration/")}
+    assert others and "docker" not in others and "None" not in others, others  # the shared fixture's own group
