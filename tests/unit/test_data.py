@@ -77,3 +77,29 @@ def test_the_synthetic_labels_use_every_class_of_the_model():
     from app.worker.models import MiniMLP
 
     assert sorted(DATA.targets.unique().tolist()) == list(range(MiniMLP().net[-1].out_features))
+
+
+class PairsFromDisk:
+    """A map-style data set as a user brings one: ``len`` and ``[i] -> (input, target)``, read sample by sample."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return torch.tensor([float(i), i + 0.5, -float(i)]), torch.tensor(i % 3)
+
+
+def test_a_map_style_data_set_is_stacked_input_with_input_and_target_with_target_in_the_model_dtype():
+    data = PairsFromDisk(24)
+    for rank in range(2):
+        twin = GlobalBatches(data, 8, 3, rank, 2, 0, CPU)  # the same draw: which samples this rank's step takes
+        indices = twin.next_indices().tolist()
+        micro = GlobalBatches(data, 8, 3, rank, 2, 0, CPU, dtype=torch.float64).next_micro_batches()
+        x = torch.cat([m[0] for m in micro])
+        y = torch.cat([m[1] for m in micro])
+        assert [len(m[0]) for m in micro] == [2, 2] and x.dtype == torch.float64 and y.dtype == torch.int64
+        assert torch.equal(x, torch.stack([data[i][0] for i in indices]).double())
+        assert torch.equal(y, torch.stack([data[i][1] for i in indices]))
