@@ -161,3 +161,16 @@ def test_a_job_has_started_once_its_rendezvous_has_members_a_formed_world_or_a_p
     assert started("formed", complete=True)
     assert started("a past round", round=1)
     assert not Reporter(None, "standalone", None).job_started()  # no store: nothing to read
+
+
+def test_a_record_cut_short_or_not_json_reads_as_no_record(tmp_path):
+    # A volume shared with something else, or a record a container died writing before os.replace existed.
+    from app.cluster.job_state import JobState
+
+    state = JobState(tmp_path, "job", "node-a", "settings")
+    state.arrived()
+    for broken in ('{"fingerprint": "settings", "reas', "[1, 2]", "\xff\xfe"):
+        (tmp_path / "job" / "refused").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "job" / "refused" / "node-a.json").write_text(broken, errors="surrogateescape")
+        (tmp_path / "job" / "finished.json").write_text(broken, errors="surrogateescape")
+        assert state.refused_before() is None and state.finished_since_arrival() is None, broken

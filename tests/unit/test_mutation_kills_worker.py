@@ -5,6 +5,10 @@
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 
 def test_a_zero_run_exports_its_stage_and_collectives_once_registered():
     """The ``ddp_zero_*`` series as a ZeRO step kind registers and fills them (app.worker.metrics), read back from
@@ -57,3 +61,19 @@ def test_every_histogram_resolves_its_quantiles_within_a_factor_of_4_over_its_do
         assert les[-1] >= 10, (name, les)
     assert bounds["ddp_step_duration_seconds"][0] <= 1e-3
     assert bounds["ddp_allreduce_duration_seconds"][0] <= 5e-5
+
+
+def test_a_step_taken_as_the_step_protocol_shows_it_trains_on_a_finite_loss():
+    # app/worker/steps.py's example leaves inject_nan out: the failure drill must be asked for, never the default.
+    from app.worker.config import TrainConfig
+    from app.worker.dist import DistContext
+    from app.worker.metrics import NoMetrics
+    from app.worker.step_kinds import build_step
+
+    cfg = TrainConfig(steps=1, wrapper="none", metrics_port=0)
+    step = build_step(cfg, DistContext(0, 0, 1, torch.device("cpu"), "gloo"), 1, NoMetrics())
+    before = [p.detach().clone() for p in step.final_model().parameters()]
+    outcome = step.train_step(step.batches.next_micro_batches(), agree_nonfinite=lambda bad: bad)
+    assert math.isfinite(outcome.loss) and not outcome.skipped and outcome.samples == cfg.micro_batch
+    assert all(torch.isfinite(p).all() for p in step.final_model().parameters())
+    assert any(not torch.equal(b, p) for b, p in zip(before, step.final_model().parameters()))
