@@ -219,8 +219,9 @@ class Checkpointer:
         try:
             return load_checkpoint(path)
         except Exception as e:  # noqa: BLE001 - whatever the cause, the message must name the shared storage
+            cause = next(iter(str(e).splitlines()), "") or type(e).__name__  # torch.load's own run to many lines
             raise RuntimeError(
-                f"rank {self.ctx.rank} cannot read {path}, which rank 0 resumes from ({e}); "
+                f"rank {self.ctx.rank} cannot read {path}, which rank 0 resumes from ({cause}); "
                 f"checkpoint_dir must be storage shared by all ranks"
             ) from None
 

@@ -238,3 +238,21 @@ def test_a_crashed_writers_temp_file_is_cleaned_and_a_live_writers_is_left(tmp_p
     os.utime(crashed, (hour_ago, hour_ago))
     save_checkpoint(tmp_path, state(20), keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "step-00000020.pt"]
+
+
+@pytest.mark.parametrize("content", [None, b"not a checkpoint"], ids=["absent", "unreadable"])
+def test_a_rank_that_cannot_read_rank_0s_choice_names_the_shared_storage(tmp_path, content):
+    # checkpoint_dir on each node's own disk: rank 0 finds step 4, its peer has no such file (or another one).
+    from types import SimpleNamespace
+
+    from app.worker.checkpoint import Checkpointer
+
+    path = tmp_path / "step-00000004.pt"
+    if content is not None:
+        path.write_bytes(content)
+    ckpt = Checkpointer(
+        str(tmp_path), every=2, keep=2, ctx=SimpleNamespace(rank=1), model=None, optimizer=None, batches=None,
+        model_name="mini_mlp", seed=0, lr=0.1, global_batch=8,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"rank 1 cannot read .*checkpoint_dir must be storage shared by all ranks"):
+        ckpt._load_on_peer(path)  # one line: the regex's `.` stops at a newline
