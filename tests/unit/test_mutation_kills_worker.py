@@ -77,3 +77,18 @@ def test_a_step_taken_as_the_step_protocol_shows_it_trains_on_a_finite_loss():
     assert math.isfinite(outcome.loss) and not outcome.skipped and outcome.samples == cfg.micro_batch
     assert all(torch.isfinite(p).all() for p in step.final_model().parameters())
     assert any(not torch.equal(b, p) for b, p in zip(before, step.final_model().parameters()))
+
+
+def test_a_zero_step_observed_before_any_stage_registered_exports_its_series_as_stage_0():
+    # observe_zero registers the series itself when no step kind did (enable_zero is idempotent, not required).
+    from prometheus_client import generate_latest
+
+    from app.worker.metrics import TrainMetrics
+
+    metrics = TrainMetrics(rank=1, local_rank=1, world_size=2, node="node-b")
+    metrics.observe_zero(
+        collectives={"all_gather": (512, 0.003)}, parameter_bytes=10, gradient_bytes=5, optimizer_state_bytes=20
+    )
+    lines = generate_latest(metrics.registry).decode().splitlines()
+    for line in ['ddp_zero_all_gather_bytes_total{rank="1"} 512.0', 'ddp_zero_parameter_bytes{rank="1"} 10.0']:
+        assert line in lines, line
