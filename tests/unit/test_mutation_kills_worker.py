@@ -92,3 +92,17 @@ def test_a_zero_step_observed_before_any_stage_registered_exports_its_series_as_
     lines = generate_latest(metrics.registry).decode().splitlines()
     for line in ['ddp_zero_all_gather_bytes_total{rank="1"} 512.0', 'ddp_zero_parameter_bytes{rank="1"} 10.0']:
         assert line in lines, line
+
+
+def test_the_log_names_the_smallest_and_largest_share_of_an_uneven_global_batch():
+    # What the start of a run logs when effective_batch does not divide by the world size: 50 over 3 is 16, 17, 17.
+    from app.worker.config import TrainConfig
+    from app.worker.dist import DistContext
+    from app.worker.metrics import NoMetrics
+    from app.worker.step_kinds import build_step
+
+    cfg = TrainConfig(steps=1, wrapper="none", metrics_port=0, effective_batch=50, micro_batch=8, dataset_size=200)
+    step = build_step(cfg, DistContext(0, 0, 3, torch.device("cpu"), "gloo"), 3, NoMetrics())
+    assert step.describe_batch() == (
+        "global batch split over world_size 3 (16-17 per rank), grad_accum_steps 3 of micro_batch <= 8"
+    )
