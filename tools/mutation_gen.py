@@ -28,7 +28,15 @@ from pathlib import Path
 # runs its whole selection, and on 2 shared cores that has to stay within minutes.
 SLOW = "not (stop_that_cannot_finish or hung_peer or tiny_transformer or two_plain_runs or torchrun_reaches)"
 AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
-    (("app/worker/checkpoint*",), ("tests/unit/test_checkpoint*.py", "tests/integration/test_resume*.py")),
+    (
+        ("app/worker/checkpoint*",),
+        (
+            "tests/unit/test_checkpoint*.py",
+            "tests/integration/test_resume*.py",
+            # the sharded resume (Checkpointer._resume_sharded): a ZeRO run resumed on another world size
+            "tests/integration/test_train_sharded*.py::test_zero2_resumes_on_another_world_size_where_it_stopped",
+        ),
+    ),
     (
         ("app/worker/config*",),
         (
