@@ -103,3 +103,18 @@ def test_a_map_style_data_set_is_stacked_input_with_input_and_target_with_target
         assert [len(m[0]) for m in micro] == [2, 2] and x.dtype == torch.float64 and y.dtype == torch.int64
         assert torch.equal(x, torch.stack([data[i][0] for i in indices]).double())
         assert torch.equal(y, torch.stack([data[i][1] for i in indices]))
+
+
+def test_markov_sequences_are_next_token_pairs_that_follow_each_tokens_few_successors():
+    # The transformer's data (model=tiny_transformer): learnable because each token has only a few successors.
+    from app.worker.data import SUCCESSOR_PROBS, VOCAB, markov_sequences
+
+    data = markov_sequences(200, 16, seed=0)
+    x, y = data.inputs, data.targets
+    assert x.shape == y.shape == (200, 16) and int(x.min()) >= 0 and int(x.max()) < VOCAB
+    assert torch.equal(x[:, 1:], y[:, :-1])  # the target is the next token
+    successors: dict[int, set[int]] = {}
+    for a, b in zip(x.flatten().tolist(), y.flatten().tolist()):
+        successors.setdefault(a, set()).add(b)
+    assert len(successors) > VOCAB // 2 and all(len(s) <= len(SUCCESSOR_PROBS) for s in successors.values())
+    assert torch.equal(markov_sequences(200, 16, seed=0).inputs, x)  # the same seed, the same data
