@@ -32,7 +32,14 @@ import torch
 import torch.distributed as dist
 
 from app.parallel.sharded_checkpoint import MANIFEST, CheckpointError, ShardWriteError, load_sharded, save_sharded
-from app.worker.checkpoint_files import checkpoint_path, list_checkpoints, load_checkpoint, load_latest, save_checkpoint
+from app.worker.checkpoint_files import (
+    checkpoint_path,
+    list_checkpoints,
+    load_checkpoint,
+    load_latest,
+    save_checkpoint,
+    unusable_reason,
+)
 
 log = logging.getLogger(__name__)
 
@@ -219,9 +226,8 @@ class Checkpointer:
         try:
             return load_checkpoint(path)
         except Exception as e:  # noqa: BLE001 - whatever the cause, the message must name the shared storage
-            cause = next(iter(str(e).splitlines()), "") or type(e).__name__  # torch.load's own run to many lines
             raise RuntimeError(
-                f"rank {self.ctx.rank} cannot read {path}, which rank 0 resumes from ({cause}); "
+                f"rank {self.ctx.rank} cannot read {path}, which rank 0 resumes from ({unusable_reason(e)}); "
                 f"checkpoint_dir must be storage shared by all ranks"
             ) from None
 

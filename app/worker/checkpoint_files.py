@@ -176,13 +176,19 @@ def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
         try:
             return path, load_checkpoint(path)
         except Exception as e:  # noqa: BLE001 - any failure to read means "unusable": fall back to the previous
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            if reason.startswith("Weights only load failed"):
-                # torch's text goes on to advise weights_only=False: never the advice for a file of unknown origin.
-                detail = str(e).partition("WeightsUnpickler error:")[2].strip().splitlines()
-                reason = "refused by the weights-only loader" + (f": {detail[0].split(' Please')[0]}" if detail else "")
+            reason = unusable_reason(e)
             log.warning("checkpoint %s is unusable (%s); %s; trying the previous one", path, reason, _set_aside(path))
     return None
+
+
+def unusable_reason(e: Exception) -> str:
+    """Why ``load_checkpoint`` failed, on one line (torch.load's own message runs to many)."""
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if reason.startswith("Weights only load failed"):
+        # torch's text goes on to advise weights_only=False: never the advice for a file of unknown origin.
+        detail = str(e).partition("WeightsUnpickler error:")[2].strip().splitlines()
+        reason = "refused by the weights-only loader" + (f": {detail[0].split(' Please')[0]}" if detail else "")
+    return reason
 
 
 def _set_aside(path: Path) -> str:

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import yaml
@@ -182,16 +183,21 @@ def only_the_alert(alert: str, rules: dict, tests: dict) -> tuple[dict, dict]:
     return {"groups": [{"name": alert, "rules": kept}]}, {**tests, "tests": groups}
 
 
+def promtool_on_the_alert(promtool: str, folder: Path, alert: str, rules_text: str) -> subprocess.CompletedProcess:
+    """``promtool test rules`` on this alert's rule (out of ``rules_text``) and its own tests, written to ``folder``."""
+    tests = yaml.safe_load((PROM_DIR / "alerts.test.yml").read_text())
+    rule, own_tests = only_the_alert(alert, yaml.safe_load(rules_text), tests)
+    (folder / "alerts.yml").write_text(yaml.safe_dump(rule, sort_keys=False))
+    (folder / "alerts.test.yml").write_text(yaml.safe_dump(own_tests, sort_keys=False))
+    return subprocess.run(
+        [promtool, "test", "rules", "alerts.test.yml"], cwd=folder, capture_output=True, text=True, timeout=60
+    )
+
+
 @pytest.mark.parametrize("alert", sorted({alert for alert, _, _ in MUTATIONS.values()}))
 def test_each_alert_alone_passes_its_own_tests(promtool, tmp_path, alert):
     # What makes a failure below the mutation's doing, not the cut's.
-    rules, tests = (yaml.safe_load((PROM_DIR / name).read_text()) for name in ("alerts.yml", "alerts.test.yml"))
-    rule, own_tests = only_the_alert(alert, rules, tests)
-    (tmp_path / "alerts.yml").write_text(yaml.safe_dump(rule, sort_keys=False))
-    (tmp_path / "alerts.test.yml").write_text(yaml.safe_dump(own_tests, sort_keys=False))
-    result = subprocess.run(
-        [promtool, "test", "rules", "alerts.test.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=60
-    )
+    result = promtool_on_the_alert(promtool, tmp_path, alert, (PROM_DIR / "alerts.yml").read_text())
     assert result.returncode == 0 and "SUCCESS" in result.stdout, result.stdout + result.stderr
 
 
@@ -200,13 +206,7 @@ def test_alert_unit_tests_can_fail(promtool, tmp_path, mutation):
     alert, old, new = MUTATIONS[mutation]
     rules = (PROM_DIR / "alerts.yml").read_text()
     assert rules.count(old) == 1
-    tests = yaml.safe_load((PROM_DIR / "alerts.test.yml").read_text())
-    rule, own_tests = only_the_alert(alert, yaml.safe_load(rules.replace(old, new)), tests)
-    (tmp_path / "alerts.yml").write_text(yaml.safe_dump(rule, sort_keys=False))
-    (tmp_path / "alerts.test.yml").write_text(yaml.safe_dump(own_tests, sort_keys=False))
-    result = subprocess.run(
-        [promtool, "test", "rules", "alerts.test.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=60
-    )
+    result = promtool_on_the_alert(promtool, tmp_path, alert, rules.replace(old, new))
     assert result.returncode != 0 and alert in result.stdout + result.stderr, result.stdout + result.stderr
 
 

@@ -44,21 +44,22 @@ MODULE += "".join(f"\ndef test_prometheus_{i}(prometheus):\n    note('cluster')\
 MODULE += "".join(f"\ndef test_alone_{i}():\n    note('alone')\n" for i in range(6))
 
 
+def pytest_passes(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """A pytest of its own, in a fresh interpreter, that must exit 0."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    return run
+
+
 def test_tests_sharing_a_start_up_run_on_one_worker_which_starts_it_once(tmp_path):
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_shared.py").write_text(MODULE)
     log = tmp_path / "where.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LOG": str(log)}
     args = ["-n", "3", "--dist", "loadgroup", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path)]
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", *args, str(tmp_path)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    pytest_passes([*args, str(tmp_path)], tmp_path, env)
     lines = [line.split() for line in log.read_text().splitlines()]
     assert sum(1 for what, _ in lines if what == "start-up") == 2  # cluster, then prometheus on top of it
     workers = {worker for what, worker in lines if what in ("start-up", "cluster")}
@@ -82,15 +83,7 @@ def test_every_docker_test_runs_in_the_docker_lane_and_the_others_keep_their_own
     (tmp_path / "lane_probe.py").write_text(PROBE)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
     files = ["tests/e2e/test_chaos.py", "tests/e2e/test_k8s_emulation.py", "tests/integration/test_invariance.py"]
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "lane_probe", "-p", "no:cacheprovider", *files],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    run = pytest_passes(["--collect-only", "-q", "-p", "lane_probe", "-p", "no:cacheprovider", *files], ROOT, env)
     groups = {line.split()[1]: line.split()[2] for line in run.stdout.splitlines() if line.startswith("GROUP ")}
     docker = {node: group for node, group in groups.items() if node.startswith("tests/e2e/")}
     assert len(docker) > 4 and set(docker.values()) == {"docker"}, docker  # function-scoped k8s tests too
