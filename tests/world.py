@@ -3,10 +3,12 @@
 ``run_world(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and returns the return
 values, by rank. ``fn`` must be a module-level function (it is pickled by reference).
 
-Starting a rank costs seconds (a fresh interpreter importing torch, then the rendezvous), so a world of each size
-is started once and reused by later calls: its ranks wait for the next function. That start-up has its own deadline
-(``START_TIMEOUT_S``), generous because a loaded machine can take a minute or more to import torch in every rank;
-a call's ``timeout`` covers only the function, so a slow start never eats into a test's own bound.
+Starting a rank costs seconds (an interpreter importing torch, then the rendezvous), so a world of each size is
+started once and reused by later calls: its ranks wait for the next function. The ranks are forked from Python's
+fork server with torch imported once in it, as ``app.demos.world.spawn_world`` starts its ranks (see there why).
+That start-up has its own deadline (``START_TIMEOUT_S``), generous because a loaded machine can take a minute or
+more to start every rank and form the group; a call's ``timeout`` covers only the function, so a slow start never
+eats into a test's own bound.
 
 A rank that raises fails the call with its traceback; a rank that dies without a word (segfault, OOM killer) fails
 it at once, naming the rank and its exit code; ranks still busy at the deadline are killed and the call fails as a
@@ -32,7 +34,6 @@ _POLL_S = 1.0  # how often a waiting call checks that every rank is still alive
 
 
 def _serve(rank: int, world_size: int, init_file: str, backend: str, tasks, results) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
 
@@ -63,7 +64,11 @@ def _serve(rank: int, world_size: int, init_file: str, backend: str, tasks, resu
 
 class _World:
     def __init__(self, world_size: int, backend: str):
-        ctx = mp.get_context("spawn")
+        from app.demos.world import PRELOAD
+
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # read when the fork server loads torch's OpenMP runtime
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)  # no effect once the server runs: it is started once per process
         self.world_size = world_size
         self._tmp = tempfile.TemporaryDirectory()
         init_file = os.path.join(self._tmp.name, "store")
@@ -89,7 +94,7 @@ class _World:
                 missing = sorted(set(range(self.world_size)) - ready)
                 raise AssertionError(
                     f"ranks {missing} did not start and join the group within {timeout:.0f}s "
-                    f"(a fresh interpreter importing torch, then the rendezvous)"
+                    f"(the fork server importing torch, then the rendezvous)"
                 )
             try:
                 rank, kind, value = self._results.get(timeout=min(_POLL_S, deadline - now))

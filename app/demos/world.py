@@ -3,7 +3,14 @@
 ``spawn_world(fn, 2, cfg)`` starts two processes, joins them in one process group (gloo on CPU, NCCL with one GPU per
 rank) through a file store in a temporary folder, runs ``fn(rank, world_size, cfg)`` on each and returns what each
 returned, by rank. The tests have their own pool of reusable worlds (``tests/world.py``); this one is a plain
-``torch.multiprocessing.spawn`` that a reader can follow.
+``torch.multiprocessing.start_processes`` that a reader can follow.
+
+The ranks are forked from Python's fork server with torch already imported in it (``"forkserver"``, torch preloaded):
+a spawned rank is a fresh interpreter that spends seconds of CPU importing torch before it does anything, and the
+demos, benches and ``app.check`` start worlds of 2-4 ranks, several per command. The fork server is a clean
+single-threaded process started once, so its children are as fresh as spawned ones but for torch's import; CUDA is
+not initialised in it, so NCCL ranks can still pick their GPU. Each rank is given the caller's environment as it is
+at the call (a forked rank would otherwise see the fork server's, from when it started).
 """
 
 from __future__ import annotations
@@ -19,9 +26,15 @@ import torch
 
 from app.worker.startup import defer_dynamo_import
 
+# What the fork server imports once, before it forks any rank.
+PRELOAD = ["torch", "torch.distributed"]
 
-def _rank_entry(rank: int, world: int, folder: str, backend: str, fn, args: tuple) -> None:
+
+def _rank_entry(rank: int, world: int, folder: str, backend: str, env: dict, fn, args: tuple) -> None:
     import torch.distributed as dist
+
+    os.environ.clear()
+    os.environ.update(env)
 
     torch.set_num_threads(1)  # several ranks share this machine's cores
     if backend == "nccl":
@@ -58,11 +71,15 @@ def spawn_world(fn, world_size: int, *args, timeout: float = 300.0, backend: str
 
         losses = spawn_world(train, 2, cfg)  # [rank 0's return value, rank 1's]
     """
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # read when the fork server loads torch's OpenMP runtime
+    multiprocessing.set_forkserver_preload(PRELOAD)  # no effect once the server runs: it is started once
     with tempfile.TemporaryDirectory() as folder:
-        ctx = mp.spawn(_rank_entry, args=(world_size, folder, backend, fn, args), nprocs=world_size, join=False)
+        entry_args = (world_size, folder, backend, dict(os.environ), fn, args)
+        ctx = mp.start_processes(_rank_entry, entry_args, world_size, join=False, start_method="forkserver")
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:

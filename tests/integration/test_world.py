@@ -1,5 +1,6 @@
 """tests/world.py, the harness every multi-rank test stands on: a crashed rank is reported at once, by rank and exit
-code, instead of as a hang at the deadline; and the next call gets a fresh, working world.
+code, instead of as a hang at the deadline; and the next call gets a fresh, working world. And
+``app.demos.world.spawn_world``'s forked ranks see the caller's environment of the moment.
 
     .venv/bin/python -m pytest tests/integration/test_world.py -q
 """
@@ -40,3 +41,18 @@ def test_a_rank_that_dies_fails_the_call_at_once_and_the_next_call_works():
     assert time.monotonic() - start < 30
     assert run_world(_sum_of_ranks, 2, timeout=120) == [1.0, 1.0]  # a fresh world, in step
     assert run_world(_sum_of_ranks, 2, timeout=120) == [1.0, 1.0]  # and it is reused
+
+
+def _rank_world_and_variable(rank: int, world: int, name: str) -> tuple:
+    return rank, world, os.environ.get(name)
+
+
+def test_spawn_world_ranks_see_the_callers_environment_as_it_is_at_each_call(monkeypatch):
+    # app.demos.world forks its ranks from a fork server that keeps the environment it started with; a variable set
+    # between two calls (a test's monkeypatch, a user's script) must still reach the second call's ranks.
+    from app.demos.world import spawn_world
+
+    monkeypatch.setenv("SPAWN_WORLD_PROBE", "first")
+    assert spawn_world(_rank_world_and_variable, 2, "SPAWN_WORLD_PROBE") == [(0, 2, "first"), (1, 2, "first")]
+    monkeypatch.setenv("SPAWN_WORLD_PROBE", "second")
+    assert spawn_world(_rank_world_and_variable, 2, "SPAWN_WORLD_PROBE") == [(0, 2, "second"), (1, 2, "second")]
