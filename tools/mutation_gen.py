@@ -51,7 +51,12 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     (("app/worker/workload*",), ("tests/unit/test_workload*.py", "tests/unit/test_data_files*.py")),
     (
         ("app/worker/models*",),
-        ("tests/unit/test_specs*.py", "tests/unit/test_user_model*.py", "tests/unit/test_data.py"),
+        (
+            "tests/unit/test_specs*.py",
+            "tests/unit/test_user_model*.py",
+            "tests/unit/test_data.py",
+            "tests/unit/test_workload*.py::test_the_benchmark_models_are_the_sizes_the_benchmark_docs_give",
+        ),
     ),
     (
         ("app/worker/metrics*",),
@@ -66,7 +71,13 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     (("app/worker/sharded_step*",), ("tests/integration/test_train_sharded*.py",)),
     (
         ("app/worker/dist*", "app/worker/elastic*"),
-        ("tests/integration/test_world*.py", "tests/integration/test_train.py", "-k", SLOW),
+        (
+            "tests/unit/test_mutation_kills_worker*.py::test_a_plain_run_takes_a_free_port_and_a_given_one_is_kept",
+            "tests/integration/test_world*.py",
+            "tests/integration/test_train.py",
+            "-k",
+            SLOW,
+        ),
     ),
     (("app/worker/recipe*",), ("tests/integration/test_recipe*.py",)),
     (
@@ -101,6 +112,7 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     (
         ("app/parallel/probes*", "app/parallel/comm_stats*"),
         (
+            "tests/unit/test_mutation_kills_worker*.py::test_comm_stats_read_before_any_step_say_nothing_was_sent",
             "tests/integration/test_metrics*.py::test_bus_bandwidth_is_nccl_tests_busbw_over_the_wall_time_span",
             "tests/integration/test_metrics*.py::test_torch_ddp_bus_bandwidth_uses_first_launch_to_last_completion",
             "tests/integration/test_metrics*.py::test_our_ddp_bus_bandwidth_uses_the_wrappers_comm_span",
@@ -128,7 +140,11 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     (("app/cluster/k8s_launch*",), ("tests/unit/test_k8s_launch*.py", "tests/integration/test_k8s_launch*.py")),
     (
         ("app/cluster/rendezvous_store*",),
-        ("tests/unit/test_rendezvous_store*.py", "tests/integration/test_rendezvous_store*.py"),
+        (
+            "tests/unit/test_rendezvous_store*.py",
+            "tests/unit/test_mutation_kills_launch*.py::test_the_store_refuses_a_port_outside_1_to_65535_in_one_line",
+            "tests/integration/test_rendezvous_store*.py",
+        ),
     ),
     (
         ("app/cluster/*",),

@@ -340,3 +340,22 @@ def missing_gradient(rank, world):
 def test_a_parameter_without_gradient_is_a_clear_error_not_a_hang():
     message = run_world(missing_gradient, 2, timeout=60)[0]
     assert message is not None and "unused.weight" in message and "requires_grad=False" in message
+
+
+class AtTheCap(nn.Module):
+    """Three parameters; in backward order (reversed) the first holds one float32 less than 1 MiB, the second one."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Parameter(torch.zeros(8))
+        self.b = nn.Parameter(torch.zeros(1))
+        self.a = nn.Parameter(torch.zeros(2**18 - 1))
+
+
+def zero2_bucket_sizes(rank, world):
+    return ShardedGradDataParallel(AtTheCap(), bucket_cap_mb=1).bucket_sizes
+
+
+def test_a_zero2_bucket_closes_once_it_holds_bucket_cap_mb_mebibytes():
+    # a and b together are exactly 1 MiB (2**20 bytes): the first bucket, as in ddp.py; c alone, padded to the world.
+    assert run_world(zero2_bucket_sizes, 2, timeout=60) == [[2**20, 8 * 4]] * 2

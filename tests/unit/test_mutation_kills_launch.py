@@ -174,3 +174,31 @@ def test_a_record_cut_short_or_not_json_reads_as_no_record(tmp_path):
         (tmp_path / "job" / "refused" / "node-a.json").write_text(broken, errors="surrogateescape")
         (tmp_path / "job" / "finished.json").write_text(broken, errors="surrogateescape")
         assert state.refused_before() is None and state.finished_since_arrival() is None, broken
+
+
+def test_only_a_lost_store_is_waited_for_not_an_ended_job_a_join_timeout_or_a_spare():
+    """What the launcher retries after waiting for the store (app.cluster.launch.run_rejoining): a store that went
+    away. A closed rendezvous (the job ended) or a spare at the end must end the container, and a join timeout has
+    its own retry (join_timed_out), without waiting for a store that is there."""
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
+
+    from app.cluster.elastic import SpareAtTheEnd
+    from app.cluster.launch import store_lost
+
+    assert store_lost(RendezvousConnectionError("the store is gone"))
+    assert not store_lost(RendezvousClosedError("the rendezvous store says closed"))
+    assert not store_lost(RendezvousTimeoutError("timed out waiting for the store's participants"))
+    assert not store_lost(SpareAtTheEnd())
+    assert not store_lost(ValueError("bad shape"))
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "-1"])
+def test_the_store_refuses_a_port_outside_1_to_65535_in_one_line(port, capsys):
+    from app.cluster.rendezvous_store import main
+
+    assert main(["--host", "127.0.0.1", "--port", port]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --port {port} is not a TCP port; give 1-65535"

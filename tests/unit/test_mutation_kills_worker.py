@@ -106,3 +106,45 @@ def test_the_log_names_the_smallest_and_largest_share_of_an_uneven_global_batch(
     assert step.describe_batch() == (
         "global batch split over world_size 3 (16-17 per rank), grad_accum_steps 3 of micro_batch <= 8"
     )
+
+
+def test_a_progress_line_averages_its_window_of_steps_to_the_hundredth_of_a_millisecond(caplog):
+    """The step line a person reads: loss, samples/s, step and communication milliseconds averaged over the steps
+    since the last line (three here), the exposed figure only over the steps that measured it."""
+    import logging
+
+    from app.worker.progress import ProgressLog, StepRecord
+
+    progress = ProgressLog(steps=3, log_every=3, first_step=0)
+    with caplog.at_level(logging.INFO, logger="app.train"):
+        for i, (seconds, comm, exposed, loss) in enumerate([(0.1, 0.01, 0.004, 3.0), (0.2, 0.02, None, 2.0),
+                                                            (0.3, 0.03, 0.002, 1.0)], start=1):  # fmt: skip
+            progress.record(StepRecord(i, seconds, comm, exposed, loss, samples=64))
+    assert caplog.messages[-1] == (
+        "step 3/3 | loss 2.0000 | 320 samples/s | step 200.0 ms | comm 20.00 ms (exposed 3.00 ms)"
+    )
+
+
+def test_comm_stats_read_before_any_step_say_nothing_was_sent():
+    """What the metrics read from a wrapper that has not synchronised yet (the first scrape can come before the
+    first step): zeros and no buckets, not a sentinel that a rate or a bandwidth would turn negative."""
+    from app.parallel.comm_stats import CommStats
+
+    stats = CommStats()
+    assert (stats.sync_calls, stats.buckets_reduced, stats.bytes_reduced) == (0, 0, 0)
+    assert stats.last_bucket_seconds == [] and stats.last_bucket_bytes == []
+    assert (stats.allreduce_seconds, stats.wait_seconds) == (0.0, 0.0)
+    assert (stats.last_wait_seconds, stats.last_comm_span_seconds) == (0.0, 0.0)
+
+
+def test_a_plain_run_takes_a_free_port_and_a_given_one_is_kept(monkeypatch):
+    """Two plain ``python -m app.train`` runs at once must not both dial 29500 (the integration test
+    test_two_plain_runs_at_once_do_not_clash shows it end to end); under torchrun its port is the one used."""
+    from app.worker.dist import _default_master
+
+    for name in ("WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    addr, port = _default_master(None)
+    assert addr == "127.0.0.1" and port != 29500 and 0 < port < 65536
+    monkeypatch.setenv("MASTER_PORT", "29777")
+    assert _default_master(None) == ("127.0.0.1", 29777)

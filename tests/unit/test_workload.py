@@ -55,6 +55,26 @@ def test_the_built_in_models_are_specs_with_their_own_data_and_loss():
     assert model_name(cfg) == "tiny_transformer" and model_name(config()) == "mini_mlp"  # old checkpoints resume
 
 
+def test_the_benchmark_models_are_the_sizes_the_benchmark_docs_give():
+    """docs/benchmarks.md describes the two benchmark models by size, and every figure there (and every checksum of
+    a ``model=tiny_transformer`` run) stands on those defaults: a default that changes must change the docs too."""
+    import re
+
+    from app.worker.models import MODELS
+    from tests.trainer_run import REPO
+
+    docs = (REPO / "docs" / "benchmarks.md").read_text()
+    for name in ("deep_mlp", "tiny_transformer"):
+        described = re.search(rf"`{name}`: ([^`]+?), (\d+) parameter\s+tensors.*?, ([\d.]+) MiB", docs, re.S)
+        assert described, f"docs/benchmarks.md no longer describes {name}'s size"
+        params = list(MODELS[name]().parameters())  # tied weights once, as DDP sees them
+        assert len(params) == int(described[2]), (name, described[0])
+        mib = sum(p.numel() * p.element_size() for p in params) / 2**20
+        assert round(mib, 1) == round(float(described[3]), 1), (name, mib, described[0])
+    transformer = MODELS["tiny_transformer"]()
+    assert (len(transformer.blocks), transformer.tok.embedding_dim) == (6, 64)  # "6 blocks, dim 64"
+
+
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
