@@ -338,8 +338,12 @@ def _entry(rank: int, world: int, init_file: str, out_dir: str, cfg: dict) -> No
 
 def run_ranks(world: int, cfg: dict, timeout: float) -> dict:
     """Spawn the ranks, wait (bounded), return rank 0's report; a rank's failure raises with its traceback."""
+    from app.demos.world import PRELOAD
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.get_context("spawn")
+    # Forked from a fork server that imported torch once, as app.demos.world.spawn_world's ranks (see there why).
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory() as tmp:
         procs = [
             ctx.Process(target=_entry, args=(r, world, os.path.join(tmp, "store"), tmp, cfg), daemon=True)
