@@ -10,11 +10,17 @@ Each test is marked by the folder it sits in, so ``pytest -m "not e2e"`` selects
 time is waiting on containers, not on the two cores. The tests that share a module-scoped fixture (one cluster
 start-up, asserted on by several tests) are put in one xdist group, so that start-up still happens once; the e2e
 tests all run in one lane (``DOCKER_LANE``).
+
+CI (``.ci/run``) starts the tests while the Docker engine and the image are still being set up beside them: when
+``DOCKER_SETUP_STATUS`` names a file, the e2e tests wait for that file (the setup's exit status) before the first of
+them runs, and the unit and integration tests use the minutes in between.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -68,6 +74,34 @@ def shared_start_up_groups(items: list[pytest.Item]) -> dict[pytest.Item, str]:
             for key in keys[1:]:
                 root[find(key)] = find(keys[0])
     return {item: find(keys[0]) for item, keys in shared.items()}
+
+
+# Where .ci/run's Docker setup (make docker-setup && make image) writes its exit status when it ends, and how long the
+# e2e tests wait for it: the setup takes minutes on a new machine (../shared/docker/README.md).
+DOCKER_SETUP_STATUS = "DDP_TEST_DOCKER_SETUP_STATUS"
+DOCKER_SETUP_WAIT_S = 900.0
+_docker_setup_waited: list[str] = []  # "" once the wait ended, else why it failed (one wait per session)
+
+
+# tryfirst: before tests/e2e/conftest.py checks (once per session) what the Docker tests need.
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if "e2e" in item.keywords and os.environ.get(DOCKER_SETUP_STATUS):
+        if not _docker_setup_waited:
+            _docker_setup_waited.append(wait_for_docker_setup(Path(os.environ[DOCKER_SETUP_STATUS])))
+        if _docker_setup_waited[0]:
+            pytest.fail(_docker_setup_waited[0], pytrace=False)
+
+
+def wait_for_docker_setup(status_file: Path, wait_s: float = DOCKER_SETUP_WAIT_S) -> str:
+    """Until the setup beside the tests has written its exit status: "" when it has (a failed setup then shows in
+    the Docker checks, which name what is missing), else one line saying it did not end in time."""
+    deadline = time.monotonic() + wait_s
+    while not status_file.exists():
+        if time.monotonic() > deadline:
+            return f"the Docker setup beside the tests ({status_file}) did not end within {wait_s:.0f} s"
+        time.sleep(1.0)
+    return ""
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -89,3 +89,22 @@ def test_every_docker_test_runs_in_the_docker_lane_and_the_others_keep_their_own
     assert len(docker) > 4 and set(docker.values()) == {"docker"}, docker  # function-scoped k8s tests too
     others = {group for node, group in groups.items() if node.startswith("tests/integration/")}
     assert others and "docker" not in others and "None" not in others, others  # the shared fixture's own group
+
+
+def test_the_e2e_tests_wait_for_the_docker_setup_beside_them_and_a_bound(tmp_path):
+    """.ci/run runs make docker-setup beside make test: the e2e tests go on once its status file exists, and a setup
+    that never ends fails them with one line at the bound instead of hanging CI."""
+    import threading
+    import time
+
+    from tests.conftest import wait_for_docker_setup
+
+    status = tmp_path / "docker-setup.status"
+    threading.Timer(0.5, status.write_text, args=("0\n",)).start()
+    start = time.monotonic()
+    assert wait_for_docker_setup(status, wait_s=30) == ""
+    assert 0.4 < time.monotonic() - start < 10
+    missing = tmp_path / "never"
+    assert wait_for_docker_setup(missing, wait_s=2.0) == (
+        f"the Docker setup beside the tests ({missing}) did not end within 2 s"
+    )
