@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from app.worker.checkpoint_files import checkpoint_path, load_checkpoint
-from tests.trainer_run import describe, finished, run_process, torchrun, worker_args
+from tests.trainer_run import describe, finished, run_process, run_ranks, worker_args
 
-# Six runs of the real worker (one to four processes each, each importing torch): minutes on a loaded machine.
+# Eight runs of the real worker (one to four processes each): minutes on a loaded machine.
 pytestmark = pytest.mark.timeout(1200)
 STEPS = 12  # checkpoints every 4 (RUNS["fixed_global_batch"]: a global batch of 50 in micro-batches of <= 8)
 TOLERANCE = 1e-5
@@ -31,7 +31,7 @@ def _ranks(directory, steps: int, world: int, **settings) -> str:
     if world == 1:
         result = run_process("--wrapper", "none", *args, timeout=300)
     else:
-        result = torchrun(*args, nproc=world, timeout=400)
+        result = run_ranks(*args, world_size=world, timeout=400)  # plain ranks: the world size is the point
     assert result.returncode == 0, describe(result)
     assert len(finished(result.stdout)) == world, describe(result)
     return result.stderr

@@ -16,20 +16,27 @@ import time
 import pytest
 
 from tests.integration.test_resume import small_disk  # noqa: F401 - the fixture: a 200 KiB tmpfs that fills up
-from tests.trainer_run import PYTHON, REPO, clean_env, free_port, wait_for_lines, worker_args
+from tests.trainer_run import clean_env, free_port, run_module, start_module, wait_for_lines, worker_args
 
 pytestmark = pytest.mark.timeout(600)
 
 
 def launch(*args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PYTHON, "-m", "app.cluster.launch", *args],
-        cwd=REPO,
-        env=clean_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    # The launcher forked from a template that has imported torch (tests/trainer_run.py): it starts its trainers
+    # as torchrun does, each its own interpreter.
+    return run_module("app.cluster.launch", *args, timeout=timeout, env=clean_env(**env))
+
+
+def start_launch(*args: str, **env: str):
+    return start_module("app.cluster.launch", *args, env=clean_env(**env))
+
+
+def start_store(port: int):
+    """The compose file's rendezvous store on loopback, once it listens (as test_rendezvous_store.start_store, from
+    the template: its own start is tested there)."""
+    store = start_module("app.cluster.rendezvous_store", "--host", "127.0.0.1", "--port", str(port))
+    wait_for_lines(store, store.stderr, f"rendezvous store listening on 127.0.0.1:{port}", timeout=120)
+    return store
 
 
 def assert_no_traceback(output: str) -> None:
@@ -87,14 +94,9 @@ def test_an_unreachable_store_is_named_within_the_wait():
 
 
 def test_a_stop_on_request_that_checkpointed_exits_zero(tmp_path):
-    proc = subprocess.Popen(
-        [PYTHON, "-m", "app.cluster.launch", "--standalone", "--nproc-per-node=2", "-m", "app.train"]
-        + ["--steps", "100000", "--metrics-port", "0", "--checkpoint-dir", str(tmp_path), "--log-every", "1000"],
-        cwd=REPO,
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    proc = start_launch(
+        *("--standalone", "--nproc-per-node=2", "-m", "app.train", "--steps", "100000", "--metrics-port", "0"),
+        *("--checkpoint-dir", str(tmp_path), "--log-every", "1000"),
     )
     try:
         wait_for_lines(proc, proc.stderr, "INFO step 1/", timeout=240)
@@ -142,8 +144,6 @@ def test_a_refused_container_started_again_exits_2_in_one_line(tmp_path):
 def test_a_join_that_times_out_is_tried_again_within_the_budget_then_ends_in_one_line(tmp_path):
     # Docker restarts no worker: the launcher itself joins again after a join timeout (here: a world of 2 that only
     # this container comes to), --max-restarts times, then exits 1 with the one line.
-    from tests.integration.test_rendezvous_store import start_store
-
     port = free_port()
     store = start_store(port)
     try:
@@ -165,21 +165,12 @@ def test_a_join_that_times_out_is_tried_again_within_the_budget_then_ends_in_one
 def test_a_store_that_crashes_and_comes_back_is_joined_again_and_the_run_finishes(tmp_path):
     # What compose's store-crash does, in one process: no Docker restart, the launcher waits for the new, empty
     # store on the same address and its agent joins a world there, resuming from the checkpoint.
-    from tests.integration.test_rendezvous_store import start_store
-
     port = free_port()
     store = start_store(port)
     ckpt = tmp_path / "ckpt"
     trainer = worker_args("until_stopped", checkpoint_dir=ckpt, steps=300, checkpoint_every=5, log_every=10)
     args = c10d_args(port, *trainer)
-    proc = subprocess.Popen(
-        [PYTHON, "-m", "app.cluster.launch", "--max-restarts=1", *args],
-        cwd=REPO,
-        env=clean_env(LAUNCH_STORE_LOST_SECONDS="60"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_launch("--max-restarts=1", *args, LAUNCH_STORE_LOST_SECONDS="60")
     try:
         wait_for_lines(proc, proc.stderr, "INFO step 10/", timeout=240)
         store.kill()
@@ -196,8 +187,6 @@ def test_a_store_that_crashes_and_comes_back_is_joined_again_and_the_run_finishe
 
 
 def test_a_container_started_again_after_its_job_finished_does_not_train_again(tmp_path):
-    from tests.integration.test_rendezvous_store import start_store
-
     port = free_port()
     store = start_store(port)
     try:

@@ -24,7 +24,7 @@ from app.parallel.ddp import DistributedDataParallel
 from app.parallel.probes import CommSample, OursCommProbe, TorchCommProbe
 from app.worker.metrics import TrainMetrics
 from app.worker.models import MiniMLP
-from tests.trainer_run import free_port, start_torchrun, wait_for_lines, worker_args
+from tests.trainer_run import finish, free_port, start_ranks, start_torchrun, wait_for_lines, worker_args
 from tests.world import run_world
 
 CONTRACT = {  # name in the exposition -> type
@@ -217,17 +217,21 @@ def wait_for_finished(proc, ranks: int, timeout: float = 150) -> None:
     wait_for_lines(proc, proc.stdout, "FINISHED", count=ranks, timeout=timeout)
 
 
-def scrape_at_the_end(port: int, read=None, ranks: int = 2, **settings) -> tuple[list, str]:
-    """Run 2 ranks under torchrun (``RUNS["scraped"]`` with ``settings``, /metrics on ``port`` + local rank), read
-    every rank's endpoint with ``read(port)`` once all printed FINISHED, then end the linger: (what was read, stderr).
+def scrape_at_the_end(port: int, read=None, ranks: int = 2, torchrun: bool = False, **settings) -> tuple[list, str]:
+    """Run 2 ranks (``RUNS["scraped"]`` with ``settings``, /metrics on ``port`` + local rank), read every rank's
+    endpoint with ``read(port)`` once all printed FINISHED, then end the linger: (what was read, every rank's stderr,
+    rank 0's first). Plain ranks given torchrun's variables, or under ``torchrun`` where what it tells them is tested.
     """
-    proc = start_torchrun(*worker_args("scraped", metrics_port=port, **settings))
+    args = worker_args("scraped", metrics_port=port, **settings)
+    procs = [start_torchrun(*args)] if torchrun else start_ranks(*args, world_size=ranks)
     try:
-        wait_for_finished(proc, ranks)
+        for proc in procs:
+            wait_for_finished(proc, ranks if torchrun else 1)
         values = [(read or scrape)(port + r) for r in range(ranks)]
     finally:
-        proc.terminate()  # ends the linger early: SIGTERM is forwarded, the workers stop waiting
-        _, err = proc.communicate(timeout=60)
+        for proc in procs:
+            proc.terminate()  # ends the linger early (torchrun forwards it): the workers stop waiting
+        err = "".join(err for _, err in finish(procs, timeout=60))
     return values, err
 
 
@@ -260,7 +264,10 @@ def test_metric_values_after_known_steps():
     """What a dashboard shows after 12 steps of micro_batch 16 × grad_accum_steps 3 on 2 ranks: exact counts, the
     loss the log printed, the configured lr."""
     port, steps, micro, k, lr = free_port(2), 12, 16, 3, 0.0042
-    values, err = scrape_at_the_end(port, steps=steps, micro_batch=micro, grad_accum_steps=k, lr=lr, log_every=1)
+    # Under torchrun: the elastic range below is what torchrun's command line says, read by every rank.
+    values, err = scrape_at_the_end(
+        port, torchrun=True, steps=steps, micro_batch=micro, grad_accum_steps=k, lr=lr, log_every=1
+    )
     logged = {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step (\d+)/\d+ \| loss (\S+)", err)}
     for rank, v in enumerate(values):
         r = f'{{rank="{rank}"}}'
@@ -283,9 +290,9 @@ def test_a_resumed_world_counts_its_generation_and_the_steps_it_redoes(tmp_path)
     """A world that died after logging step 8 (its newest checkpoint: step 5) is replaced by a new one: generation 2,
     3 steps redone, and the time from that checkpoint to the new world's first step."""
     common = {"checkpoint_dir": tmp_path, "checkpoint_every": 5, "log_every": 1}
-    crashed = start_torchrun(*worker_args("nan_drill", steps=20, inject_nan_at_step=9, **common))
-    _, err = crashed.communicate(timeout=150)
-    assert crashed.returncode != 0 and "loss became NaN/inf at step 9" in err, err[-3000:]
+    crashed = start_ranks(*worker_args("nan_drill", steps=20, inject_nan_at_step=9, **common))
+    err = "".join(err for _, err in finish(crashed, timeout=150))
+    assert all(p.returncode != 0 for p in crashed) and "loss became NaN/inf at step 9" in err, err[-3000:]
     values, err = scrape_at_the_end(free_port(2), steps=12, **common)
     assert "resumed from" in err and "step-00000005.pt" in err, err[-3000:]
     for rank, v in enumerate(values):

@@ -17,7 +17,7 @@ import torch
 from app.worker.checkpoint import Checkpointer
 from app.worker.checkpoint_files import checkpoint_path, list_checkpoints, load_checkpoint
 from app.worker.models import MiniMLP, parameter_checksum
-from tests.trainer_run import describe, finish, finished, run_process, start_ranks, torchrun, worker_args
+from tests.trainer_run import describe, finish, finished, run_process, run_ranks, start_ranks, worker_args
 from tests.world import run_world
 
 
@@ -40,7 +40,7 @@ def test_unusable_checkpoint_dir_stops_every_rank_before_training(tmp_path):
 
 def run(tmp_dir, steps: int) -> dict:
     # RUNS["resumable"]: 20 steps span two epochs, so the resume at step 10 lands mid-epoch, then crosses one.
-    result = torchrun(*worker_args("resumable", steps=steps, checkpoint_dir=tmp_dir))
+    result = run_ranks(*worker_args("resumable", steps=steps, checkpoint_dir=tmp_dir))
     assert result.returncode == 0, describe(result)
     done = finished(result.stdout)
     assert set(done) == {0, 1}, describe(result)

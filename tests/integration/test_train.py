@@ -1,4 +1,4 @@
-"""The worker end to end: real torchrun, real gloo ranks on loopback, real signals.
+"""The worker end to end: real gloo ranks on loopback, real signals, and real torchrun where it is the subject.
 
 What a user notices: the loss falls and the ranks agree; SIGTERM checkpoints and exits 0; a NaN stops the run and
 keeps the last good checkpoint; a rank that cannot reach the rendezvous says where it tried, within the timeout.
@@ -24,10 +24,10 @@ from tests.trainer_run import (
     kill,
     losses,
     run_process,
+    run_ranks,
     start_process,
     start_ranks,
     start_torchrun,
-    torchrun,
     wait_for_lines,
     wait_for_log,
     worker_args,
@@ -36,7 +36,8 @@ from tests.world import run_world
 
 
 def test_two_ranks_train_mini_mlp_with_accumulation():
-    result = torchrun("--steps", "60", "--effective-batch", "128", "--metrics-port", "0", "--log-every", "20")
+    # Plain ranks (torchrun's variables): torchrun's own part is test_sigterm_to_torchrun_reaches_the_workers.
+    result = run_ranks("--steps", "60", "--effective-batch", "128", "--metrics-port", "0", "--log-every", "20")
     assert result.returncode == 0, describe(result)
     done = finished(result.stdout)
     assert set(done) == {0, 1}
@@ -59,7 +60,7 @@ def test_ranks_on_two_nodes_report_their_own_ranks():
 
 
 def test_tiny_transformer_learns_with_torch_ddp():
-    result = torchrun(
+    result = run_ranks(
         *("--model", "tiny_transformer", "--wrapper", "torch", "--steps", "40", "--micro-batch", "16"),
         *("--seq-len", "16", "--metrics-port", "0", "--log-every", "20"),
         timeout=240,

@@ -1,4 +1,4 @@
-"""The worker's ``--parallel pipeline``: a 2-stage pipeline under real torchrun trains the same model as one process.
+"""The worker's ``--parallel pipeline``: a 2-stage pipeline on real ranks trains the same model as one process.
 
 What is proven: with one replica the pipeline reads the same global batch per step as a single-process
 ``--wrapper none`` run (the replica is the sampler's rank), its micro-batch losses average to the batch loss, and
@@ -23,8 +23,8 @@ from tests.trainer_run import (
     finished,
     kill,
     run_process,
+    run_ranks,
     start_ranks,
-    torchrun,
     wait_for_log,
     worker_args,
 )
@@ -50,7 +50,7 @@ def _train_alone(tmp_path, steps: int):
 
 def test_pipeline_equals_one_process_and_resumes(tmp_path):
     ckpt = tmp_path / "pipeline"
-    first = torchrun(*worker_args("pipeline", steps=20, checkpoint_dir=ckpt))
+    first = run_ranks(*worker_args("pipeline", steps=20, checkpoint_dir=ckpt))
     assert first.returncode == 0, describe(first)
     done = finished(first.stdout)
     assert sorted(done) == [0, 1] and {d["step"] for d in done.values()} == {"20"}, describe(first)
@@ -63,7 +63,7 @@ def test_pipeline_equals_one_process_and_resumes(tmp_path):
     model = MiniMLP()
     model.load_state_dict(_model(ckpt, 20))  # the merged checkpoint loads into the bare model
 
-    resumed = torchrun(*worker_args("pipeline", pipeline_schedule="1f1b", steps=30, checkpoint_dir=ckpt))
+    resumed = run_ranks(*worker_args("pipeline", pipeline_schedule="1f1b", steps=30, checkpoint_dir=ckpt))
     assert resumed.returncode == 0, describe(resumed)
     assert "resumed from" in resumed.stderr and "(step 20," in resumed.stderr, describe(resumed)
     assert {d["step"] for d in finished(resumed.stdout).values()} == {"30"}, describe(resumed)
@@ -112,8 +112,8 @@ def test_two_replicas_of_a_two_stage_pipeline_equal_one_process(tmp_path):
     """Data x pipeline in the worker: 4 ranks, each stage's gradients averaged over its 2 replicas by our DDP wrapper
     over a sub-group; each replica trains on half of the same 32-sample global batch (measured max |diff| 4.5e-8)."""
     ckpt = tmp_path / "pp2x2"
-    result = torchrun(
-        *worker_args("pipeline", pipeline_stages=2, steps=10, checkpoint_dir=ckpt, micro_batch=16), nproc=4
+    result = run_ranks(
+        *worker_args("pipeline", pipeline_stages=2, steps=10, checkpoint_dir=ckpt, micro_batch=16), world_size=4
     )
     assert result.returncode == 0, describe(result)
     assert "2 stages x 2 replicas" in result.stderr, describe(result)

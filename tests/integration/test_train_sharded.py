@@ -42,8 +42,8 @@ from tests.trainer_run import (
     finished,
     free_port,
     run_process,
+    run_ranks,
     start_ranks,
-    torchrun,
     worker_args,
 )
 
@@ -54,8 +54,9 @@ FLOAT64_TOLERANCE = 1e-12
 
 
 def _train(directory, world: int, steps: int = STEPS, **settings) -> str:
-    result = torchrun(
-        *worker_args("fixed_global_batch", steps=steps, checkpoint_dir=directory, **settings), nproc=world
+    # Plain ranks: what is compared is the training, not torchrun (tests/integration/test_train.py runs that).
+    result = run_ranks(
+        *worker_args("fixed_global_batch", steps=steps, checkpoint_dir=directory, **settings), world_size=world
     )
     assert result.returncode == 0, describe(result)
     done = finished(result.stdout)
