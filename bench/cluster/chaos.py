@@ -3,6 +3,7 @@
     make chaos                       # = python -m bench.cluster.chaos (Docker; builds the image once, ~5-10 min here)
     python -m bench.cluster.chaos --steps 200 --kill-at 60 --victim rank1
     python -m bench.cluster.chaos --parallel zero2   # the same proof under ZeRO stage 2: bench/results/chaos-zero2.json
+    python -m bench.cluster.chaos --workers 3 --max-workers 3 --steps 120 --kill-at 20   # tests/e2e/test_chaos.py
 
 Two compose projects of the same image and the same settings (global batch fixed in samples, so any world size
 trains the same steps on the same samples):
@@ -11,7 +12,8 @@ trains the same steps on the same samples):
 - run B: 4 workers; at step ``--kill-at`` the container holding ``--victim`` (rank 0 by default: the hardest case,
   the checkpoint writer and the trainers' store host) is killed (``docker kill``: no restart policy applies), the
   other 3 re-form and resume from the newest checkpoint; once the world of 3 has trained, ``docker compose up -d
-  --scale worker=4 --no-recreate`` brings a fourth back and the world re-forms at 4.
+  --scale worker=4 --no-recreate`` brings a fourth back and the world re-forms at 4 (at once where ``--max-workers``
+  is 4: a full world needs no last call).
 
 Verdict PASS when every container of A exits 0, B's survivors and its returning worker exit 0, B really trained on
 3 and then on 4 again, and B's final parameters (the last checkpoint, loaded and digest-checked) equal A's within
@@ -109,7 +111,9 @@ class Project:
         while not predicate():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name}: {what} did not happen within {timeout_s:g} s")
-            time.sleep(1.0)
+            # Each look runs `docker compose logs` or `ps` (a fraction of a CPU-second each on a busy machine, taken
+            # from the workers): every 2 s is soon enough for phases of tens of seconds.
+            time.sleep(2.0)
 
     def all_exited(self, count: int) -> bool:
         rows = self.workers()
@@ -176,6 +180,8 @@ def project_env(name: str, args) -> dict[str, str]:
     }
     if getattr(args, "parallel", "ddp") != "ddp":  # the ZeRO stages of issue 22: the same proof, sharded
         env["DDP_PARALLEL"] = args.parallel
+    if getattr(args, "max_workers", None):  # compose.yaml's MAX_WORKERS (--nnodes=1:MAX), 8 unless set
+        env["MAX_WORKERS"] = str(args.max_workers)
     if base:
         env["BASE_IMAGE"] = base
         env.setdefault(
@@ -314,6 +320,8 @@ def plot(result: dict, path: Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.cluster.chaos", description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=4, help="world size of both runs (B drops to one fewer)")
+    # At --workers, B's world of 4 is full once the fourth is back: it forms at once, not a last call (15 s) later.
+    p.add_argument("--max-workers", type=int, default=None, help="MAX_WORKERS of both runs (default compose's 8)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps of each run")
     p.add_argument("--kill-at", type=int, default=40, help="B loses its victim once rank 0 has logged this step")
     p.add_argument("--victim", default="rank0", choices=["rank0", "rank1", "rank2", "rank3"])

@@ -266,8 +266,15 @@ def test_job_pod_template_trains_as_containers_named_like_the_pods(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # The old pod 0 must outlive its lost peer for a while, as on a cluster where a node vanishes without a TCP reset
 # (NCCL then waits for its timeout): a short collective timeout keeps that wait inside the test.
-COLLECTIVE_TIMEOUT_S = 60  # longer than a replacement pod takes to start and reach the store
+# Longer than a replacement pod takes to start and reach the store (a container start and the launcher's import of
+# torch: seconds, tens of seconds at a load of 10), so the replacement is seen waiting while the old pod 0 still
+# hosts it. Every second of it is waited in full: 60 s did the same and cost 15 s more.
+COLLECTIVE_TIMEOUT_S = 45
 KILL_AT_CHECKPOINT = "step-00000050.pt"
+# More steps than the kill's checkpoint, so that training still runs when pod 1 goes (the test polls every 0.5 s,
+# a step takes 20-60 ms on 2 cores: the 250 steps after it are 5-15 s); each step past that is only a cost, paid
+# again by the second attempt, which trains from the checkpoint to the end.
+LOST_POD_STEPS = "300"
 # Two attempts of two pods, each starting Python and torch under whatever else the machine runs.
 LOST_POD_DEADLINE_S = 420.0
 
@@ -345,7 +352,7 @@ def charged(job: dict, exit_code: int, disrupted: bool = False) -> bool:
 def test_a_lost_pod_is_replaced_and_its_replacement_waits_for_a_new_store(tmp_path):
     require_docker_and_image()
     # More steps than the ConfigMap's, so that training still runs when pod 1 is lost; no metrics linger.
-    env = {"DDP_COLLECTIVE_TIMEOUT_SECONDS": str(COLLECTIVE_TIMEOUT_S), "DDP_STEPS": "800"}
+    env = {"DDP_COLLECTIVE_TIMEOUT_SECONDS": str(COLLECTIVE_TIMEOUT_S), "DDP_STEPS": LOST_POD_STEPS}
     emu = EmulatedJob(tmp_path, {**env, "DDP_METRICS_LINGER_SECONDS": "0"})
     try:
         t0 = time.monotonic()
@@ -404,7 +411,7 @@ def test_a_lost_pod_is_replaced_and_its_replacement_waits_for_a_new_store(tmp_pa
 
 def test_an_evicted_pod_and_its_peers_spend_no_retry(tmp_path):
     require_docker_and_image()
-    env = {"DDP_STEPS": "800", "DDP_METRICS_LINGER_SECONDS": "0"}  # still training when pod 1 is evicted
+    env = {"DDP_STEPS": LOST_POD_STEPS, "DDP_METRICS_LINGER_SECONDS": "0"}  # still training when pod 1 is evicted
     emu = EmulatedJob(tmp_path, env)
     try:
         old1 = emu.start(1)
