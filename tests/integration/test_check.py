@@ -2,19 +2,19 @@
 the five ways it diagnoses (``tests/models_broken.py``); bad input exits 2 with one line before any rank starts.
 
 Most cases call ``main(argv)`` in this process (the ranks are spawned for real either way): it saves a Python start
-and a torch import per case on a shared 2-core machine. The first and the bad-input cases run the command itself.
+and a torch import per case on a shared 2-core machine. The first and the bad-input cases run the command itself
+(``run_module``: ``python -m app.check`` forked from a template that has imported torch).
 """
 
 from __future__ import annotations
 
+import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from app.check.cli import main
-from tests.trainer_run import REPO
+from tests.trainer_run import run_module
 
 BROKEN = "tests.models_broken"
 
@@ -35,12 +35,8 @@ def table_rows(out: str) -> list[list[str]]:
 
 
 def test_a_good_model_passes_with_both_wrappers_and_accumulation():
-    result = subprocess.run(
-        [sys.executable, "-m", "app.check", "app.worker.models:MiniMLP", "--accum", "2", "--steps", "3"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    result = run_module(
+        "app.check", "app.worker.models:MiniMLP", "--accum", "2", "--steps", "3", timeout=600, env=dict(os.environ)
     )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = table_rows(result.stdout)
@@ -147,9 +143,7 @@ def test_parameters_created_in_forward(capsys):
     ],
 )
 def test_bad_input_exits_2_with_one_line_before_any_rank(args, message):
-    result = subprocess.run(
-        [sys.executable, "-m", "app.check", *args], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+    result = run_module("app.check", *args, timeout=120, env=dict(os.environ))
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stdout == ""  # nothing printed: no table, no rank started
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -8,16 +8,15 @@ more under DataParallel."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.trainer_run import run_module
 from tests.world import run_world
 
-ROOT = Path(__file__).resolve().parents[2]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -47,9 +46,8 @@ def test_data_parallel_step_trains_like_the_bare_model_with_no_ddp_hooks_left():
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "bench.dp_vs_ddp", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
+    """``python -m bench.dp_vs_ddp ARGS``, forked from the test template (torch imported there, CUDA not touched)."""
+    return run_module("bench.dp_vs_ddp", *args, timeout=600, env=dict(os.environ))
 
 
 @pytest.mark.skipif(GPUS >= 2, reason="this machine has 2+ GPUs: the refusal path does not apply")

@@ -537,16 +537,10 @@ def test_a_known_delay_before_the_all_reduce_shows_in_the_reported_latency():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: make gpu-check runs for real there")
 def test_gpu_check_without_cuda_exits_2_with_one_line():
-    import subprocess
-    import sys
-    from pathlib import Path
+    import os
 
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_check"],
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    from tests.trainer_run import run_module
+
+    result = run_module("bench.gpu_check", timeout=120, env=dict(os.environ))
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "no CUDA device" in result.stderr

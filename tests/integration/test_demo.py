@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.trainer_run import run_module
+
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
@@ -38,9 +40,8 @@ def test_demo_passes_step_by_step(wrapper):
 
 
 def test_demo_rejects_bad_steps_with_exit_code_2():
-    result = subprocess.run(
-        [sys.executable, "-m", "app.demos.demo", "--steps", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+    # Refused before any rank starts: no torchrun needed, and forked from the test template (no torch import).
+    result = run_module("app.demos.demo", "--steps", "0", timeout=60, env=dict(os.environ))
     assert result.returncode == 2
     assert "--steps must be >= 1" in result.stderr
     assert "Traceback" not in result.stderr

@@ -61,38 +61,30 @@ def test_a_pod_asked_to_stop_exits_143_and_only_the_static_rendezvous_waits_for_
     master address where nothing listens: its rank starts at once; SIGTERM (the pod deleted) then ends it with 143,
     never 0, which the Job would count as the index done."""
     import signal
-    import subprocess
 
-    from tests.trainer_run import PYTHON, REPO, clean_env, free_port
+    from tests.trainer_run import clean_env, free_port, start_module
 
     started = tmp_path / "started"
-    launcher = subprocess.Popen(
-        [
-            *(
-                PYTHON,
-                "-m",
-                "app.cluster.k8s_launch",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-            ),
-            *("--nnodes=1", "--nproc-per-node=1", "--node-rank=1", "--master-addr=127.0.0.1", "--master-port=1"),
-            *("--rdzv-conf=timeout=20", "--max-restarts=0", "--no-python", "bash", "-c"),
-            f"touch {started}; exec sleep 120",
-        ],
-        cwd=REPO,
+    # `python -m app.cluster.k8s_launch ...`, forked from the test template (torch imported once there).
+    launcher = start_module(
+        *("app.cluster.k8s_launch", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"),
+        *("--nnodes=1", "--nproc-per-node=1", "--node-rank=1", "--master-addr=127.0.0.1", "--master-port=1"),
+        *("--rdzv-conf=timeout=20", "--max-restarts=0", "--no-python", "bash", "-c"),
+        f"touch {started}; exec sleep 120",
         env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
     )
+
+    def output() -> str:
+        return launcher.stdout.read() + launcher.stderr.read()
+
     try:
         deadline = time.monotonic() + 120
         while not started.exists():
-            assert launcher.poll() is None, launcher.stdout.read()
+            assert launcher.poll() is None, output()
             assert time.monotonic() < deadline, "the rank never started"
             time.sleep(0.2)
         launcher.send_signal(signal.SIGTERM)
-        assert launcher.wait(timeout=60) == 143, launcher.stdout.read()
+        assert launcher.wait(timeout=60) == 143, output()
     finally:
         launcher.kill()
         launcher.wait(timeout=10)

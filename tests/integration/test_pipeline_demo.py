@@ -5,23 +5,17 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.trainer_run import run_module
 
 
 def run_demo(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "app.demos.pipeline_demo", *args],
-        cwd=ROOT,
-        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """``python -m app.demos.pipeline_demo ARGS``: its process forked from the test template (torch imported once
+    there); the ranks it starts are its own, as ever."""
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    return run_module("app.demos.pipeline_demo", *args, timeout=timeout, env=env)
 
 
 @pytest.mark.timeout(600)  # two worlds of fresh interpreters: minutes on a loaded 2-core machine

@@ -11,19 +11,17 @@ import sys
 import time
 from pathlib import Path
 
-from tests.trainer_run import free_port
+from tests.trainer_run import free_port, start_module
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
 def start_store(port: int, *args: str) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cluster.rendezvous_store", "--host", "127.0.0.1", "--port", str(port), *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    """The store, serving (``start_module``: forked from a template that has imported torch, which the store needs;
+    the ``--check`` runs stay fresh interpreters: the health check imports no torch)."""
+    proc = start_module(
+        "app.cluster.rendezvous_store", "--host", "127.0.0.1", "--port", str(port), *args, env=dict(os.environ)
     )
     deadline = time.monotonic() + 60
     while (
@@ -32,10 +30,15 @@ def start_store(port: int, *args: str) -> subprocess.Popen:
         ).returncode
         != 0
     ):
-        assert proc.poll() is None, proc.stdout.read()
+        assert proc.poll() is None, output(proc)
         assert time.monotonic() < deadline, "the store did not answer within 60 s"
         time.sleep(0.5)
     return proc
+
+
+def output(proc: subprocess.Popen) -> str:
+    """Everything the store wrote, stdout then stderr (its log), once it has exited."""
+    return proc.stdout.read() + proc.stderr.read()
 
 
 def job(port: int, run_id: str) -> subprocess.CompletedProcess:
@@ -79,7 +82,7 @@ def test_store_exits_once_its_job_ends_so_a_restart_serves_the_next_run():
         assert job(port, "job-a").returncode == 0
         # Closed at the end of the job: the store leaves (exit 0) for its restart policy to bring it back empty.
         assert proc.wait(timeout=30) == 0
-        assert "job 'job-a' ended" in proc.stdout.read()
+        assert "job 'job-a' ended" in output(proc)
         proc = start_store(port, "--restart-after-job", "job-a")
         assert job(port, "job-a").returncode == 0, "the same run id must train again on the fresh store"
     finally:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.trainer_run import run_module
+
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
@@ -37,12 +39,9 @@ def test_demo_passes_step_by_step(stage):
 
 
 def test_demo_rejects_bad_flags_with_exit_code_2():
-    result = subprocess.run(
-        [sys.executable, "-m", "app.demos.zero_demo", "--stage", "1", "--compute-dtype", "bf16"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
+    # Refused before any rank starts: no torchrun needed, and forked from the test template (no torch import).
+    result = run_module(
+        "app.demos.zero_demo", "--stage", "1", "--compute-dtype", "bf16", timeout=60, env=dict(os.environ)
     )
     assert result.returncode == 2
     assert "--compute-dtype bf16 needs --stage 3" in result.stderr

@@ -6,12 +6,10 @@ is imported or any process group is joined.
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
 from app.worker.config import FIELDS, ConfigError, TrainConfig, load_config
-from tests.trainer_run import PYTHON, REPO, clean_env
+from tests.trainer_run import REPO, clean_env, run_module
 
 
 def write(tmp_path, text: str) -> str:
@@ -163,14 +161,7 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path):
     args, env, expected = BAD[case]
     (tmp_path / "bad.yaml").write_text("stpes: 5\n")
     args = [str(tmp_path / a[1:]) if a.startswith("@") else a for a in args]
-    result = subprocess.run(
-        [PYTHON, "-m", "app.train", "--metrics-port", "0", *args],
-        cwd=REPO,
-        env=clean_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_module("app.train", "--metrics-port", "0", *args, timeout=60, env=clean_env(**env))
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1, result.stderr

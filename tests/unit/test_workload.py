@@ -8,7 +8,6 @@ spec and the cause, exit code 2, and (the ``python -m app.train`` tests) before 
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 
 from app.worker.config import ConfigError, load_config
 from app.worker.workload import build_dataset, build_loss, build_model, check_workload, model_name
-from tests.trainer_run import PYTHON, REPO, clean_env, free_port
+from tests.trainer_run import clean_env, free_port, run_module
 
 USER = {"DDP_MODEL": "tests.models_user:SmallNet", "DDP_DATA": "tests.models_user:ClassificationDataset"}
 
@@ -137,14 +136,7 @@ def test_the_worker_exits_2_in_one_line_before_waiting_for_its_peer(env, expecte
     rank0 = clean_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     rank0.update({**USER, "DDP_LOSS": "cross_entropy", "DDP_RENDEZVOUS_TIMEOUT_SECONDS": "300", **env})
     started = time.monotonic()
-    result = subprocess.run(
-        [PYTHON, "-m", "app.train", "--metrics-port", "0"],
-        cwd=REPO,
-        env=rank0,
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
+    result = run_module("app.train", "--metrics-port", "0", timeout=200, env=rank0)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("config error: model: spec ") and expected in lines[0], lines
