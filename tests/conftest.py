@@ -77,8 +77,10 @@ def shared_start_up_groups(items: list[pytest.Item]) -> dict[pytest.Item, str]:
 
 
 # Where .ci/run's Docker setup (make docker-setup && make image) writes its exit status when it ends, and how long the
-# e2e tests wait for it: the setup takes minutes on a new machine (../shared/docker/README.md).
-DOCKER_SETUP_STATUS = "DDP_TEST_DOCKER_SETUP_STATUS"
+# e2e tests wait for it: the setup takes minutes on a new machine (../shared/docker/README.md). Not a DDP_* name: the
+# cluster forwards every DDP_* variable of the caller to its workers (app/cluster/compose_env.py), which refuse one
+# they do not know, so such a name here stopped every compose test.
+DOCKER_SETUP_STATUS = "TESTS_DOCKER_SETUP_STATUS"
 DOCKER_SETUP_WAIT_S = 900.0
 _docker_setup_waited: list[str] = []  # "" once the wait ended, else why it failed (one wait per session)
 

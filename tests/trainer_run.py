@@ -2,8 +2,8 @@
 
 Every run has a timeout (a hang fails the test instead of blocking CI), one BLAS thread per rank, and none of the
 caller's ``DDP_*`` variables, so a developer's shell cannot change what a test sees. The plain processes are forked
-from a template that has imported torch (``ForkedWorker``; ``DDP_TEST_FORK=0``: each its own interpreter), so they
-skip the seconds of CPU that import costs each; ``run_ranks`` reads their output as a ``torchrun`` run's.
+from a template that has imported torch (``ForkedWorker``; ``TESTS_FORK_WORKERS=0``: each its own interpreter), so
+they skip the seconds of CPU that import costs each; ``run_ranks`` reads their output as a ``torchrun`` run's.
 
 When a worker fails a test, its whole output and exit code are kept: attached to the assertion message and written
 to ``<pytest's tmp dir>/worker-output/<test>/`` (``keep_output``), so an intermittent failure can be read after
@@ -230,8 +230,10 @@ def keep_output(cmd, code, stdout: str, stderr: str, note: str = "") -> str:
 # rlimits and exit code, real signals to its pid; what it starts itself (the launcher's trainers) is exec'd as ever.
 # One template per rank index (rank r of every world comes from template r): as with separate interpreters, the
 # ranks of one run differ in their string-hash seed, so a set iterated in hash order on one rank and not another
-# still shows. DDP_TEST_FORK=0 starts every worker as its own interpreter instead.
-FORK = os.environ.get("DDP_TEST_FORK", "1") != "0"
+# still shows. TESTS_FORK_WORKERS=0 starts every worker as its own interpreter instead (not a DDP_* name: the cluster
+# forwards every DDP_* variable to its workers, which refuse one they do not know).
+FORK_SWITCH = "TESTS_FORK_WORKERS"
+FORK = os.environ.get(FORK_SWITCH, "1") != "0"
 _ZYGOTES: dict[int, subprocess.Popen] = {}
 _ZYGOTE_DIR: list[str] = []  # made on first use: every process importing this module is not a test process
 _RLIMITS = [getattr(resource, n) for n in ("RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_CORE", "RLIMIT_AS")]
@@ -479,7 +481,8 @@ def run_module(
     module: str, *args: str, timeout: float = HANG_TIMEOUT_S, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """``python -m MODULE ARGS`` to its end, as ``subprocess.run`` with captured text output (killed and
-    ``TimeoutExpired`` past ``timeout``), forked from a template unless DDP_TEST_FORK=0: the launcher's tests use it."""
+    ``TimeoutExpired`` past ``timeout``), forked from a template unless TESTS_FORK_WORKERS=0: the launcher's tests
+    use it."""
     proc = start_module(module, *args, env=env)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -489,7 +492,7 @@ def run_module(
 
 
 def start_module(module: str, *args: str, env: dict[str, str] | None = None):
-    """``python -m MODULE ARGS``, running, with text pipes (a ``ForkedWorker``, or a ``Popen`` with DDP_TEST_FORK=0)."""
+    """``python -m MODULE ARGS``, running, with text pipes: a ``ForkedWorker`` (``Popen`` if TESTS_FORK_WORKERS=0)."""
     if FORK:
         return ForkedWorker(args, env or clean_env(), module=module)
     return subprocess.Popen(

@@ -108,3 +108,13 @@ def test_the_e2e_tests_wait_for_the_docker_setup_beside_them_and_a_bound(tmp_pat
     assert wait_for_docker_setup(missing, wait_s=2.0) == (
         f"the Docker setup beside the tests ({missing}) did not end within 2 s"
     )
+
+
+def test_the_harness_switches_are_not_settings_that_the_cluster_forwards():
+    """Every DDP_* variable of the caller reaches the compose workers, which refuse a name they do not know: a
+    harness variable named DDP_* (as the Docker setup's status file once was) makes every compose test fail."""
+    from app.cluster.compose_env import PREFIX
+    from tests.conftest import DOCKER_SETUP_STATUS
+    from tests.trainer_run import FORK_SWITCH
+
+    assert not DOCKER_SETUP_STATUS.startswith(PREFIX) and not FORK_SWITCH.startswith(PREFIX)
