@@ -79,14 +79,17 @@ def pytest_collection_modifyitems(items):
 
 
 def test_every_docker_test_runs_in_the_docker_lane_and_the_others_keep_their_own_groups(tmp_path):
-    # Two clusters at once on one engine and two cores: what the lane prevents. The real conftest, on real files.
+    # Two clusters at once on one engine and two cores: what the lane prevents, but for the chaos proof's own lane.
+    # The real conftest, on real files.
     (tmp_path / "lane_probe.py").write_text(PROBE)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
     files = ["tests/e2e/test_chaos.py", "tests/e2e/test_k8s_emulation.py", "tests/integration/test_invariance.py"]
     run = pytest_passes(["--collect-only", "-q", "-p", "lane_probe", "-p", "no:cacheprovider", *files], ROOT, env)
     groups = {line.split()[1]: line.split()[2] for line in run.stdout.splitlines() if line.startswith("GROUP ")}
-    docker = {node: group for node, group in groups.items() if node.startswith("tests/e2e/")}
-    assert len(docker) > 4 and set(docker.values()) == {"docker"}, docker  # function-scoped k8s tests too
+    docker = {node: group for node, group in groups.items() if node.startswith("tests/e2e/test_k8s")}
+    assert len(docker) > 2 and set(docker.values()) == {"docker"}, docker  # function-scoped tests too
+    chaos = {node: group for node, group in groups.items() if node.startswith("tests/e2e/test_chaos")}
+    assert len(chaos) == 4 and set(chaos.values()) == {"docker-chaos"}, chaos  # its own lane, beside the other
     others = {group for node, group in groups.items() if node.startswith("tests/integration/")}
     assert others and "docker" not in others and "None" not in others, others  # the shared fixture's own group
 
