@@ -9,7 +9,7 @@ Each test is marked by the folder it sits in, so ``pytest -m "not e2e"`` selects
 ``make test`` runs the tests on several pytest-xdist workers (``-n``, ``--dist loadgroup``): most of the e2e tests'
 time is waiting on containers, not on the two cores. The tests that share a module-scoped fixture (one cluster
 start-up, asserted on by several tests) are put in one xdist group, so that start-up still happens once; the e2e
-tests run in one lane (``DOCKER_LANE``), but for the chaos proof, in a lane of its own (``CHAOS_LANE``).
+tests run in two lanes (``DOCKER_LANE``, and ``SECOND_DOCKER_LANE`` for the modules in ``SECOND_LANE_MODULES``).
 
 CI (``.ci/run``) starts the tests while the Docker engine and the image are still being set up beside them: when
 ``DOCKER_SETUP_STATUS`` names a file, the e2e tests wait for that file (the setup's exit status) before the first of
@@ -38,7 +38,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     groups = shared_start_up_groups(items)
     for item in items:
         if "e2e" in item.keywords:
-            groups[item] = CHAOS_LANE if Path(str(item.fspath)).name == "test_chaos.py" else DOCKER_LANE
+            second = Path(str(item.fspath)).name in SECOND_LANE_MODULES
+            groups[item] = SECOND_DOCKER_LANE if second else DOCKER_LANE
     for item, group in groups.items():
         item.add_marker(pytest.mark.xdist_group(group))
 
@@ -47,11 +48,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # engine and the image its builds cache, and most of their time is spent waiting on containers, which the CPU-bound
 # integration tests on the other workers fill.
 DOCKER_LANE = "docker"
-# But for the chaos proof (bench/cluster/chaos.py), the longest of them (minutes of containers training, killed and
-# brought back), beside that lane on a worker of its own: once the other tests got cheaper, the Docker lane alone was
-# CI's critical path. Its compose projects start only workers and their store, so they share no host port with the
-# clusters of the other lane.
-CHAOS_LANE = "docker-chaos"
+# But for a second lane beside it, on a worker of its own: once the other tests got cheaper, the Docker lane alone was
+# CI's critical path. In it the chaos proof (bench/cluster/chaos.py, the longest: minutes of containers training,
+# killed and brought back), the pipeline cluster and the user's model: compose projects named by this process's id,
+# their published ports drawn free (free_port), so that they share nothing with the clusters of the other lane.
+SECOND_DOCKER_LANE = "docker-2"
+SECOND_LANE_MODULES = {"test_chaos.py", "test_compose_pipeline.py", "test_user_model.py"}
 
 
 def shared_start_up_groups(items: list[pytest.Item]) -> dict[pytest.Item, str]:

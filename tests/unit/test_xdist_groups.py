@@ -79,7 +79,7 @@ def pytest_collection_modifyitems(items):
 
 
 def test_every_docker_test_runs_in_the_docker_lane_and_the_others_keep_their_own_groups(tmp_path):
-    # Two clusters at once on one engine and two cores: what the lane prevents, but for the chaos proof's own lane.
+    # Two clusters at once on one engine and two cores: what the lane prevents, but for the second lane.
     # The real conftest, on real files.
     (tmp_path / "lane_probe.py").write_text(PROBE)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
@@ -89,7 +89,7 @@ def test_every_docker_test_runs_in_the_docker_lane_and_the_others_keep_their_own
     docker = {node: group for node, group in groups.items() if node.startswith("tests/e2e/test_k8s")}
     assert len(docker) > 2 and set(docker.values()) == {"docker"}, docker  # function-scoped tests too
     chaos = {node: group for node, group in groups.items() if node.startswith("tests/e2e/test_chaos")}
-    assert len(chaos) == 4 and set(chaos.values()) == {"docker-chaos"}, chaos  # its own lane, beside the other
+    assert len(chaos) == 4 and set(chaos.values()) == {"docker-2"}, chaos  # the second lane, beside the other
     others = {group for node, group in groups.items() if node.startswith("tests/integration/")}
     assert others and "docker" not in others and "None" not in others, others  # the shared fixture's own group
 
