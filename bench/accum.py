@@ -27,7 +27,6 @@ import contextlib
 import copy
 import datetime
 import json
-import multiprocessing as mp
 import os
 import pickle
 import statistics
@@ -338,12 +337,10 @@ def _entry(rank: int, world: int, init_file: str, out_dir: str, cfg: dict) -> No
 
 def run_ranks(world: int, cfg: dict, timeout: float) -> dict:
     """Spawn the ranks, wait (bounded), return rank 0's report; a rank's failure raises with its traceback."""
-    from app.demos.world import PRELOAD
+    from app.demos.world import forkserver_context
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Forked from a fork server that imported torch once, as app.demos.world.spawn_world's ranks (see there why).
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx = forkserver_context()
     with tempfile.TemporaryDirectory() as tmp:
         procs = [
             ctx.Process(target=_entry, args=(r, world, os.path.join(tmp, "store"), tmp, cfg), daemon=True)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -64,11 +63,9 @@ def _serve(rank: int, world_size: int, init_file: str, backend: str, tasks, resu
 
 class _World:
     def __init__(self, world_size: int, backend: str):
-        from app.demos.world import PRELOAD
+        from app.demos.world import forkserver_context
 
-        os.environ.setdefault("OMP_NUM_THREADS", "1")  # read when the fork server loads torch's OpenMP runtime
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)  # no effect once the server runs: it is started once per process
+        ctx = forkserver_context()
         self.world_size = world_size
         self._tmp = tempfile.TemporaryDirectory()
         init_file = os.path.join(self._tmp.name, "store")

@@ -30,6 +30,17 @@ from app.worker.startup import defer_dynamo_import
 PRELOAD = ["torch", "torch.distributed"]
 
 
+def forkserver_context():
+    """multiprocessing's "forkserver" context, torch preloaded in the server: what every local world here forks
+    its ranks from (this module, tests/world.py, bench/accum.py)."""
+    import multiprocessing
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # read when the fork server loads torch's OpenMP runtime
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # no effect once the server runs: it is started once per process
+    return ctx
+
+
 def _rank_entry(rank: int, world: int, folder: str, backend: str, env: dict, fn, args: tuple) -> None:
     import torch.distributed as dist
 
@@ -71,12 +82,9 @@ def spawn_world(fn, world_size: int, *args, timeout: float = 300.0, backend: str
 
         losses = spawn_world(train, 2, cfg)  # [rank 0's return value, rank 1's]
     """
-    import multiprocessing
-
     import torch.multiprocessing as mp
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # read when the fork server loads torch's OpenMP runtime
-    multiprocessing.set_forkserver_preload(PRELOAD)  # no effect once the server runs: it is started once
+    forkserver_context()  # start_processes below uses that context
     with tempfile.TemporaryDirectory() as folder:
         entry_args = (world_size, folder, backend, dict(os.environ), fn, args)
         ctx = mp.start_processes(_rank_entry, entry_args, world_size, join=False, start_method="forkserver")
