@@ -48,6 +48,7 @@ class Scenario:
     max_restarts: int = 0
     victims: int = 0  # how many containers the fault takes (their exit codes are not judged)
     victim_exit: int | None = None  # unless given here: the victims' own exit code (one too many: 2)
+    pages: bool = False  # the fault must page DDPRankDown naming the victim's rank within ALERT_WITHIN_S
 
 
 def survivor(d: Drill, *not_these: str) -> str:
@@ -92,7 +93,7 @@ def fill_disk(d: Drill) -> None:
 def corrupt_newest(d: Drill) -> None:
     d.start(at_step=d.args.at_step)
     victim = d.rank_container(0)  # the writer: nothing writes a newer checkpoint over the damaged one
-    d.notes["victim"] = inspect(victim)["name"]
+    d.notes["victim"], d.notes["victim_rank"] = inspect(victim)["name"], 0
     docker("kill", victim)
     d.fault()
     d.notes["corrupted"] = docker("exec", survivor(d, victim), "python", "-c", CORRUPT_NEWEST).strip()
@@ -177,8 +178,8 @@ def scenarios(workers: int) -> dict[str, Scenario]:
     """Every drill, in the order ``make drills`` runs them."""
     return {
         "healthy": Scenario("no fault (the control: no alert may fire)", healthy),
-        "worker-kill": Scenario("a worker killed (`docker kill`, rank 1)", kill_rank(1), victims=1),
-        "rank0-kill": Scenario("rank 0's container killed", kill_rank(0), victims=1),
+        "worker-kill": Scenario("a worker killed (`docker kill`, rank 1)", kill_rank(1), victims=1, pages=True),
+        "rank0-kill": Scenario("rank 0's container killed", kill_rank(0), victims=1, pages=True),
         "store-crash": Scenario(
             "the store's process killed (SIGKILL: a crash; `docker kill` is a manual stop, never restarted)",
             crash_store,
@@ -190,7 +191,9 @@ def scenarios(workers: int) -> dict[str, Scenario]:
             says="could not take the checkpoint",
             small_disk=True,
         ),
-        "corrupt-checkpoint": Scenario("the newest checkpoint corrupted, rank 0 killed", corrupt_newest, victims=1),
+        "corrupt-checkpoint": Scenario(
+            "the newest checkpoint corrupted, rank 0 killed", corrupt_newest, victims=1, pages=True
+        ),
         "bad-setting": Scenario(
             "a bad setting (`DDP_LR=-1`)", bad_setting, expect=2, says="config error: lr=-1", env={"DDP_LR": "-1"}
         ),
@@ -204,5 +207,5 @@ def scenarios(workers: int) -> dict[str, Scenario]:
         "stop-start": Scenario("every worker stopped, then started", stop_then_start),
         "scale-down-up": Scenario(f"scaled to {workers - 1}, then back to {workers}", scale_down_up, victims=1),
         "pause": Scenario("a peer paused (`docker pause`), unpaused later", pause_peer),
-        "partition": Scenario("a peer cut off its network, reconnected later", partition_peer, victims=1),
+        "partition": Scenario("a peer cut off its network, reconnected later", partition_peer, victims=1, pages=True),
     }

@@ -14,8 +14,9 @@ within ``--bound`` s (else "hung"). Measured for each (bench/cluster/drill_kit.p
 world, steps redone, every container's exit code and restart count, the FINISHED lines, the alerts fired.
 
 A drill passes when its run finished (one FINISHED per rank of one world) or ended the way its scenario says (the
-exit code and its one line), no container restarted more often than the scenario allows, and no traceback was
-printed. Printed: the table. Written: bench/results/drills.json (provenance; rewritten after each drill, so a run
+exit code and its one line), no container restarted more often than the scenario allows, no traceback was
+printed, and the alerts told the truth: nothing on the healthy run, ``DDPRankDown`` naming the lost rank within
+``ALERT_WITHIN_S`` of a fault that takes one (``Scenario.pages``) and naming no other rank in any drill. Printed: the table. Written: bench/results/drills.json (provenance; rewritten after each drill, so a run
 cut short keeps what it measured; drills not run are absent and the docs table says "not run"). Exit 0 when every
 drill run passed, else 1. Each project is taken down (``docker compose down -v``) whatever happens.
 """
@@ -30,6 +31,9 @@ import time
 from bench.cluster.chaos import Project, project_env
 from bench.cluster.drill_faults import Scenario, scenarios
 from bench.cluster.drill_kit import Drill, message
+
+# Issue 23's bar: the page names the rank that is gone within a minute of the fault.
+ALERT_WITHIN_S = 60
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def judge(r: dict, s: Scenario, problem_lines: list[str]) -> dict[str, bool]:
+def judge(r: dict, s: Scenario, problem_lines: list[str], alerts: bool = True) -> dict[str, bool]:
     """The checks of one drill: what a user of the cluster would notice."""
     rows = r["containers"]
     checks = {f"every worker exited within {r['bound']:g} s": r["ended"]}
@@ -76,8 +80,24 @@ def judge(r: dict, s: Scenario, problem_lines: list[str]) -> dict[str, bool]:
         c["restart_count"] <= s.max_restarts for c in rows
     )
     checks["no traceback"] = r["traceback_lines"] == 0
+    if alerts:
+        checks.update(alert_checks(r, s))
+    return checks
+
+
+def alert_checks(r: dict, s: Scenario) -> dict[str, bool]:
+    """What the alerts told the person on call: the lost rank by its number, soon, and nobody else."""
+    fired = [a for a in r["alerts"] if a["fired"]]
     if s.inject.__name__ == "healthy":
-        checks["no alert fired"] = not any(a["fired"] for a in r["alerts"])
+        return {"no alert fired": not fired}
+    victim = r.get("victim_rank")
+    named = {a["rank"] for a in fired if a["alert"] == "DDPRankDown"}
+    checks = {}
+    if s.pages:
+        soon = [a for a in fired if a["alert"] == "DDPRankDown" and a["after_fault_s"] is not None]
+        on_time = any(a["rank"] == str(victim) and a["after_fault_s"] <= ALERT_WITHIN_S for a in soon)
+        checks[f"DDPRankDown named rank {victim} within {ALERT_WITHIN_S} s"] = on_time
+    checks["DDPRankDown named no other rank"] = named <= ({str(victim)} if victim is not None else set())
     return checks
 
 
@@ -98,7 +118,7 @@ def run_drill(name: str, s: Scenario, args) -> dict:
     if "error" in result:
         result["checks"], result["passed"] = {"the drill ran": False}, False
         return result
-    result["checks"] = judge(result, s, result.pop("problem_lines"))
+    result["checks"] = judge(result, s, result.pop("problem_lines"), alerts=args.alerts)
     result["passed"] = all(result["checks"].values())
     return result
 

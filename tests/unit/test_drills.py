@@ -44,6 +44,35 @@ def test_a_drill_fails_on_a_restart_storm_or_an_ending_without_its_line():
     assert not all(judge(ended, disk, said[:1]).values())  # one worker ended without the line
 
 
+def alert(name: str, rank: str, after: float | None, fired: bool = True) -> dict:
+    return {"alert": name, "rank": rank, "fired": fired, "after_fault_s": after}
+
+
+def test_a_drill_fails_when_the_page_names_the_wrong_rank_or_comes_late_or_a_healthy_run_pages():
+    kill = Scenario("x", lambda d: None, victims=1, pages=True)
+    on_time = result(victim_rank=1, alerts=[alert("DDPRankDown", "1", 46.2), alert("DDPWorldShrank", "", 36.0)])
+    assert all(judge(on_time, kill, []).values())
+    late = result(victim_rank=1, alerts=[alert("DDPRankDown", "1", 75.0)])
+    assert not judge(late, kill, [])["DDPRankDown named rank 1 within 60 s"]
+    survivor = result(victim_rank=1, alerts=[alert("DDPRankDown", "1", 40.0), alert("DDPRankDown", "0", 40.0)])
+    assert not judge(survivor, kill, [])["DDPRankDown named no other rank"]
+    wrong = result(victim_rank=1, alerts=[alert("DDPRankDown", "0", 40.0)])  # a survivor paged, the lost one not
+    assert not judge(wrong, kill, [])["DDPRankDown named rank 1 within 60 s"]
+    pending = result(victim_rank=1, alerts=[alert("DDPRankDown", "1", None, fired=False)])
+    assert not all(judge(pending, kill, []).values())
+    planned = Scenario("x", lambda d: None, victims=1)  # a scale-down: no page at all
+    assert not all(judge(result(alerts=[alert("DDPRankDown", "2", 30.0)]), planned, []).values())
+    assert all(judge(result(alerts=[alert("DDPRankDown", "2", 30.0)]), planned, [], alerts=False).values())
+
+    def healthy(d):
+        return None
+
+    assert all(
+        judge(result(alerts=[alert("DDPStraggler", "1", None, fired=False)]), Scenario("x", healthy), []).values()
+    )
+    assert not all(judge(result(alerts=[alert("DDPStraggler", "1", 9.0)]), Scenario("x", healthy), []).values())
+
+
 def test_the_table_says_not_run_for_a_drill_that_did_not_run():
     settings = {"workers": 2, "steps": 9, "effective_batch": 8, "checkpoint_every": 5, "at_step": 3}
     settings.update(collective_timeout=30, store_wait=30, bound=300)
