@@ -19,7 +19,8 @@ new order each repeat (the same order on both ranks); a phase's figure is the me
 rank's per-repeat median. The machine may be shared: read the ratios to PyTorch's row, not the milliseconds.
 
 Variants: ``no DDP`` (the bare model: no communication), ``ours`` and ``torch`` (25 MiB buckets, fp32 on the wire),
-``ours bf16`` and ``torch bf16`` (the same, with ``app.parallel.comm_hooks.bf16_compress_hook``).
+``ours bf16`` and ``torch bf16`` (the same, with ``app.parallel.comm_hooks.bf16_compress_hook``). Beside them, one
+all-reduce of the model's gradients alone in fp32, bf16 and fp16: the most a 16-bit wire can save here.
 """
 
 from __future__ import annotations
@@ -109,6 +110,27 @@ def profile_variants(names: list[str], workload, batch: int, repeats: int, steps
     return per_repeat
 
 
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def allreduce_alone(numel: int, repeats: int, calls: int = 3) -> dict:
+    """Seconds of one all-reduce of ``numel`` gradients (the model's) per wire dtype, nothing else running: what a
+    16-bit bucket can save at most. Interleaved per repeat; the slowest rank's mean of ``calls``, median over
+    repeats. gloo sums 16-bit types more slowly per element than fp32, so half the bytes is not half the time."""
+    buffers = {name: torch.randn(numel).to(dtype) for name, dtype in WIRE_DTYPES.items()}
+    times: dict[str, list[float]] = {name: [] for name in buffers}
+    for _ in range(repeats):
+        for name, buf in buffers.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                dist.all_reduce(buf)
+            mine = torch.tensor((time.perf_counter() - t0) / calls, dtype=torch.float64)
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+            times[name].append(mine.item())
+    return {name: {"median_s": statistics.median(v), "per_repeat_s": v} for name, v in times.items()}
+
+
 def summarise(per_repeat: dict) -> dict:
     torch_step = statistics.median(per_repeat["torch"]["step"]) if "torch" in per_repeat else None
     out = {}
@@ -138,6 +160,9 @@ def print_table(report: dict) -> None:
             cells = " | ".join(f"{row['median_s'][p] * 1e3:.1f}" for p in (*PHASES, "step"))
             ratio = row["step_ratio_to_torch"]
             print(f"| {name} | {cells} | {'' if ratio is None else f'{ratio:.3f}'} |")
+        alone = info["allreduce_alone"]
+        cells = ", ".join(f"{n} {v['median_s'] * 1e3:.1f} ms" for n, v in alone.items())
+        print(f"one all-reduce of its {info['gradient_mib']} MiB of gradients, alone: {cells}")
 
 
 def main(argv=None) -> int:
@@ -166,6 +191,9 @@ def main(argv=None) -> int:
                 **describe(workload(batch)[0]),
                 "per_rank_batch": batch,
                 "variants": summarise(per_repeat),
+                "allreduce_alone": allreduce_alone(
+                    sum(p.numel() for p in workload(batch)[0].parameters()), args.repeats
+                ),
             }
         if ctx.rank == 0:
             report = {"schema": "ddp-profile.v1", **provenance(args, load_before=load_before), **report}
