@@ -544,3 +544,10 @@ def test_gpu_check_without_cuda_exits_2_with_one_line():
     result = run_module("bench.gpu_check", timeout=120, env=dict(os.environ))
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "no CUDA device" in result.stderr
+
+
+def test_wrapper_none_is_the_bare_module_without_a_process_group():
+    from app.parallel import wrap_model
+
+    model = MiniMLP()
+    assert wrap_model(model, "none") is model  # world size 1: nothing to synchronise, no group needed

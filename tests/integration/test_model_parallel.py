@@ -93,3 +93,24 @@ def test_merged_state_dict_loads_into_the_bare_model():
     assert all(torch.equal(bare.state_dict()[k], v) for k, v in expected.items())
     with pytest.raises(ValueError, match="appears in two stages"):
         merge_stage_state_dicts([stages[0].state_dict(), stages[0].state_dict()])
+
+
+def test_the_output_lands_on_the_last_stages_device_which_output_device_names():
+    # Three distinct devices without GPUs: the last stage on "meta" (shapes only). The labels go to
+    # output_device; naming any other stage's device would put them beside a different device than the output.
+    mp = ModelParallel(DeepMLP(width=8, depth=3), ["cpu", "cpu", "meta"])
+    out = mp(torch.randn(4, 8))
+    assert out.device == mp.output_device == torch.device("meta")
+
+
+@pytest.mark.parametrize(
+    "costs, stages, expected",
+    [
+        ([1.0] * 4, 2, [(0, 2), (2, 4)]),
+        ([1.0] * 5, 2, [(0, 3), (3, 5)]),  # the remainder at the front
+        ([1.0] * 7, 3, [(0, 3), (3, 6), (6, 7)]),  # earlier stages take what the optimum allows
+        ([4.0, 1.0, 1.0, 1.0, 1.0], 2, [(0, 1), (1, 5)]),  # the heavy layer alone
+    ],
+)
+def test_balance_partition_takes_layers_one_at_a_time_up_to_the_optimum(costs, stages, expected):
+    assert balance_partition(costs, stages) == expected

@@ -226,3 +226,35 @@ def test_a_pipelines_effective_batch_is_split_among_its_replicas(world_size, rep
     assert (stages, replicas) == (2, world_size // 2)
     assert cfg.pipeline_batch(world_size) == replica_batch and replica_batch * replicas == 64
     assert TrainConfig(parallel="pipeline", pipeline_stages=2, micro_batch=32).pipeline_batch(world_size) == 32
+
+
+def test_seq_len_bounds_only_the_transformers_built_in_sequences():
+    # 64 is the transformer's number of positions: the longest sequence it can take is allowed, and seq_len, read
+    # only by the built-in token data of model=tiny_transformer, is no reason to refuse another model.
+    assert TrainConfig(model="tiny_transformer", seq_len=64).seq_len == 64
+    assert TrainConfig(model="mini_mlp", seq_len=128).seq_len == 128
+
+
+def test_a_bad_value_names_where_it_was_set(tmp_path):
+    # The field's source follows the error, so a user knows which of flag, environment or file to fix.
+    with pytest.raises(ConfigError, match=r"^lr=-1.0: must be > 0 \(set by env DDP_LR\)$"):
+        load_config([], environ={"DDP_LR": "-1"})
+    with pytest.raises(ConfigError, match=r"\(set by flag --lr\)$"):
+        load_config(["--lr", "-1"], environ={})
+    path = tmp_path / "train.yaml"
+    path.write_text("lr: -1\n")
+    with pytest.raises(ConfigError, match=rf"\(set by config file {path}\)$"):
+        load_config(["--config", str(path)], environ={})
+
+
+@pytest.mark.parametrize("value", [["width"], "width=8", {1: 8}])
+def test_keyword_arguments_that_are_no_mapping_of_names_are_refused(value):
+    with pytest.raises(ConfigError, match=r"^model_kwargs=.*must be a mapping of keyword: value"):
+        TrainConfig(model="app.worker.models:MiniMLP", loss="cross_entropy", model_kwargs=value)
+
+
+def test_a_positive_clip_norm_is_accepted_and_a_negative_one_refused():
+    assert TrainConfig(grad_clip_norm=1.0).grad_clip_norm == 1.0
+    assert TrainConfig(grad_clip_norm=0.0).grad_clip_norm == 0.0  # off
+    with pytest.raises(ConfigError, match="grad_clip_norm"):
+        TrainConfig(grad_clip_norm=-0.5)

@@ -11,6 +11,7 @@ import torch
 
 from app.parallel.accum import grad_accum_steps_for, micro_batch_sizes, split_global_batch
 from app.worker.data import GlobalBatches, teacher_classification
+from app.worker.models import TinyTransformer
 
 DATA = teacher_classification(1000, seed=0)
 CPU = torch.device("cpu")
@@ -118,3 +119,13 @@ def test_markov_sequences_are_next_token_pairs_that_follow_each_tokens_few_succe
         successors.setdefault(a, set()).add(b)
     assert len(successors) > VOCAB // 2 and all(len(s) <= len(SUCCESSOR_PROBS) for s in successors.values())
     assert torch.equal(markov_sequences(200, 16, seed=0).inputs, x)  # the same seed, the same data
+
+
+def test_the_transformer_takes_the_longest_sequence_its_config_allows():
+    # TrainConfig refuses seq_len > 64 for tiny_transformer because the model has 64 positions; a config that
+    # passes must then train: a 64-token batch goes through and each position gets its own logits.
+    model = TinyTransformer()
+    tokens = torch.randint(0, 64, (2, 64))
+    assert model(tokens).shape == (2, 64, 64)
+    with pytest.raises(IndexError):
+        model(torch.randint(0, 64, (2, 65)))  # one more than its positions: the bound the config enforces

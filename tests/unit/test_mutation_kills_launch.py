@@ -202,3 +202,18 @@ def test_the_store_refuses_a_port_outside_1_to_65535_in_one_line(port, capsys):
 
     assert main(["--host", "127.0.0.1", "--port", port]) == 2
     assert capsys.readouterr().err.strip() == f"error: --port {port} is not a TCP port; give 1-65535"
+
+
+def test_the_newest_checkpoint_size_counts_only_finished_checkpoint_files(tmp_path):
+    # ZeRO's layout (shards and a manifest, no step-*.pt): every finished file counts, a writer's hidden temp file
+    # and a directory do not; with step files, only the newest one counts.
+    from app.cluster.launch import newest_checkpoint_bytes
+
+    (tmp_path / "manifest.json").write_bytes(b"m" * 10)
+    (tmp_path / "shard-0.pt").write_bytes(b"s" * 20)
+    (tmp_path / ".shard-1.pt.tmp").write_bytes(b"t" * 1000)
+    (tmp_path / "older").mkdir()
+    assert newest_checkpoint_bytes(str(tmp_path)) == 30
+    (tmp_path / "step-00000005.pt").write_bytes(b"a" * 7)
+    (tmp_path / "step-00000010.pt").write_bytes(b"b" * 9)
+    assert newest_checkpoint_bytes(str(tmp_path)) == 9

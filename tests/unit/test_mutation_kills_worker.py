@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 
@@ -148,3 +149,22 @@ def test_a_plain_run_takes_a_free_port_and_a_given_one_is_kept(monkeypatch):
     assert addr == "127.0.0.1" and port != 29500 and 0 < port < 65536
     monkeypatch.setenv("MASTER_PORT", "29777")
     assert _default_master(None) == ("127.0.0.1", 29777)
+
+
+def test_metrics_shutdown_closes_the_endpoint_and_is_harmless_when_nothing_was_served():
+    import socket
+    import urllib.error
+    import urllib.request
+
+    from app.worker.metrics import TrainMetrics
+
+    metrics = TrainMetrics(rank=0, local_rank=0, world_size=1, node="n")
+    metrics.shutdown()  # metrics_port=0 serves nothing: shutting down must not fail either
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    metrics.serve(port)
+    assert b"ddp_" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    metrics.shutdown()
+    with pytest.raises(urllib.error.URLError):  # refused: the port is free again for the next trainer
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)

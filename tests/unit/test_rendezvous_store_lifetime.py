@@ -74,3 +74,22 @@ def test_no_worker_at_all_is_said_once_and_the_store_keeps_serving(caplog):
     said = [r.getMessage() for r in caplog.records if "no worker has joined" in r.getMessage()]
     assert len(said) == 1, caplog.text
     assert "rendezvous 'nobody'" in said[0]
+
+
+def test_the_store_reads_the_rendezvous_about_once_a_second_by_default(monkeypatch):
+    # The store's only background work: a poll that spun would take a core from the workers beside it.
+    from app.cluster import elastic
+
+    reads = []
+    real = elastic.state_reader
+
+    def counting(store, run_id):
+        read = real(store, run_id)
+        return lambda: (reads.append(1), read())[1]
+
+    monkeypatch.setattr(elastic, "state_reader", counting)
+    stop = threading.Event()
+    threading.Thread(target=watch_job, args=(store(), "job", stop), name="watch-job", daemon=True).start()
+    time.sleep(2.5)
+    stop.set()
+    assert 1 <= len(reads) <= 4, len(reads)
