@@ -13,12 +13,13 @@ change, a pause, a network cut, a bad setting, one container too many) and any r
 within ``--bound`` s (else "hung"). Measured for each (bench/cluster/drill_kit.py): fault -> first step of a new
 world, steps redone, every container's exit code and restart count, the FINISHED lines, the alerts fired.
 
-A drill passes when its run finished (one FINISHED per rank of one world) or ended the way its scenario says (the
-exit code and its one line), no container restarted more often than the scenario allows, no traceback was
-printed, and the alerts told the truth: nothing on the healthy run, ``DDPRankDown`` naming the lost rank within
-``ALERT_WITHIN_S`` of a fault that takes one (``Scenario.pages``) and naming no other rank in any drill. Printed: the table. Written: bench/results/drills.json (provenance; rewritten after each drill, so a run
-cut short keeps what it measured; drills not run are absent and the docs table says "not run"). Exit 0 when every
-drill run passed, else 1. Each project is taken down (``docker compose down -v``) whatever happens.
+A drill passes when its run finished (one FINISHED per rank of one world) or ended the way its scenario says (the exit
+code and its one line), no container restarted more often than the scenario allows, no traceback was printed, and the
+alerts told the truth: nothing on the healthy run, ``DDPRankDown`` naming the lost rank within ``ALERT_WITHIN_S`` of a
+fault that takes one (``Scenario.pages``) and naming no other rank in any drill. Printed: the table. Written:
+bench/results/drills.json (provenance; rewritten after each drill, so a run cut short keeps what it measured; drills
+not run are absent and the docs table says "not run"). Exit 0 when every drill run passed, else 1. Each project is
+taken down (``docker compose down -v``) whatever happens.
 """
 
 from __future__ import annotations

@@ -94,3 +94,36 @@ def _ddp_claims(doc: dict) -> list[tuple[str, str, str, bool | None]]:
                 )
             )
     return rows
+
+
+def render_ddp_profile(doc: dict) -> list[str]:
+    """bench/ddp_profile.py: each wrapper's step cut into phases, and one all-reduce alone per wire dtype."""
+    phases = ("forward", "backward", "wait", "optimizer", "step")
+    lines = [
+        f"World size {doc['world_size']} (gloo, CPU), {doc['repeats']} interleaved repeats × {doc['steps']} steps; "
+        f"ms = median over repeats of the slowest rank's median."
+    ]
+    for model, info in doc["models"].items():
+        lines += [
+            "",
+            f"{model}: {info['parameter_tensors']} parameter tensors, {info['gradient_mib']} MiB of gradients, "
+            f"per-rank batch {info['per_rank_batch']}.",
+            "",
+            "| variant | " + " | ".join(f"{p} ms" for p in phases) + " | step ×torch |",
+            "|---|" + "---:|" * (len(phases) + 1),
+        ]
+        for name, row in info["variants"].items():
+            cells = " | ".join(f"{row['median_s'][p] * 1e3:.1f}" for p in phases)
+            ratio = row["step_ratio_to_torch"]
+            lines.append(f"| {name} | {cells} | {'' if ratio is None else f'{ratio:.2f}'} |")
+        alone = info.get("allreduce_alone")
+        if alone:
+            fp32 = alone["fp32"]["median_s"]
+            cells = ", ".join(
+                f"{n} {v['median_s'] * 1e3:.1f} ms ({v['median_s'] / fp32:.2f}× fp32)" for n, v in alone.items()
+            )
+            lines += [
+                "",
+                f"One all-reduce of its {info['gradient_mib']} MiB of gradients alone, nothing else running: {cells}.",
+            ]
+    return lines
