@@ -181,6 +181,9 @@ class Drill:
         return {
             "ended": ended,
             "fault_to_new_world_step_s": first_new_world_step(lines, since) if self.fault_t else None,
+            # A finished job pages nobody (DDPRankDown is quiet after it): a page missing after an early finish
+            # is the rule working, one missing long before it is not.
+            "fault_to_finished_s": first_finished(lines, since) if self.fault_t else None,
             "last_step_before_fault": max(before, default=None),
             "resumed_from_step": resumed[0] if resumed else None,
             "steps_redone": (max(before) - resumed[0]) if before and resumed else None,
@@ -195,6 +198,11 @@ class Drill:
             "alerts": self.fired(),
             **self.notes,
         }
+
+
+def first_finished(lines, since: float) -> float | None:
+    """Seconds from ``since`` to the first FINISHED line after it (None: the job did not finish after it)."""
+    return next((round(t - since, 1) for t, line in lines if t > since and FINISHED.search(line)), None)
 
 
 def first_new_world_step(lines, since: float) -> float | None:

@@ -4,7 +4,7 @@ a second world's FINISHED, a restart storm or a missing line fails a drill; a dr
 from __future__ import annotations
 
 from bench.cluster.drill_faults import Scenario
-from bench.cluster.drill_kit import one_finish
+from bench.cluster.drill_kit import first_finished, one_finish
 from bench.cluster.drills import judge
 from tools.renderers.cluster import render_drills
 
@@ -13,6 +13,17 @@ def test_one_finish_is_one_line_per_rank_of_one_world():
     assert one_finish([(1, 3), (0, 3), (2, 3)])
     assert not one_finish([(0, 3), (1, 3), (2, 3), (0, 2), (1, 2)])  # a second world finished too
     assert not one_finish([(0, 3), (1, 3)]) and not one_finish([(0, 2), (0, 2)]) and not one_finish([])
+
+
+def test_the_finish_is_timed_from_the_fault_and_only_a_finish_after_it_counts():
+    lines = [
+        (5.0, "worker-1: FINISHED rank=0 world_size=3 step=150"),  # an earlier job's, before the fault
+        (12.0, "worker-1: step 40/150 | loss 0.1"),
+        (47.5, "worker-2: FINISHED rank=1 world_size=2 step=150"),
+        (48.0, "worker-1: FINISHED rank=0 world_size=2 step=150"),
+    ]
+    assert first_finished(lines, since=10.0) == 37.5
+    assert first_finished(lines[:2], since=10.0) is None
 
 
 def result(**changes) -> dict:
