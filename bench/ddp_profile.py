@@ -145,24 +145,10 @@ def summarise(per_repeat: dict) -> dict:
 
 
 def print_table(report: dict) -> None:
-    m = report["machine"]
-    print(
-        f"world size {report['world_size']} (gloo, CPU), {report['repeats']} interleaved repeats x "
-        f"{report['steps']} steps; ms = median (over repeats) of the slowest rank's median; load average "
-        f"before/after {m['load_average_before']} / {m['load_average_after']}"
-    )
-    for model, info in report["models"].items():
-        print(f"\n{model}: {info['parameter_tensors']} parameter tensors, {info['gradient_mib']} MiB of gradients, "
-              f"per-rank batch {info['per_rank_batch']}")  # fmt: skip
-        print("| variant | " + " | ".join(f"{p} ms" for p in PHASES) + " | step ms | step ×torch |")
-        print("|---|" + "---:|" * (len(PHASES) + 2))
-        for name, row in info["variants"].items():
-            cells = " | ".join(f"{row['median_s'][p] * 1e3:.1f}" for p in (*PHASES, "step"))
-            ratio = row["step_ratio_to_torch"]
-            print(f"| {name} | {cells} | {'' if ratio is None else f'{ratio:.3f}'} |")
-        alone = info["allreduce_alone"]
-        cells = ", ".join(f"{n} {v['median_s'] * 1e3:.1f} ms" for n, v in alone.items())
-        print(f"one all-reduce of its {info['gradient_mib']} MiB of gradients, alone: {cells}")
+    """The docs' block (tools/renderers/ddp.py renders it from the JSON), printed: one table, one format."""
+    from tools.report import render
+
+    print(render("ddp-profile", report))
 
 
 def main(argv=None) -> int:
@@ -187,13 +173,12 @@ def main(argv=None) -> int:
         for model in models:
             workload, batch = WORKLOADS[model]
             per_repeat = profile_variants(names, workload, batch, args.repeats, args.steps, args.warmup)
+            built = workload(batch)[0]
             report["models"][model] = {
-                **describe(workload(batch)[0]),
+                **describe(built),
                 "per_rank_batch": batch,
                 "variants": summarise(per_repeat),
-                "allreduce_alone": allreduce_alone(
-                    sum(p.numel() for p in workload(batch)[0].parameters()), args.repeats
-                ),
+                "allreduce_alone": allreduce_alone(sum(p.numel() for p in built.parameters()), args.repeats),
             }
         if ctx.rank == 0:
             report = {"schema": "ddp-profile.v1", **provenance(args, load_before=load_before), **report}
