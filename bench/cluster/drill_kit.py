@@ -164,6 +164,8 @@ class Drill:
                     "rank": a["rank"],
                     "fired": t is not None,
                     "after_fault_s": round(t - since, 1) if t and self.fault_t else None,
+                    # When it first went pending: a page late by its rule's `for:` or late to start at all.
+                    "pending_after_fault_s": round(a["pending_at"] - since, 1) if self.fault_t else None,
                 }
             )
         return rows

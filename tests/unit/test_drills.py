@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from bench.cluster.drill_faults import Scenario
 from bench.cluster.drill_kit import first_finished, one_finish
-from bench.cluster.drills import judge
+from bench.cluster.drills import PAGE_STEPS_FACTOR, build_parser, drill_env, judge
 from tools.renderers.cluster import render_drills
 
 
@@ -69,6 +69,10 @@ def test_a_drill_fails_when_the_page_names_the_wrong_rank_or_comes_late_or_a_hea
     assert not judge(survivor, kill, [])["DDPRankDown named no other rank"]
     wrong = result(victim_rank=1, alerts=[alert("DDPRankDown", "0", 40.0)])  # a survivor paged, the lost one not
     assert not judge(wrong, kill, [])["DDPRankDown named rank 1 within 60 s"]
+    early = result(victim_rank=1, fault_to_finished_s=45.0, alerts=[alert("DDPWorldShrank", "", 31.0)])
+    lasted = "the run lasted 60 s past the fault (a page was due)"
+    assert not judge(early, kill, [])[lasted]
+    assert judge(on_time | {"fault_to_finished_s": 90.0}, kill, [])[lasted]
     pending = result(victim_rank=1, alerts=[alert("DDPRankDown", "1", None, fired=False)])
     assert not all(judge(pending, kill, []).values())
     planned = Scenario("x", lambda d: None, victims=1)  # a scale-down: no page at all
@@ -82,6 +86,15 @@ def test_a_drill_fails_when_the_page_names_the_wrong_rank_or_comes_late_or_a_hea
         judge(result(alerts=[alert("DDPStraggler", "1", None, fired=False)]), Scenario("x", healthy), []).values()
     )
     assert not all(judge(result(alerts=[alert("DDPStraggler", "1", 9.0)]), Scenario("x", healthy), []).values())
+
+
+def test_a_drill_that_must_page_trains_long_enough_to_be_paged():
+    args = build_parser().parse_args(["--steps", "400"])
+    paging = Scenario("x", lambda d: None, victims=1, pages=True)
+    assert drill_env(paging, args)["DDP_STEPS"] == str(400 * PAGE_STEPS_FACTOR) and PAGE_STEPS_FACTOR > 1
+    assert "DDP_STEPS" not in drill_env(Scenario("x", lambda d: None, env={"DDP_LR": "-1"}), args)
+    quiet = build_parser().parse_args(["--no-alerts"])  # nothing judges a page: no longer run
+    assert "DDP_STEPS" not in drill_env(paging, quiet)
 
 
 def test_the_table_says_not_run_for_a_drill_that_did_not_run():

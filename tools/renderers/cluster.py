@@ -58,7 +58,13 @@ def render_drills(doc: dict) -> list[str]:
         f"{s['checkpoint_every']} steps, fault at step {s['at_step']}, DDP_COLLECTIVE_TIMEOUT_SECONDS="
         f"{s['collective_timeout']:g}, LAUNCH_STORE_WAIT_SECONDS={s['store_wait']:g}; a drill whose workers had not "
         f'all exited {s["bound"]:g} s after the fault reads "hung". Alerts: the project\'s Prometheus '
-        "(/api/v1/alerts, polled every 5 s), seconds after the fault.",
+        "(/api/v1/alerts, polled every 5 s), seconds after the fault"
+        + (
+            f"; a drill that must page trains {doc['page_steps_factor']}× the steps, so that its run outlasts the "
+            "page's deadline."
+            if doc.get("page_steps_factor")
+            else "."
+        ),
         "",
         "| drill | verdict | fault → step of a new world | steps redone | exit codes (restarts) | FINISHED "
         "| alerts fired | first line after the fault |",
