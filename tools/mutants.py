@@ -65,8 +65,8 @@ MUTANTS: list[Mutant] = [
         "ddp-no-divide-by-world-size",
         "gradients summed over ranks, not averaged: every step is world_size times too big",
         "app/parallel/reducer.py",
-        "torch.tensor(1.0 / self.world_size, dtype=torch.float64)",
-        "torch.tensor(1.0, dtype=torch.float64)",
+        "torch.tensor(1.0 / self.world_size, dtype=b._params[0].dtype)",
+        "torch.tensor(1.0, dtype=b._params[0].dtype)",
         T("tests/integration/test_ddp.py::test_matches_single_process_training_step_by_step"),
     ),
     Mutant(
@@ -105,7 +105,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ddp-bucket-closes-past-its-cap",
         "a bucket closes only once it exceeds its cap, not when it reaches it: buckets differ from PyTorch's",
-        "app/parallel/reducer.py",
+        "app/parallel/buckets.py",
         "if current_bytes >= cap:",
         "if current_bytes > cap:",
         T("tests/integration/test_ddp_api.py::test_buckets_are_cut_like_pytorchs"),

@@ -1,11 +1,12 @@
 """DistributedDataParallel from scratch: the lesson's wrapper, grown into a drop-in for PyTorch's.
 
-Three files, read in this order, each top to bottom:
+Three files (and ``buckets.py``), read in this order, each top to bottom:
 
 - ``ddp.py`` (this one): the ``nn.Module`` front: PyTorch's constructor, the initial broadcast, ``forward``,
   ``no_sync()``, ``register_comm_hook``, the buffer sync; it decides *whether* a backward synchronises;
-- ``reducer.py``: the ``Reducer``: buckets, per-parameter hooks, the asynchronous all-reduce and the write-back
-  into ``p.grad``, unused parameters, static graph; it does the synchronising (PyTorch's C++ ``Reducer``);
+- ``reducer.py``: the ``Reducer``: per-parameter hooks filling the buckets of ``buckets.py``, the asynchronous
+  all-reduce, the write-back into ``p.grad``, unused parameters, static graph; it does the synchronising (PyTorch's
+  C++ ``Reducer``);
 - ``comm_stats.py``: the ``Clock`` and the ``CommStats`` the trainer turns into metrics.
 
 The idea fits in four lines:
@@ -55,10 +56,9 @@ from app.parallel.reducer import CommHook, GradBucket, Reducer
 __all__ = ["DistributedDataParallel", "GradBucket", "CommStats", "Clock", "Reducer", "CommHook"]
 
 DEFAULT_BUCKET_CAP_MB = 25  # PyTorch's default, used when bucket_cap_mb is None
-# With the default bucket size, the first bucket is capped lower than the rest, as in PyTorch
-# (dist._DEFAULT_FIRST_BUCKET_BYTES): the last layers' gradients arrive first, and a small first bucket gets
-# communication going while most of backward is still ahead. An explicit bucket_cap_mb applies to every bucket,
-# the first included, again as in PyTorch: a user who asks for 25 MB buckets gets them.
+# With the default bucket size, the first bucket is capped lower, as in PyTorch (dist._DEFAULT_FIRST_BUCKET_BYTES):
+# the last layers' gradients arrive first, and a small first bucket starts communication early in backward. An
+# explicit bucket_cap_mb applies to every bucket, the first too, as in PyTorch: ask for 25 MB buckets, get them.
 FIRST_BUCKET_BYTES = 1024 * 1024
 
 # Arguments of PyTorch's constructor that this wrapper does not implement, with the value that means "not used".
@@ -69,7 +69,6 @@ _NOT_IMPLEMENTED = {
     "mixed_precision": None,
     "device_mesh": None,
     "bucket_cap_mb_list": None,
-    "batched_grad_copy": False,
 }
 
 
@@ -146,10 +145,12 @@ class DistributedDataParallel(nn.Module):
         skip_all_reduce_unused_params: with ``find_unused_parameters`` or ``static_graph``: trust that every rank
             leaves the same parameters unused; skip the used-flags all-reduce and buckets holding only unused
             parameters. Ranks that disagree would hang, as in PyTorch.
+        batched_grad_copy: a full bucket takes its gradients in one ``_foreach_copy_`` and one scaling, as PyTorch's
+            (two ops per bucket, not one per parameter: for many small parameters; see ``reducer.py``).
         forward_sync_buffers: broadcast rank 0's buffers (BatchNorm running stats) before the first forward and
             each one after a synchronising forward, as PyTorch. ``None``: ``True``. Always at init (``init_sync``).
         delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, device_mesh,
-            bucket_cap_mb_list, batched_grad_copy: not implemented; a non-default value raises
+            bucket_cap_mb_list: not implemented; a non-default value raises
             ``NotImplementedError`` naming it.
 
     Example::
@@ -210,6 +211,7 @@ class DistributedDataParallel(nn.Module):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy
         self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
         self.bucket_bytes_cap = self.bucket_cap_bytes  # PyTorch's attribute name
         self.first_bucket_cap_bytes = FIRST_BUCKET_BYTES if first_bucket_capped else self.bucket_cap_bytes
@@ -249,6 +251,7 @@ class DistributedDataParallel(nn.Module):
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            batched_grad_copy=batched_grad_copy,
         )
         self.stats: CommStats = self.reducer.stats
 
@@ -394,5 +397,4 @@ def _buffer_sync_flags(broadcast_buffers: bool | None, forward_sync_buffers: boo
         )
     if forward_sync_buffers is not None:
         return forward_sync_buffers, True
-    effective = broadcast_buffers if broadcast_buffers is not None else True
-    return effective, effective
+    return (broadcast_buffers is None or bool(broadcast_buffers),) * 2  # None: True, as PyTorch

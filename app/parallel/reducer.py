@@ -24,85 +24,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from app.parallel.buckets import GradBucket, assign_buckets
 from app.parallel.comm_stats import BackwardTimes, Clock, CommStats
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
-
-
-class GradBucket:
-    """One flat buffer holding the gradients of several parameters, with PyTorch's ``GradBucket`` accessors.
-
-    Flattening is what makes buckets pay: one all-reduce of 25 MB costs about one latency floor, while a thousand
-    all-reduces of 25 KB each pay it a thousand times. ``compressed`` (ours): the buffer holds each gradient already
-    divided by the world size and cast to the comm hook's ``wire_dtype`` (see ``app/parallel/comm_hooks.py``).
-    """
-
-    def __init__(
-        self, index: int, params: list[nn.Parameter], param_indices: list[int], is_last: bool, wire_dtype=None
-    ):
-        self._index = index
-        self._params = params
-        self.param_indices = param_indices  # positions of our parameters in the wrapper's parameter list
-        self._is_last = is_last
-        numels = [p.numel() for p in params]
-        offsets = [sum(numels[:i]) for i in range(len(params))]
-        # All parameters of one bucket share dtype and device (see assign_buckets), so one buffer fits all.
-        self.compressed = wire_dtype is not None
-        self._buffer = torch.zeros(sum(numels), dtype=wire_dtype or params[0].dtype, device=params[0].device)
-        # Views made once: slicing per gradient per step would cost Python time on the backward's critical path.
-        self._views = [self._buffer[o : o + n].view_as(p) for o, n, p in zip(offsets, numels, params)]
-
-    # -- PyTorch's GradBucket interface, what comm hooks may call ------------------------------------------------
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._buffer.copy_(tensor)
-
-    def is_last(self) -> bool:
-        return self._is_last
-
-    def parameters(self) -> list[nn.Parameter]:
-        return list(self._params)
-
-    def gradients(self) -> list[torch.Tensor]:
-        return list(self._views)
-
-    @property
-    def nbytes(self) -> int:
-        return self._buffer.numel() * self._buffer.element_size()
-
-
-def assign_buckets(params: list[nn.Parameter], order: list[int], first_cap: int, bucket_cap: int) -> list[list[int]]:
-    """Group parameter indices, taken in ``order``, into buckets: bucket 0 of ``first_cap`` bytes, the rest
-    ``bucket_cap``.
-
-    The order is the *reverse* registration order at construction: backward runs roughly from the last layer to
-    the first, so the last-registered parameters get their gradients first, and putting them in bucket 0 lets the
-    first all-reduce start while the earlier layers' gradients are still being computed: the overlap. PyTorch's rule
-    (``dist._compute_bucket_assignment_by_size``): a bucket closes once it holds at least its cap.
-    """
-    groups: list[list[int]] = []
-    current: list[int] = []
-    current_bytes = 0
-    for index in order:
-        p = params[index]
-        first = params[current[0]] if current else None
-        if first is not None and (p.dtype, p.device) != (first.dtype, first.device):
-            groups.append(current)  # one dtype and device per bucket: it is one flat tensor
-            current, current_bytes = [], 0
-        current.append(index)
-        current_bytes += p.numel() * p.element_size()
-        cap = first_cap if not groups else bucket_cap
-        if current_bytes >= cap:
-            groups.append(current)
-            current, current_bytes = [], 0
-    if current:
-        groups.append(current)
-    return groups
+# Gradients up to this many elements are copied into their bucket in one grouped call (see Reducer._grouped):
+# 64 Ki elements, 256 KiB in fp32, still in cache for the copy after the hook that saw them.
+GROUP_NUMEL = 64 * 1024
 
 
 class Reducer:
@@ -132,14 +60,16 @@ class Reducer:
         self.gradient_as_bucket_view: bool = options["gradient_as_bucket_view"]
         self.static_graph: bool = options["static_graph"]
         self.skip_all_reduce_unused_params: bool = options["skip_all_reduce_unused_params"]
+        # Every copy into a bucket grouped into one _foreach_copy_ once it is full (see _grouped).
+        self.batched_grad_copy: bool = options.get("batched_grad_copy", False)
         self.stats = CommStats()
         self._clock = Clock(self.device)
         self._comm_hook: CommHook | None = None  # None: the built-in all-reduce (see _launch_ready_buckets)
         self._comm_state: Any = process_group
         # The built-in all-reduce SUMs, so each gradient is multiplied by 1 / world size in its copy into the bucket,
-        # as PyTorch's Reducer does (by a 0-dim tensor made once: a Python number would be wrapped into a tensor on
-        # every call, costing as much as the copy of a small gradient). None: no scaling (a comm hook averages).
-        self._scale: torch.Tensor | None = torch.tensor(1.0 / self.world_size, dtype=torch.float64)
+        # as PyTorch's Reducer does (by each bucket's 0-dim ``scale``: a Python number would be wrapped into a tensor
+        # on every call, costing as much as the copy of a small gradient). False: no scaling (a comm hook averages).
+        self._divides = True
         self._wire_dtype: torch.dtype | None = None  # a compressed bucket's dtype, if the comm hook asks for one
         self._buckets, self._slot = self._build_buckets(list(reversed(range(len(self._params)))))
 
@@ -162,13 +92,28 @@ class Reducer:
             GradBucket(i, [self._params[j] for j in g], g, is_last=(i == len(groups) - 1), wire_dtype=dtype)
             for i, g in enumerate(groups)
         ]
-        slot: list = [None] * len(self._params)  # parameter index -> (its bucket, its position in the bucket)
+        slot: list = [None] * len(self._params)  # parameter index -> (its bucket, its slot, grouped)
         for b in buckets:
-            for pos, index in enumerate(b.param_indices):
-                slot[index] = (b, pos)
+            # In the gradients' dtype: a float64 scale on float32 gradients is as exact (the same bits) but takes
+            # a slower kernel, 1.5x the time of the copy itself on small gradients.
+            b.scale = torch.tensor(1.0 / self.world_size, dtype=b._params[0].dtype)
+            for index, view in zip(b.param_indices, b._views):
+                slot[index] = (b, view, self._grouped(b, view))
         # Full-precision bytes (what the stats and logs report, compressed or not).
         self._bucket_sizes = [sum(p.numel() * p.element_size() for p in b._params) for b in buckets]
         return buckets, slot
+
+    def _grouped(self, bucket: GradBucket, view: torch.Tensor) -> bool:
+        """Whether this slot's gradient waits for its bucket to fill and is copied with the others (_copy_grouped).
+
+        A copy of a small gradient costs less than the dispatch of its op from Python, so the hooks leave the
+        small ones (up to GROUP_NUMEL elements) to one grouped copy per bucket: the same values, 2 calls instead
+        of dozens. Large ones are copied as they come, in one pass while they are still in cache (a second pass
+        would cost more than a call saves). batched_grad_copy groups them all, as PyTorch's does.
+        """
+        if self.gradient_as_bucket_view:  # the slot becomes p.grad itself: nothing to copy after the first step
+            return False
+        return (self.batched_grad_copy and not bucket.compressed) or view.numel() <= GROUP_NUMEL
 
     # -- What the wrapper (and a pipeline stage) call ------------------------------------------------------------------
     @property
@@ -192,7 +137,7 @@ class Reducer:
         if self._wire_dtype is not None and not self.gradient_as_bucket_view:
             self._buckets, self._slot = self._build_buckets([i for b in self._buckets for i in b.param_indices])
         else:
-            self._scale = None
+            self._divides = False
 
     def set_static_graph(self) -> None:
         """PyTorch's older way to ask for ``static_graph=True`` after construction (before the first forward)."""
@@ -211,6 +156,7 @@ class Reducer:
         self._times = BackwardTimes(self._clock, n)
         self._callback_queued = False
         self._arrival_order: list[int] = []
+        self._deferred: list[list] = [[] for _ in range(n)]  # per bucket: (slot, gradient) of grouped copies
         self._locally_unused: list[int] = []  # unused (below) and no gradient accumulated under no_sync()
         # Not reached by this forward's graph (find_unused_parameters); static graph: the first iteration's set.
         walk = self._static_unused is None and (self.find_unused_parameters or self.static_graph)
@@ -249,27 +195,44 @@ class Reducer:
         self._ready[index] = True
         if self.static_graph and self._static_unused is None:
             self._arrival_order.append(index)
-        bucket, pos = self._slot[index]
-        param, view = self._params[index], bucket._views[pos]
+        bucket, view, grouped = self._slot[index]
+        param = self._params[index]
         grad = param.grad
         # (Autograd runs hooks with grad mode off, and the buffer is no leaf of any graph: plain ops suffice.)
         if grad is None:
             view.zero_()
+        elif grouped:
+            self._deferred[bucket._index].append((view, grad))  # copied with the rest of its group, below
         elif self.gradient_as_bucket_view:
             if grad.data_ptr() != view.data_ptr():
                 # From now on p.grad *is* the bucket slot: the separate gradient tensor is freed, and while p.grad
                 # is kept (zero_grad(set_to_none=False), no_sync()), autograd accumulates straight into the bucket.
                 view.copy_(grad)
                 param.grad = view
-            if self._scale is not None:
-                view.mul_(self._scale)  # the slot is p.grad: scale it in place, while it is still in cache
-        elif self._scale is not None:
-            torch.mul(grad, self._scale, out=view)  # copy, scale and (wire_dtype) cast: one pass
+            if self._divides:
+                view.mul_(bucket.scale)  # the slot is p.grad: scale it in place, while it is still in cache
+        elif self._divides:
+            torch.mul(grad, bucket.scale, out=view)  # copy, scale and (wire_dtype) cast: one pass
         else:
             view.copy_(grad)
         self._pending[bucket._index] -= 1
         if self._pending[bucket._index] == 0:
+            if self._deferred[bucket._index]:
+                self._copy_grouped(bucket)
             self._launch_ready_buckets()
+
+    def _copy_grouped(self, bucket: GradBucket) -> None:
+        """A full bucket's grouped gradients into their slots, in two calls whatever their number."""
+        views, grads = map(list, zip(*self._deferred[bucket._index]))
+        self._deferred[bucket._index] = []  # the gradients may be freed once backward no longer holds them
+        if self.batched_grad_copy and not bucket.compressed:
+            torch._foreach_copy_(views, grads)  # PyTorch's batched_grad_copy: a copy, then divide the buffer
+            if self._divides:
+                bucket.buffer().div_(self.world_size)  # (slots of missing gradients are zeros)
+        elif self._divides:
+            torch._foreach_copy_(views, torch._foreach_mul(grads, bucket.scale))  # the same bits as torch.mul
+        else:
+            torch._foreach_copy_(views, grads)
 
     def _launch_ready_buckets(self) -> None:
         """Launch every full bucket, in index order: collectives are matched by call order on every rank, so all
@@ -369,8 +332,7 @@ class Reducer:
             with torch.no_grad():
                 for index, p in enumerate(self._params):
                     if p.grad is not None:  # a slot of the old buckets: move it into the new ones
-                        bucket, pos = self._slot[index]
-                        p.grad = bucket._views[pos].copy_(p.grad)
+                        p.grad = self._slot[index][1].copy_(p.grad)
 
 
 def unused_parameters(outputs, params: list[nn.Parameter]) -> list[int]:

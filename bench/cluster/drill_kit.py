@@ -88,6 +88,7 @@ class Drill:
         self.notes: dict = {}
         self.alerts: dict[tuple[str, str], dict] = {}
         self._polling = threading.Event()
+        self._prometheus_port: str | None = None
 
     # -- the project -------------------------------------------------------------------------------------------
     def start(self, workers: int | None = None, at_step: int | None = None) -> None:
@@ -98,6 +99,25 @@ class Drill:
             threading.Thread(target=self._poll_alerts, daemon=True, name="alerts").start()
         if at_step is not None:
             self.wait_step(at_step)
+        if self.args.alerts and at_step is not None:
+            # A page can name only a rank Prometheus has scraped: a fault in the first seconds of a run (rank 0
+            # killed ~3 s after its trainer started) found DDPRankDown with nothing to name, and the drill failed.
+            self.p.wait_until(lambda: self.ranks_seen() >= n, self.args.start_timeout, f"Prometheus seeing {n} ranks")
+
+    def ranks_seen(self) -> int:
+        """How many ranks the project's Prometheus has a ``ddp_rank_info`` of (0 while it starts)."""
+        found = self._prometheus("/api/v1/query?query=count(ddp_rank_info)")
+        return int(float(found["data"]["result"][0]["value"][1])) if found and found["data"]["result"] else 0
+
+    def _prometheus(self, path: str) -> dict | None:
+        try:
+            if self._prometheus_port is None:  # published on an ephemeral port (drills.compose.yaml)
+                published = self.p.compose("port", "prometheus", "9090").stdout.strip()
+                self._prometheus_port = published.rpartition(":")[2] or None
+            with urllib.request.urlopen(f"http://127.0.0.1:{self._prometheus_port}{path}", timeout=5) as r:
+                return json.load(r)
+        except Exception:  # noqa: BLE001 - Prometheus starting, or gone at the end: the caller asks again
+            return None
 
     def wait_step(self, step: int) -> None:
         self.p.wait_until(lambda: self.p.last_step() >= step, self.args.start_timeout, f"rank 0 logging step {step}")
@@ -136,18 +156,12 @@ class Drill:
 
     # -- alerts --------------------------------------------------------------------------------------------------
     def _poll_alerts(self) -> None:
-        url = None
         while not self._polling.wait(ALERT_POLL_S):
-            try:
-                if url is None:
-                    host, _, port = self.p.compose("port", "prometheus", "9090").stdout.strip().rpartition(":")
-                    url = f"http://127.0.0.1:{port}/api/v1/alerts"
-                with urllib.request.urlopen(url, timeout=5) as r:
-                    found = json.load(r)["data"]["alerts"]
-            except Exception:  # noqa: BLE001 - Prometheus starting, or gone at the end: the next poll tries again
+            found = self._prometheus("/api/v1/alerts")
+            if found is None:
                 continue
             now = time.time()
-            for a in found:
+            for a in found["data"]["alerts"]:
                 key = (a["labels"]["alertname"], a["labels"].get("rank", ""))
                 seen = self.alerts.setdefault(key, {"alert": key[0], "rank": key[1], "pending_at": now})
                 if a["state"] == "firing" and "firing_at" not in seen:

@@ -86,7 +86,6 @@ def test_constructor_signature_is_pytorchs_argument_for_argument():
         ("delay_all_reduce_named_params", [("w", nn.Parameter(torch.zeros(1)))]),
         ("param_to_hook_all_reduce", nn.Parameter(torch.zeros(1))),
         ("bucket_cap_mb_list", [1, 25]),
-        ("batched_grad_copy", True),
     ],
 )
 def test_what_is_not_implemented_is_refused_by_name(name, value):
