@@ -3,14 +3,15 @@
 Second of three files (read ``ddp.py`` first, this next, ``comm_stats.py`` last). ``ddp.py`` decides *whether* a
 backward synchronises; this file does the synchronising, as PyTorch's C++ ``Reducer`` does for its DDP:
 
-1. at construction, parameters are grouped into flat ``GradBucket`` buffers, in reverse registration order, and one
-   hook per parameter is registered with autograd (``register_post_accumulate_grad_hook``);
+1. at construction, parameters are grouped into flat ``GradBucket`` buffers (``buckets.py``), in reverse
+   registration order, and one hook per parameter is registered with autograd (``register_post_accumulate_grad_hook``);
 2. ``prepare_for_backward(outputs)`` arms the next backward: its hooks copy each gradient, divided by the world
    size, into its bucket slot, and a full bucket is all-reduced (SUM) asynchronously while backward goes on;
 3. at the end of that backward (an autograd callback) every bucket is waited for and copied into ``p.grad``.
 
 The hooks run once per parameter per step, on backward's critical path, so they do as little Python as possible:
-everything that can be computed once (views, slots, divisors) is, and the copy back is one call per bucket.
+everything that can be computed once (views, slots, divisors) is, small gradients go into their bucket together
+(two calls per bucket, ``_copy_grouped``), and the copy back is one call per bucket.
 Unused parameters (``find_unused_parameters``), ``static_graph`` and ``gradient_as_bucket_view`` are handled here
 too. Nothing in this file knows about ``no_sync()``: a backward that was not prepared leaves ``p.grad`` alone.
 """
