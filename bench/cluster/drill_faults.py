@@ -49,6 +49,7 @@ class Scenario:
     victims: int = 0  # how many containers the fault takes (their exit codes are not judged)
     victim_exit: int | None = None  # unless given here: the victims' own exit code (one too many: 2)
     pages: bool = False  # the fault must page DDPRankDown naming the victim's rank within ALERT_WITHIN_S
+    control: bool = False  # no fault at all: no alert may fire
 
 
 def survivor(d: Drill, *not_these: str) -> str:
@@ -177,7 +178,7 @@ def wait_seconds(d: Drill, since: float, world: int) -> float | None:
 def scenarios(workers: int) -> dict[str, Scenario]:
     """Every drill, in the order ``make drills`` runs them."""
     return {
-        "healthy": Scenario("no fault (the control: no alert may fire)", healthy),
+        "healthy": Scenario("no fault (the control: no alert may fire)", healthy, control=True),
         "worker-kill": Scenario("a worker killed (`docker kill`, rank 1)", kill_rank(1), victims=1, pages=True),
         "rank0-kill": Scenario("rank 0's container killed", kill_rank(0), victims=1, pages=True),
         "store-crash": Scenario(

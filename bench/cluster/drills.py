@@ -93,7 +93,7 @@ def judge(r: dict, s: Scenario, problem_lines: list[str], alerts: bool = True) -
 def alert_checks(r: dict, s: Scenario) -> dict[str, bool]:
     """What the alerts told the person on call: the lost rank by its number, soon, and nobody else."""
     fired = [a for a in r["alerts"] if a["fired"]]
-    if s.inject.__name__ == "healthy":
+    if s.control:
         return {"no alert fired": not fired}
     victim = r.get("victim_rank")
     named = {a["rank"] for a in fired if a["alert"] == "DDPRankDown"}

@@ -3,7 +3,7 @@ a second world's FINISHED, a restart storm or a missing line fails a drill; a dr
 
 from __future__ import annotations
 
-from bench.cluster.drill_faults import Scenario
+from bench.cluster.drill_faults import Scenario, scenarios
 from bench.cluster.drill_kit import first_finished, one_finish
 from bench.cluster.drills import PAGE_STEPS_FACTOR, build_parser, drill_env, judge
 from tools.renderers.cluster import render_drills
@@ -79,13 +79,10 @@ def test_a_drill_fails_when_the_page_names_the_wrong_rank_or_comes_late_or_a_hea
     assert not all(judge(result(alerts=[alert("DDPRankDown", "2", 30.0)]), planned, []).values())
     assert all(judge(result(alerts=[alert("DDPRankDown", "2", 30.0)]), planned, [], alerts=False).values())
 
-    def healthy(d):
-        return None
-
-    assert all(
-        judge(result(alerts=[alert("DDPStraggler", "1", None, fired=False)]), Scenario("x", healthy), []).values()
-    )
-    assert not all(judge(result(alerts=[alert("DDPStraggler", "1", 9.0)]), Scenario("x", healthy), []).values())
+    control = Scenario("x", lambda d: None, control=True)
+    assert all(judge(result(alerts=[alert("DDPStraggler", "1", None, fired=False)]), control, []).values())
+    assert not all(judge(result(alerts=[alert("DDPStraggler", "1", 9.0)]), control, []).values())
+    assert scenarios(3)["healthy"].control and not any(s.control for n, s in scenarios(3).items() if n != "healthy")
 
 
 def test_a_drill_that_must_page_trains_long_enough_to_be_paged():
