@@ -30,6 +30,7 @@ class GradBucket:
         # All parameters of one bucket share dtype and device (see assign_buckets), so one buffer fits all.
         self.compressed = wire_dtype is not None
         self.scale: torch.Tensor | None = None  # the reducer's 1 / world size, a 0-dim tensor (reducer.py)
+        self.batched = False  # the reducer's batched_grad_copy applies to this bucket
         self._buffer = torch.zeros(sum(numels), dtype=wire_dtype or params[0].dtype, device=params[0].device)
         # Views made once: slicing per gradient per step would cost Python time on the backward's critical path.
         self._views = [self._buffer[o : o + n].view_as(p) for o, n, p in zip(offsets, numels, params)]

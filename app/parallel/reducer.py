@@ -98,6 +98,8 @@ class Reducer:
             # In the gradients' dtype: a float64 scale on float32 gradients is as exact (the same bits) but takes
             # a slower kernel, 1.5x the time of the copy itself on small gradients.
             b.scale = torch.tensor(1.0 / self.world_size, dtype=b._params[0].dtype)
+            # PyTorch's batched_grad_copy: copy all, then divide the buffer (a compressed one keeps its fused cast).
+            b.batched = self.batched_grad_copy and not b.compressed and not self.gradient_as_bucket_view
             for index, view in zip(b.param_indices, b._views):
                 slot[index] = (b, view, self._grouped(b, view))
         # Full-precision bytes (what the stats and logs report, compressed or not).
@@ -114,7 +116,7 @@ class Reducer:
         """
         if self.gradient_as_bucket_view:  # the slot becomes p.grad itself: nothing to copy after the first step
             return False
-        return (self.batched_grad_copy and not bucket.compressed) or view.numel() <= GROUP_NUMEL
+        return bucket.batched or view.numel() <= GROUP_NUMEL
 
     # -- What the wrapper (and a pipeline stage) call ------------------------------------------------------------------
     @property
@@ -157,7 +159,7 @@ class Reducer:
         self._times = BackwardTimes(self._clock, n)
         self._callback_queued = False
         self._arrival_order: list[int] = []
-        self._deferred: list[list] = [[] for _ in range(n)]  # per bucket: (slot, gradient) of grouped copies
+        self._grouped_grads: list[list] = [[] for _ in range(n)]  # per bucket: (slot, gradient) of grouped copies
         self._locally_unused: list[int] = []  # unused (below) and no gradient accumulated under no_sync()
         # Not reached by this forward's graph (find_unused_parameters); static graph: the first iteration's set.
         walk = self._static_unused is None and (self.find_unused_parameters or self.static_graph)
@@ -203,7 +205,7 @@ class Reducer:
         if grad is None:
             view.zero_()
         elif grouped:
-            self._deferred[bucket._index].append((view, grad))  # copied with the rest of its group, below
+            self._grouped_grads[bucket._index].append((view, grad))  # copied with the rest of its group, below
         elif self.gradient_as_bucket_view:
             if grad.data_ptr() != view.data_ptr():
                 # From now on p.grad *is* the bucket slot: the separate gradient tensor is freed, and while p.grad
@@ -218,15 +220,15 @@ class Reducer:
             view.copy_(grad)
         self._pending[bucket._index] -= 1
         if self._pending[bucket._index] == 0:
-            if self._deferred[bucket._index]:
+            if self._grouped_grads[bucket._index]:
                 self._copy_grouped(bucket)
             self._launch_ready_buckets()
 
     def _copy_grouped(self, bucket: GradBucket) -> None:
         """A full bucket's grouped gradients into their slots, in two calls whatever their number."""
-        views, grads = map(list, zip(*self._deferred[bucket._index]))
-        self._deferred[bucket._index] = []  # the gradients may be freed once backward no longer holds them
-        if self.batched_grad_copy and not bucket.compressed:
+        views, grads = map(list, zip(*self._grouped_grads[bucket._index]))
+        self._grouped_grads[bucket._index] = []  # the gradients may be freed once backward no longer holds them
+        if bucket.batched:
             torch._foreach_copy_(views, grads)  # PyTorch's batched_grad_copy: a copy, then divide the buffer
             if self._divides:
                 bucket.buffer().div_(self.world_size)  # (slots of missing gradients are zeros)

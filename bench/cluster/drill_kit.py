@@ -100,8 +100,8 @@ class Drill:
         if at_step is not None:
             self.wait_step(at_step)
         if self.args.alerts and at_step is not None:
-            # A page can name only a rank Prometheus has scraped: a fault in the first seconds of a run (rank 0
-            # killed ~3 s after its trainer started) found DDPRankDown with nothing to name, and the drill failed.
+            # A page can name only a rank Prometheus has scraped: rank 0 killed seconds after its trainer started,
+            # before any scrape had seen its ddp_rank_info, left DDPRankDown nothing to name, and the drill failed.
             self.p.wait_until(lambda: self.ranks_seen() >= n, self.args.start_timeout, f"Prometheus seeing {n} ranks")
 
     def ranks_seen(self) -> int:

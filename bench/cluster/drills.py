@@ -36,8 +36,8 @@ from bench.cluster.drill_kit import Drill, message
 # Issue 23's bar: the page names the rank that is gone within a minute of the fault.
 ALERT_WITHIN_S = 60
 # A finished job pages nobody (DDPRankDown is quiet after it), so a drill that must page trains this many times
-# --steps: its run outlasts the page's deadline (at 400 steps one finished 40-50 s after the fault, and its page,
-# due 36-51 s after, never came).
+# --steps: its run outlasts the page's deadline (at 400 steps a run can end within a minute of the fault, before
+# the page, which takes 35-50 s, is due to be judged).
 PAGE_STEPS_FACTOR = 3
 
 
@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         results[name]["commit"] = provenance(args)["commit"]  # per drill: --add keeps rows of earlier runs
         show(name, results[name])
         planned = {n: s.what for n, s in every.items()}  # the docs table lists the drills not run as "not run"
-        doc = {"schema": "drills/2", **provenance(args, load_before=before), "planned": planned, "drills": results}
-        doc["page_steps_factor"] = PAGE_STEPS_FACTOR
+        doc = {"schema": "drills/2", **provenance(args, load_before=before), "planned": planned}
+        doc |= {"page_steps_factor": PAGE_STEPS_FACTOR, "drills": results}
         path.write_text(json.dumps(doc, indent=1))
     print(describe_output(path))
     failed = [n for n in args.drill or list(every) if not results[n]["passed"]]
