@@ -5,6 +5,7 @@ Torch-free, so a bad flag fails before the seconds-long ``import torch``::
     from app.cli import OneLineParser, setup_logging
     setup_logging("rank 0")                     # 12:00:01 [rank 0] INFO ...; LOGLEVEL=DEBUG: everything
     parser = OneLineParser(prog="python -m app.x")   # a bad flag: one line on stderr, exit 2 (no usage block)
+    first_line(error)                           # torch's many-line message, cut to its first line
 """
 
 from __future__ import annotations
@@ -22,6 +23,17 @@ from app.exit_codes import BAD_CONFIG
 def debug_requested(environ: typing.Mapping[str, str] = os.environ) -> bool:
     """``LOGLEVEL=DEBUG`` (the variable torchrun's own logging reads): every line, tracebacks included."""
     return environ.get("LOGLEVEL", "").upper() == "DEBUG"
+
+
+def first_line(what: BaseException | str) -> str:
+    """The first line of a message (torch's errors and reports run to many lines, a log line or a reason has one).
+
+    An error that says nothing gives its type's name, so the line still names something; a blank text gives "".
+    """
+    text = str(what).strip()
+    if text:
+        return text.splitlines()[0]
+    return type(what).__name__ if isinstance(what, BaseException) else ""
 
 
 def setup_logging(

@@ -41,7 +41,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import determine_local_world_size, parse_args, run
 
-from app.cli import setup_logging
+from app.cli import first_line, setup_logging
 from app.exit_codes import BAD_CONFIG, FAILED, OK, PEER_STOPPED, STOPPED_BY_SIGNAL
 
 log = logging.getLogger("app.cluster.k8s_launch")
@@ -80,7 +80,7 @@ def wait_for_fresh_store(host: str, port: int, node_rank: int, timeout_s: float,
             store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=5))
             joins = store.add(JOINED_KEY.format(node_rank=node_rank), 1)
         except RuntimeError as e:  # not up yet, or its name not yet in DNS: the store of pod 0 is still coming
-            last_error = str(e).splitlines()[0]
+            last_error = first_line(e)
         else:
             if joins == 1:
                 if stale:

@@ -43,7 +43,7 @@ import socket
 import sys
 import threading
 
-from app.cli import setup_logging
+from app.cli import first_line, setup_logging
 from app.cluster.elastic import (
     Reporter,
     SpareAtTheEnd,
@@ -203,7 +203,7 @@ def _one_line(record: logging.LogRecord) -> bool:
     text = record.getMessage()
     if text.startswith("failed (exitcode"):
         return False  # torch's own note of a worker's exit: Reporter.workers_failed says it with the rank
-    first = text.strip().splitlines()[0] if text.strip() else text
+    first = first_line(text)
     record.msg, record.args = (first + " [LOGLEVEL=DEBUG: full report]" if first != text.strip() else first), None
     record.exc_info = record.exc_text = record.stack_info = None
     return True
@@ -250,8 +250,7 @@ def explain(e: Exception, store: tuple[str, int] | None, run_id: str) -> str:
         return f"no world formed in time at {where} (join_timeout): fewer containers than --nnodes MIN came"
     if isinstance(e, RendezvousConnectionError) or "store" in str(e).lower() or "connect" in str(e).lower():
         return f"lost the rendezvous store {where} ({type(e).__name__}): did the store service stop?"
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {first}"
+    return f"{type(e).__name__}: {first_line(str(e))}"
 
 
 def job_state(argv: list[str]) -> JobState:

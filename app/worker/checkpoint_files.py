@@ -37,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from app.cli import first_line
+
 log = logging.getLogger(__name__)
 
 FORMAT = 1
@@ -183,7 +185,7 @@ def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
 
 def unusable_reason(e: Exception) -> str:
     """Why ``load_checkpoint`` failed, on one line (torch.load's own message runs to many)."""
-    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    reason = first_line(e)
     if reason.startswith("Weights only load failed"):
         # torch's text goes on to advise weights_only=False: never the advice for a file of unknown origin.
         detail = str(e).partition("WeightsUnpickler error:")[2].strip().splitlines()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from app.cli import first_line
 from app.net import TcpUnreachable, free_port, wait_for_tcp
 from app.worker.config import WorldEnv  # torchrun's variables, read without torch (config errors stay fast)
 
@@ -163,8 +164,7 @@ def init_distributed(
         # From here the store serves the formed group (NCCL exchanges communicator ids through it lazily).
         store.set_timeout(datetime.timedelta(seconds=collective_timeout_s or timeout_s))
     except (dist.DistError, RuntimeError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RendezvousError(f"{where} within {timeout_s:g} s: {first}") from None
+        raise RendezvousError(f"{where} within {timeout_s:g} s: {first_line(e)}") from None
     finally:
         guard.cancel()
     return DistContext(rank, world.local_rank, world_size, device, backend)

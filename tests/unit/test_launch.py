@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from app.cli import first_line
 from app.cluster.elastic import Reporter
 from app.cluster.launch import LaunchError, _one_line, expected_workers, outcome_of_failure, outcome_of_stop
 from app.exit_codes import BAD_CONFIG, FAILED, OK
@@ -74,6 +75,13 @@ def test_torchs_reports_are_cut_to_one_line_and_its_worker_exit_note_dropped():
     assert _one_line(long) and long.getMessage() == "Closing the rendezvous. [LOGLEVEL=DEBUG: full report]"
     short = record("rendezvous round 2 complete")
     assert _one_line(short) and short.getMessage() == "rendezvous round 2 complete"
+
+
+def test_an_error_is_told_by_its_first_line_and_one_that_says_nothing_by_its_type():
+    # Every one-line report of the launchers and the trainer (the rendezvous, an unusable checkpoint, a store not up).
+    assert first_line(RuntimeError("\n  connect() timed out\n  at c10d/TCPStore.cpp:42\n")) == "connect() timed out"
+    assert first_line(TimeoutError()) == "TimeoutError"  # str() is "": a line must still name something
+    assert first_line("  \n") == "" and first_line("one\ntwo") == "one"
 
 
 def test_a_node_recognises_itself_and_only_itself():
