@@ -87,7 +87,9 @@ def test_every_docker_test_runs_in_the_docker_lane_and_the_others_keep_their_own
     run = pytest_passes(["--collect-only", "-q", "-p", "lane_probe", "-p", "no:cacheprovider", *files], ROOT, env)
     groups = {line.split()[1]: line.split()[2] for line in run.stdout.splitlines() if line.startswith("GROUP ")}
     docker = {node: group for node, group in groups.items() if node.startswith("tests/e2e/test_k8s")}
-    assert len(docker) > 2 and set(docker.values()) == {"docker"}, docker  # function-scoped tests too
+    lost_pod = "tests/e2e/test_k8s_emulation.py::test_a_lost_pod_is_replaced_and_its_replacement_waits_for_a_new_store"
+    assert docker.pop(lost_pod) == "docker-2", groups  # one test of a module, moved to balance the lanes
+    assert len(docker) >= 2 and set(docker.values()) == {"docker"}, docker  # function-scoped tests too
     chaos = {node: group for node, group in groups.items() if node.startswith("tests/e2e/test_chaos")}
     assert len(chaos) == 4 and set(chaos.values()) == {"docker-2"}, chaos  # the second lane, beside the other
     others = {group for node, group in groups.items() if node.startswith("tests/integration/")}
