@@ -25,6 +25,7 @@ import signal
 import socket
 import time
 
+from app.cluster.forked_trainer import exit_codes
 from app.exit_codes import BAD_CONFIG, FAILED, OK, PEER_STOPPED, STORAGE_FAILED
 
 # The DNS name of every replica (compose: the service's name): the job's first world waits for all of them.
@@ -327,7 +328,6 @@ def install_agent(reporter: Reporter) -> None:
 
         def _shutdown(self, death_sig=signal.SIGTERM, timeout=30):
             super()._shutdown(death_sig, timeout)
-            handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
-            reporter.exit_codes = {r: h.proc.poll() for r, h in handlers.items()}
+            reporter.exit_codes = exit_codes(self._pcontext)
 
     launcher_api.LocalElasticAgent = ReportingAgent  # launch_agent looks the class up by this name at each call

@@ -42,6 +42,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import determine_local_world_size, parse_args, run
 
 from app.cli import first_line, setup_logging
+from app.cluster.forked_trainer import fork_trainers
 from app.exit_codes import BAD_CONFIG, FAILED, OK, PEER_STOPPED, STOPPED_BY_SIGNAL
 
 log = logging.getLogger("app.cluster.k8s_launch")
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
             return FAILED
     set_omp_threads(args.nproc_per_node)
+    fork_trainers(args)
     try:
         run(args)
     except SignalException as e:

@@ -53,6 +53,7 @@ from app.cluster.elastic import (
     install_agent,
     short,
 )
+from app.cluster.forked_trainer import fork_trainers
 from app.cluster.job_state import JobState, fingerprint
 from app.exit_codes import BAD_CONFIG, FAILED, OK, STORAGE_FAILED
 from app.net import TcpUnreachable, wait_for_tcp
@@ -333,6 +334,7 @@ def run_rejoining(args, reporter: Reporter, store: tuple[str, int] | None) -> No
     """
     from torch.distributed.run import run
 
+    fork_trainers(args)
     for attempt in range(args.max_restarts + 1):
         try:
             return run(args)

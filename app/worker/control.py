@@ -18,6 +18,10 @@ import time
 
 from app.exit_codes import FAILED
 
+# Process-wide: set once any StopSignal of this process has had its signal. A trainer forked by its launcher
+# (app.cluster.forked_trainer) reads it to leave at once when its agent is the one stopping it.
+stop_requested = threading.Event()
+
 
 class StopSignal:
     """SIGTERM/SIGINT → a flag that the training loop reads at step boundaries.
@@ -49,6 +53,7 @@ class StopSignal:
             self.name = signal.Signals(signum).name
             self.at = time.monotonic()
             self.event.set()
+            stop_requested.set()
             for callback in self.on_request:
                 callback()
             threading.Thread(target=self._force_exit, name="stop-timeout", daemon=True).start()

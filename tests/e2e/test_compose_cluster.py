@@ -659,19 +659,33 @@ def test_one_container_too_many_is_refused_once_and_the_job_ends_once(spare_run)
     assert {(s["RestartCount"], s["State"]["ExitCode"]) for s in others} == {(0, 0)}
 
 
-# torchrun starts a trainer as `python -u -m app.train ...` (NUL-separated in /proc/PID/cmdline); its launcher's own
-# command line ends in `-m app.train` too, without the -u.
-TRAINER = "-u\0-m\0app.train\0"
+# The trainer is its launcher's child: forked from it (app.cluster.forked_trainer), its command line is the
+# launcher's own; started as a new interpreter (LAUNCH_FORK_TRAINER=0, a CUDA build), `python -u -m app.train`.
+TRAINER = "child of app.cluster.launch"
+STORE = "app.cluster.rendezvous_store"
 
 
-def kill_process(container: str, needle: str, deadline_s: float = 120) -> None:
-    """SIGKILL the process whose command line holds ``needle`` inside ``container``: a crash, not `docker kill`
-    (which Docker counts as a stop on request, and no restart policy undoes)."""
+def kill_process(container: str, what: str, deadline_s: float = 120) -> None:
+    """SIGKILL the store (``STORE``: the process whose command line holds it) or the trainer (``TRAINER``) inside
+    ``container``: a crash, not `docker kill` (which Docker counts as a stop on request, and no restart policy
+    undoes)."""
     code = (
         "import os, signal, sys\n"
+        "def cmd(p):\n"
+        "    try:\n"
+        "        return open(f'/proc/{p}/cmdline', 'rb').read()\n"
+        "    except OSError:\n"
+        "        return b''  # gone, or PID 1's parent (0)\n"
+        "def parent(p):\n"
+        "    try:\n"
+        "        return open(f'/proc/{p}/stat').read().rpartition(')')[2].split()[1]\n"
+        "    except OSError:\n"
+        "        return '0'\n"
+        f"trainer, needle = {what == TRAINER}, {what.encode()!r}\n"
         "killed = 0\n"
         "for p in filter(str.isdigit, os.listdir('/proc')):\n"
-        f"    if {needle.encode()!r} in open(f'/proc/{{p}}/cmdline', 'rb').read() and int(p) != os.getpid():\n"
+        "    mine = b'app.cluster.launch' in cmd(parent(p)) if trainer else needle in cmd(p)\n"
+        "    if mine and int(p) != os.getpid():\n"
         "        os.kill(int(p), signal.SIGKILL)\n"
         "        killed += 1\n"
         "sys.exit(0 if killed else 3)\n"
@@ -718,7 +732,7 @@ def store_kill_run() -> dict:
         while "INFO step 100/" not in compose("logs", "worker").stdout:
             assert time.monotonic() < deadline, "no training step in time"
             time.sleep(1)
-        kill_process(store, "app.cluster.rendezvous_store")
+        kill_process(store, STORE)
         # Restarted *and* healthy: until Docker has noticed the exit, the old state still reads "healthy" (under
         # load one CI-like run read it so, before the restart, and counted 0 restarts).
         while not _restarted_and_healthy(inspect(store)[0]):

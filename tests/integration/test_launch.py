@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -107,6 +108,56 @@ def test_a_stop_on_request_that_checkpointed_exits_zero(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     assert "stopped on request (SIGTERM): the trainer checkpointed; exit 0" in err
     assert list(tmp_path.glob("step-*.pt")), "no checkpoint written on the stop"
+
+
+def children(pid: int) -> dict[int, tuple[str, str]]:
+    """pid -> (process name, command line) of each child process of ``pid``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            if entry.name.isdigit() and int(stat.rpartition(")")[2].split()[1]) == pid:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                found[int(entry.name)] = (stat.partition("(")[2].rpartition(")")[0], cmdline)
+        except OSError:
+            continue  # ended meanwhile
+    return found
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_the_trainers_are_forked_from_the_launcher_unless_told_not_to(tmp_path, fork):
+    # Forked (app/cluster/forked_trainer.py), a trainer does not import torch again: it is the launcher's child,
+    # named app.train. LAUNCH_FORK_TRAINER=0: a new interpreter, `python -u -m app.train`, as plain torchrun.
+    proc = start_launch(
+        *("--standalone", "--nproc-per-node=2", "-m", "app.train", "--steps", "100000", "--metrics-port", "0"),
+        *("--checkpoint-dir", str(tmp_path), "--log-every", "1000"),
+        LAUNCH_FORK_TRAINER=fork,
+    )
+    try:
+        wait_for_lines(proc, proc.stderr, "INFO step 1/", timeout=240)
+        trainers = children(proc.pid)
+        launcher = Path(f"/proc/{proc.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert len(trainers) == 2, trainers
+    if fork == "1":
+        assert {name for name, _ in trainers.values()} == {"app.train"}, trainers
+        assert {cmd for _, cmd in trainers.values()} == {launcher}, (launcher, trainers)  # no exec of its own
+    else:
+        assert all(
+            cmd.endswith(
+                "-u -m app.train --steps 100000 --metrics-port 0 --checkpoint-dir "
+                + str(tmp_path)
+                + " --log-every 1000"
+            )
+            for _, cmd in trainers.values()
+        ), trainers
+    # Either way, the stop on request ends as before: both trainers checkpoint and exit 0, and so does the launcher.
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopped on request (SIGTERM): the trainer checkpointed; exit 0" in err
+    assert err.count("SIGTERM: stopped at step") == 2 and list(tmp_path.glob("step-*.pt")), err[-3000:]
 
 
 # -- what a new start finds (app/cluster/job_state.py): `up` again after a refusal -----------------------------------

@@ -96,3 +96,41 @@ def test_a_node_recognises_itself_and_only_itself():
         SimpleNamespace(addr=r.me, pid=os.getpid(), local_id=2),  # this launcher's previous rendezvous identity
     ):
         assert not r.is_me(other)
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "forked"),
+    [
+        (["-m", "app.train", "--steps", "5"], {}, True),
+        (["-m", "app.train"], {"LAUNCH_FORK_TRAINER": "0"}, False),  # told not to: a new interpreter, as torchrun
+        (["-m", "mypkg.train"], {}, False),  # another module may leave its process in ways the agent cannot follow
+        (["train.py"], {}, False),
+        (["--no-python", "app.train"], {}, False),
+    ],
+)
+def test_only_app_train_is_forked_and_only_unless_told_not_to(argv, environ, forked, monkeypatch):
+    import torch.distributed.run as torchrun
+
+    from app.cluster.forked_trainer import fork_trainers, run_trainer
+
+    monkeypatch.setattr(torchrun, "run_script_path", torchrun.run_script_path)  # undone after the test
+    args = torchrun.parse_args(["--standalone", "--nproc-per-node=2", *argv])
+    assert fork_trainers(args, environ) is forked
+    _, cmd, cmd_args = torchrun.config_from_args(args)
+    if forked:  # torchrun's own function entrypoint, forked: run_trainer("app.train", *the trainer's arguments)
+        assert (cmd, cmd_args, args.start_method) == (run_trainer, ["app.train", "--steps", "5"], "fork")
+    else:
+        assert not callable(cmd) and args.start_method == "spawn", (cmd, cmd_args)
+
+
+def test_a_gpu_build_of_torch_starts_its_trainers_as_new_interpreters(monkeypatch):
+    # CUDA does not survive a fork: a CUDA (or ROCm) build of torch keeps torchrun's way, whatever the device.
+    import torch
+    import torch.distributed.run as torchrun
+
+    from app.cluster.forked_trainer import fork_trainers
+
+    monkeypatch.setattr(torchrun, "run_script_path", torchrun.run_script_path)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    args = torchrun.parse_args(["--standalone", "-m", "app.train"])
+    assert not fork_trainers(args, {}) and not args.run_path
