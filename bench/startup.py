@@ -26,11 +26,13 @@ Each milestone is the last container's (the world waits for the slowest); so the
 store's own start (its container, then its torch import until "listening") is reported beside them: it lies on the
 path only when the workers wait for a healthy store.
 
-Variants (``--variant``, repeatable) are compose settings toggled by environment variable: ``before`` undoes both
+Variants (``--variant``, repeatable) are compose settings toggled by environment variable: ``before`` undoes the
 start-up fixes (STORE_CONDITION=service_healthy: the workers start once the store is healthy;
-TRAINER_DEFER_DYNAMO=0: the trainer imports torch._dynamo, as torch.optim does), ``store_healthy`` only the first,
-``now`` is compose.yaml as it is. (The first world's held last call, LAUNCH_FIRST_WORLD_HOLD_SECONDS, is on in all
-of them: without it a loaded machine formed partial first worlds, tests/unit/test_first_world.py.) They run
+TRAINER_DEFER_DYNAMO=0: the trainer imports torch._dynamo, as torch.optim does; LAUNCH_FORK_TRAINER=0: the launcher
+starts its trainer as a new interpreter, which imports torch again, instead of forking it,
+app/cluster/forked_trainer.py), ``store_healthy`` only the first, ``exec_trainer`` only the third, ``now`` is
+compose.yaml as it is. (The first world's held last call, LAUNCH_FIRST_WORLD_HOLD_SECONDS, is on in all of them:
+without it a loaded machine formed partial first worlds, tests/unit/test_first_world.py.) They run
 interleaved (each repeat runs every variant, in an order that alternates) so that the machine's load hits them
 alike; the table gives each phase's median over the repeats and the ratio of the totals.
 Written after every repeat: bench/results/startup.json (provenance: ``bench/provenance.py``) for the documented run
@@ -55,16 +57,24 @@ from bench.provenance import describe_output, load_average, write_result
 # name -> (what it is, the environment that makes it)
 VARIANTS = {
     "before": (
-        "the two measured fixes undone: workers wait for a healthy store, the trainer imports torch._dynamo",
-        {"STORE_CONDITION": "service_healthy", "TRAINER_DEFER_DYNAMO": "0"},
+        "the measured fixes undone: workers wait for a healthy store, the trainer is a new interpreter that "
+        "imports torch and torch._dynamo",
+        {"STORE_CONDITION": "service_healthy", "TRAINER_DEFER_DYNAMO": "0", "LAUNCH_FORK_TRAINER": "0"},
     ),
     "store_healthy": (
         "only the store fix undone (STORE_CONDITION=service_healthy)",
         {"STORE_CONDITION": "service_healthy"},
     ),
-    "now": ("compose.yaml's defaults: workers start with the store, torch._dynamo deferred", {}),
+    "exec_trainer": (
+        "only the trainer's fork undone (LAUNCH_FORK_TRAINER=0): a new interpreter, which imports torch again",
+        {"LAUNCH_FORK_TRAINER": "0"},
+    ),
+    "now": (
+        "compose.yaml's defaults: workers start with the store, torch._dynamo deferred, the trainer forked",
+        {},
+    ),
 }
-DEFAULT_VARIANTS = ["before", "now"]
+DEFAULT_VARIANTS = ["before", "exec_trainer", "now"]
 LAUNCHER_MILESTONES = [  # (phase ending at the last container's line, the line)
     ("launcher import", "] INFO trainer settings:"),
     ("agent + store", "] INFO waiting until every replica"),
@@ -221,7 +231,9 @@ def phase_names(summary: dict) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.startup", description=__doc__.splitlines()[0])
-    p.add_argument("--variant", action="append", choices=list(VARIANTS), help="repeatable; default: before, now")
+    p.add_argument(
+        "--variant", action="append", choices=list(VARIANTS), help="repeatable; default: before, exec_trainer, now"
+    )
     p.add_argument("--repeats", type=int, default=3, help="runs of each variant, interleaved")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--steps", type=int, default=3, help="steps of each run (the first one is what is timed)")
