@@ -65,7 +65,7 @@ def run_trainer(module: str, *argv: str) -> None:
     torch.multiprocessing._set_thread_name(TRAINER)  # ps/top/pgrep name it app.train, not the agent's pt_elastic
     # A new interpreter's OpenMP reads OMP_NUM_THREADS when it loads; torchrun may have set it after this process's
     # parent loaded its own (one thread per rank where several share the machine).
-    if threads := os.environ.get("OMP_NUM_THREADS", "").strip():
+    if (threads := os.environ.get("OMP_NUM_THREADS", "").strip()).isdigit():  # (not a nested list: "4,2")
         torch.set_num_threads(max(1, int(threads)))
     sys.argv = [module, *argv]
     from app import train
