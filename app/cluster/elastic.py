@@ -25,7 +25,6 @@ import signal
 import socket
 import time
 
-from app.cluster.forked_trainer import exit_codes
 from app.exit_codes import BAD_CONFIG, FAILED, OK, PEER_STOPPED, STORAGE_FAILED
 
 # The DNS name of every replica (compose: the service's name): the job's first world waits for all of them.
@@ -331,3 +330,12 @@ def install_agent(reporter: Reporter) -> None:
             reporter.exit_codes = exit_codes(self._pcontext)
 
     launcher_api.LocalElasticAgent = ReportingAgent  # launch_agent looks the class up by this name at each call
+
+
+def exit_codes(pcontext) -> dict[int, int | None]:
+    """Each local rank's exit code (None while it runs) from torch's process context: new interpreters
+    (``subprocess_handlers``) or forked trainers (app.cluster.forked_trainer: torch.multiprocessing's ``_pc``)."""
+    if handlers := getattr(pcontext, "subprocess_handlers", None):
+        return {rank: handler.proc.poll() for rank, handler in handlers.items()}
+    processes = getattr(getattr(pcontext, "_pc", None), "processes", None) or []
+    return {rank: proc.exitcode for rank, proc in enumerate(processes)}

@@ -6,7 +6,7 @@ bench/results/startup.json). ``fork_trainers(args)`` makes torch's agent fork it
 own machinery for a Python function: ``--start-method=fork``, and the entrypoint of ``--run-path`` pointed at
 ``run_trainer``. A forked trainer is given what a new one was: the agent's environment plus its RANK, WORLD_SIZE, ...;
 the trainer's arguments; default signal handlers until app.train installs its own; line-buffered output, as ``-u``;
-and its exit code reaches the launchers as before (``exit_codes``).
+and its exit code reaches the launchers as before (``app.cluster.elastic.exit_codes``).
 
 Only ``-m app.train``, and only with a build of torch without CUDA or ROCm: a process that has touched a GPU cannot
 be forked (counting the devices does), and another script may end its process in ways the agent's hand-over of the
@@ -28,12 +28,17 @@ TRAINER = "app.train"
 FORK_SWITCH = "LAUNCH_FORK_TRAINER"
 
 
+def runs_the_trainer(args) -> bool:
+    """Whether torchrun's arguments start this project's trainer, ``-m app.train``."""
+    return bool(args.module) and args.training_script == TRAINER
+
+
 def fork_trainers(args, environ=os.environ) -> bool:
     """Have torchrun's ``run(args)`` fork ``-m app.train`` from this process (see the module's docstring); whether
     it will."""
     if environ.get(FORK_SWITCH, "1") == "0" or args.no_python or args.run_path:
         return False
-    if not (args.module and args.training_script == TRAINER):
+    if not runs_the_trainer(args):
         return False
     import torch
 
@@ -83,11 +88,3 @@ def run_trainer(module: str, *argv: str) -> None:
 def _exit_once_stopped() -> None:
     stop_requested.wait()
     os._exit(0)
-
-
-def exit_codes(pcontext) -> dict[int, int | None]:
-    """Each local rank's exit code (None while it runs) from torch's process context, a new interpreter's or a fork."""
-    if handlers := getattr(pcontext, "subprocess_handlers", None):
-        return {rank: handler.proc.poll() for rank, handler in handlers.items()}
-    processes = getattr(getattr(pcontext, "_pc", None), "processes", None) or []
-    return {rank: proc.exitcode for rank, proc in enumerate(processes)}

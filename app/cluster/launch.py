@@ -53,7 +53,7 @@ from app.cluster.elastic import (
     install_agent,
     short,
 )
-from app.cluster.forked_trainer import fork_trainers
+from app.cluster.forked_trainer import fork_trainers, runs_the_trainer
 from app.cluster.job_state import JobState, fingerprint
 from app.exit_codes import BAD_CONFIG, FAILED, OK, STORAGE_FAILED
 from app.net import TcpUnreachable, wait_for_tcp
@@ -118,7 +118,7 @@ def check_trainer_config(args):
 
     Returns the resolved TrainConfig, or None when the script is not app.train.
     """
-    if not (args.module and args.training_script == "app.train"):
+    if not runs_the_trainer(args):
         return None
     from app.worker.config import ConfigError, digest, load_config
 
