@@ -31,9 +31,31 @@ class GradBucket:
         self.compressed = wire_dtype is not None
         self.scale: torch.Tensor | None = None  # the reducer's 1 / world size, a 0-dim tensor (reducer.py)
         self.batched = False  # the reducer's batched_grad_copy applies to this bucket
+        self.lendable: list[int] = []  # positions whose slot the reducer may hand to p.grad (reducer.py)
+        self.lend_now: list[int] = []  # ... and those it hands over at the end of the current backward
+        self._offsets = offsets
         self._buffer = torch.zeros(sum(numels), dtype=wire_dtype or params[0].dtype, device=params[0].device)
+        self._views = self._make_views()
+
+    def _make_views(self) -> list[torch.Tensor]:
         # Views made once: slicing per gradient per step would cost Python time on the backward's critical path.
-        self._views = [self._buffer[o : o + n].view_as(p) for o, n, p in zip(offsets, numels, params)]
+        return [self._buffer[o : o + p.numel()].view_as(p) for o, p in zip(self._offsets, self._params)]
+
+    # -- Lending slots to p.grad (reducer.py, _plan_write_back) --------------------------------------------------------
+    def shared_elsewhere(self, lent: int) -> bool:
+        """Whether a tensor other than the buffer, our views and ``lent`` gradients handed their slot shares this
+        bucket's memory: one the user kept (an old ``p.grad``, a ``detach()`` or slice of it), a hook's view.
+
+        Every tensor that shares a storage holds one reference to it, and so does the temporary storage object
+        made here to ask (PyTorch's CUDA-graph trees ask the same way whether a storage is still in use).
+        """
+        users = torch._C._storage_Use_Count(self._buffer.untyped_storage()._cdata)
+        return users > 2 + len(self._views) + lent
+
+    def renew(self) -> None:
+        """A new buffer and views for this bucket; the old memory stays with whoever still holds it."""
+        self._buffer = torch.empty_like(self._buffer)  # every slot is written before the next all-reduce
+        self._views = self._make_views()
 
     # -- PyTorch's GradBucket interface, what comm hooks may call ------------------------------------------------
     def index(self) -> int:

@@ -7,10 +7,12 @@ function works with ``app.parallel.ddp.DistributedDataParallel.register_comm_hoo
 gradients. The future must resolve to a tensor of the bucket's shape and dtype holding the *average* over ranks:
 the hook owns the division by the world size.
 
-The compression hooks carry a ``wire_dtype``. Our wrapper reads it and hands them buckets already in that dtype,
-filled with ``grad / world_size`` (the cast and the division fused into the copy into the bucket, and the cast
-back fused into the copy out): the hook then only all-reduces. PyTorch's DDP ignores the attribute and hands a
-full-precision bucket, which the hook casts itself.
+The compression hooks carry a ``wire_dtype``. Our wrapper reads it and hands them buckets already in that dtype
+(the cast fused into the copy into the bucket, and the cast back into the copy out), not yet divided. On gloo the
+hook then averages by exchange (``Exchange``): gloo's own all-reduce sums 16-bit types one element at a time,
+slowly, and rounds at every step; here each rank is sent the others' share of its part of the bucket, averages
+it in fp32 with PyTorch's vectorised kernels, rounds once and sends it back. PyTorch's DDP ignores the attribute
+and hands a full-precision bucket, which the hook casts itself.
 
 Run ``python -m pytest tests/integration/test_ddp.py -k hook`` to see them compared against uncompressed all-reduce.
 """
@@ -43,12 +45,15 @@ def allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
 def _compress_hook(dtype: torch.dtype):
     def hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
         group = _group_or_world(process_group)
-        if getattr(bucket, "compressed", False):
-            # Our wrapper's compressed bucket: already grad / world_size in `dtype`. SUM it in place; the wrapper
-            # casts it back while copying it into p.grad.
-            fut = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
-            return fut.then(lambda f: f.value()[0])
         world_size = dist.get_world_size(group)
+        if getattr(bucket, "compressed", False):
+            # Our wrapper's compressed bucket: each gradient in `dtype` already, not yet divided. It casts the
+            # average back while copying it into p.grad.
+            if bucket.buffer().device.type == "cpu":
+                return Exchange(bucket, group)  # the wrapper finishes it at the end of backward (Exchange.wait)
+            buffer = bucket.buffer().div_(world_size)  # as below: divided before the SUM, which cannot overflow
+            fut = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
+            return fut.then(lambda f: f.value()[0])
         buffer = bucket.buffer()
         # Divide *before* the reduction: fp16 tops out at 65504, so summing undivided gradients of many ranks
         # could overflow; the division costs nothing extra since the cast makes a new tensor anyway.
@@ -69,6 +74,58 @@ def _compress_hook(dtype: torch.dtype):
     )
     hook.wire_dtype = dtype  # read by our wrapper: compressed buckets, cast fused into the copies (see above)
     return hook
+
+
+class Exchange:
+    """The average of one compressed bucket over ``group`` by direct exchange, started now, finished by ``wait()``.
+
+    The bucket is cut into one part per rank. First each rank sends every other rank that rank's part of its
+    bucket (``isend``/``irecv``, all at once) and receives everyone's copy of its own part; then (``wait``) it
+    averages its part in fp32 and rounds once to the wire dtype, and sends the result to every other rank while
+    receiving theirs. Each rank sends 2 (n - 1) / n of the bucket, as in a ring all-reduce.
+
+    Our wrapper starts one per compressed bucket as the bucket fills and calls ``wait()`` at the end of backward,
+    in bucket order on every rank: the second half's sends are posted in the same order everywhere, whatever
+    finished first. Incoming parts land in a buffer kept on the bucket (a new one would page-fault every step).
+    """
+
+    def __init__(self, bucket, group):
+        buffer = bucket.buffer()
+        self._buffer, self._group = buffer, group
+        n, me = dist.get_world_size(group), dist.get_rank(group)
+        sizes = [buffer.numel() // n + (k < buffer.numel() % n) for k in range(n)]
+        self._parts = list(buffer.split(sizes))
+        self._mine = self._parts[me]
+        self._peers = [k for k in range(n) if k != me]
+        inbox = getattr(bucket, "inbox", None)
+        if inbox is None or inbox.numel() != len(self._peers) * sizes[me]:
+            inbox = bucket.inbox = buffer.new_empty(len(self._peers) * sizes[me])
+        self._received = list(inbox.view(len(self._peers), sizes[me]).unbind()) if self._peers else []
+        # Tags of their own, per bucket and half: no message can be taken for another bucket's, or a user's.
+        self._tag = 2 * bucket.index() + 1
+        self._works = self._post([(self._parts[k], k) for k in self._peers], zip(self._received, self._peers), 0)
+
+    def _post(self, sends, receives, half: int) -> list:
+        """isend/irecv each (tensor, peer), skipping empty parts (a bucket smaller than the world): both ends know
+        every part's size, so both skip the same messages."""
+        group, tag = self._group, self._tag + half
+        works = [dist.isend(t, group=group, tag=tag, group_dst=k) for t, k in sends if t.numel()]
+        return works + [dist.irecv(t, group=group, tag=tag, group_src=k) for t, k in receives if t.numel()]
+
+    def wait(self) -> torch.Tensor:
+        for work in self._works:
+            work.wait()
+        mine, received = self._mine, self._received
+        if len(received) == 1:
+            torch.lerp(mine, received[0], 0.5, out=mine)  # (a + b) / 2, computed in fp32, rounded once
+        elif received:
+            total = mine.float()
+            for part in received:
+                total.add_(part)
+            torch.mul(total, 1 / (len(received) + 1), out=mine)
+        for work in self._post([(mine, k) for k in self._peers], [(self._parts[k], k) for k in self._peers], 1):
+            work.wait()
+        return self._buffer
 
 
 fp16_compress_hook = _compress_hook(torch.float16)

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from app.parallel.reducer import tensors_in  # every tensor in a forward output, as the reducer walks it
+from app.parallel.graph_walk import tensors_in  # every tensor in a forward output, as the reducer walks it
 from app.parallel.sharded_grad import FlatShard, broadcast_module_state
 
 

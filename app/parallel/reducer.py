@@ -7,13 +7,16 @@ backward synchronises; this file does the synchronising, as PyTorch's C++ ``Redu
    registration order, and one hook per parameter is registered with autograd (``register_post_accumulate_grad_hook``);
 2. ``prepare_for_backward(outputs)`` arms the next backward: its hooks copy each gradient, divided by the world
    size, into its bucket slot, and a full bucket is all-reduced (SUM) asynchronously while backward goes on;
-3. at the end of that backward (an autograd callback) every bucket is waited for and copied into ``p.grad``.
+3. at the end of that backward (an autograd callback) every bucket is waited for and its averages reach
+   ``p.grad``: copied, or (a large gradient whose ``p.grad`` was None, nobody else holding the bucket) by handing
+   ``p.grad`` its slot of the bucket, which skips a pass over the gradients (``_plan_write_back``).
 
 The hooks run once per parameter per step, on backward's critical path, so they do as little Python as possible:
 everything that can be computed once (views, slots, divisors) is, small gradients go into their bucket together
 (two calls per bucket, ``_copy_grouped``), and the copy back is one call per bucket.
 Unused parameters (``find_unused_parameters``), ``static_graph`` and ``gradient_as_bucket_view`` are handled here
 too. Nothing in this file knows about ``no_sync()``: a backward that was not prepared leaves ``p.grad`` alone.
+Compressed buckets (a comm hook with a ``wire_dtype``, ``comm_hooks.py``) hold the gradients cast, not divided.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 from app.parallel.buckets import GradBucket, assign_buckets
+from app.parallel.comm_hooks import Exchange
 from app.parallel.comm_stats import BackwardTimes, Clock, CommStats
+from app.parallel.graph_walk import unused_parameters
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 # Gradients up to this many elements are copied into their bucket in one grouped call (see Reducer._grouped):
@@ -100,11 +105,19 @@ class Reducer:
             b.scale = torch.tensor(1.0 / self.world_size, dtype=b._params[0].dtype)
             # PyTorch's batched_grad_copy: copy all, then divide the buffer (a compressed one keeps its fused cast).
             b.batched = self.batched_grad_copy and not b.compressed and not self.gradient_as_bucket_view
-            for index, view in zip(b.param_indices, b._views):
-                slot[index] = (b, view, self._grouped(b, view))
+            self._fill_slots(b, slot)
+            # Slots the end of backward may hand to p.grad instead of copying (see _plan_write_back): large
+            # gradients, laid out as their bucket view (a channels_last gradient keeps its own layout).
+            lending = not (b.compressed or self.gradient_as_bucket_view)
+            b.lendable = [k for k, (p, view) in enumerate(zip(b._params, b._views)) if lending
+                          and not self._grouped(b, view) and p.is_contiguous()]  # fmt: skip
         # Full-precision bytes (what the stats and logs report, compressed or not).
         self._bucket_sizes = [sum(p.numel() * p.element_size() for p in b._params) for b in buckets]
         return buckets, slot
+
+    def _fill_slots(self, bucket: GradBucket, slot: list) -> None:
+        for index, view in zip(bucket.param_indices, bucket._views):
+            slot[index] = (bucket, view, self._grouped(bucket, view))
 
     def _grouped(self, bucket: GradBucket, view: torch.Tensor) -> bool:
         """Whether this slot's gradient waits for its bucket to fill and is copied with the others (_copy_grouped).
@@ -134,13 +147,13 @@ class Reducer:
             # As PyTorch: swapping reductions between steps would silently mix two averaging schemes.
             raise RuntimeError("register_comm_hook can be called only once, before training")
         self._comm_hook, self._comm_state = hook, state
-        # A hook with a wire_dtype gets buckets cast (and divided) in the copy into them, and cast back in the copy
-        # out: two passes over the gradients fewer. Others get full precision and divide, as with PyTorch's DDP.
+        # A hook with a wire_dtype gets buckets cast in the copy into them, and cast back in the copy out: two
+        # passes over the gradients fewer. Others get full precision, as with PyTorch's DDP. Either way the hook
+        # divides (a cast alone is a plain copy; fused with the division it takes a kernel 1.5x slower).
+        self._divides = False
         self._wire_dtype = getattr(hook, "wire_dtype", None)
         if self._wire_dtype is not None and not self.gradient_as_bucket_view:
             self._buckets, self._slot = self._build_buckets([i for b in self._buckets for i in b.param_indices])
-        else:
-            self._divides = False
 
     def set_static_graph(self) -> None:
         """PyTorch's older way to ask for ``static_graph=True`` after construction (before the first forward)."""
@@ -161,6 +174,7 @@ class Reducer:
         self._arrival_order: list[int] = []
         self._grouped_grads: list[list] = [[] for _ in range(n)]  # per bucket: (slot, gradient) of grouped copies
         self._locally_unused: list[int] = []  # unused (below) and no gradient accumulated under no_sync()
+        self._plan_write_back()  # (after the line above: the last backward's futures no longer hold any tensor)
         # Not reached by this forward's graph (find_unused_parameters); static graph: the first iteration's set.
         walk = self._static_unused is None and (self.find_unused_parameters or self.static_graph)
         self._unused = unused_parameters(outputs, self._params) if walk else (self._static_unused or [])
@@ -204,20 +218,22 @@ class Reducer:
         # (Autograd runs hooks with grad mode off, and the buffer is no leaf of any graph: plain ops suffice.)
         if grad is None:
             view.zero_()
-        elif grouped:
+        elif grouped:  # (never lent: such a slot is never p.grad)
             self._grouped_grads[bucket._index].append((view, grad))  # copied with the rest of its group, below
-        elif self.gradient_as_bucket_view:
-            if grad.data_ptr() != view.data_ptr():
+        elif grad.data_ptr() == view.data_ptr():
+            # p.grad is its slot (gradient_as_bucket_view, or lent by an earlier backward and kept since by
+            # zero_grad(set_to_none=False) or no_sync()): autograd accumulated straight into the bucket.
+            if self._divides:
+                view.mul_(bucket.scale)  # scale it in place, while it is still in cache
+        else:
+            if self._divides:
+                torch.mul(grad, bucket.scale, out=view)  # copy, scale and (wire_dtype) cast: one pass
+            else:
+                view.copy_(grad)
+            if self.gradient_as_bucket_view:
                 # From now on p.grad *is* the bucket slot: the separate gradient tensor is freed, and while p.grad
                 # is kept (zero_grad(set_to_none=False), no_sync()), autograd accumulates straight into the bucket.
-                view.copy_(grad)
                 param.grad = view
-            if self._divides:
-                view.mul_(bucket.scale)  # the slot is p.grad: scale it in place, while it is still in cache
-        elif self._divides:
-            torch.mul(grad, bucket.scale, out=view)  # copy, scale and (wire_dtype) cast: one pass
-        else:
-            view.copy_(grad)
         self._pending[bucket._index] -= 1
         if self._pending[bucket._index] == 0:
             if self._grouped_grads[bucket._index]:
@@ -264,7 +280,8 @@ class Reducer:
                 value = f.value()
                 return value[0] if isinstance(value, list) else value  # all_reduce's future holds a list
 
-            self._futures[i] = fut.then(record_done)
+            # (A compressed bucket's Exchange is finished, and timed, by its wait() at the end of backward.)
+            self._futures[i] = fut if isinstance(fut, Exchange) else fut.then(record_done)
             self._next_bucket += 1
 
     # -- End of backward: wait, write p.grad ---------------------------------------------------------------------------
@@ -280,12 +297,14 @@ class Reducer:
             )
         globally_used = self._globally_used_flags()
         with torch.no_grad():
-            for bucket, fut in zip(self._buckets, self._futures):
+            for i, (bucket, fut) in enumerate(zip(self._buckets, self._futures)):
                 # Wait bucket by bucket and write each out as soon as it is back: the write of bucket i overlaps
                 # the reduction of bucket i+1. Only the waiting counts as exposed communication.
                 before = self._clock.now()
                 averaged = fut.wait()
                 self._times.waits.append((before, self._clock.now()))
+                if self._times.dones[i] is None:
+                    self._times.dones[i] = self._times.waits[-1][1]
                 if averaged.data_ptr() != bucket.buffer().data_ptr():
                     bucket.buffer().copy_(averaged)  # hooks may return a new tensor rather than the buffer
                 self._write_back(bucket, globally_used)
@@ -293,20 +312,48 @@ class Reducer:
         if self.static_graph and self._static_unused is None:
             self._learn_static_graph(globally_used)
 
+    def _plan_write_back(self) -> None:
+        """Before a synchronised backward: which gradients get their bucket slot as ``p.grad`` at its end.
+
+        PyTorch's DDP copies every average back from the bucket into ``p.grad``: one more pass over all gradients
+        (24 MiB a step for bench's deep MLP). Ours skips it where no caller could tell: a large gradient whose
+        ``p.grad`` is None now (``zero_grad()``'s default) is handed its slot instead, a view into the bucket as
+        with ``gradient_as_bucket_view``, holding the same average. Only if no tensor outside ours shares the
+        bucket's memory: a ``p.grad`` the caller kept from the last step must not change under them, so that
+        bucket moves to a new buffer first. Small gradients are copied back in one call per bucket (cheaper than
+        handing out dozens of slots), and so are gradients accumulated in ``p.grad`` (``no_sync()``): they keep
+        their tensor, as with PyTorch.
+        """
+        for b in self._buckets:
+            grads = [b._params[k].grad for k in b.lendable]
+            kept = [g is not None and g.data_ptr() == b._views[k].data_ptr() for g, k in zip(grads, b.lendable)]
+            if b.lendable and b.shared_elsewhere(lent=sum(kept)):
+                b.renew()
+                self._fill_slots(b, self._slot)
+            b.lend_now = [k for g, k in zip(grads, b.lendable) if g is None]
+
     def _write_back(self, bucket: GradBucket, globally_used: list[bool] | None) -> None:
-        """Make ``p.grad`` hold the bucket's averages: one copy per bucket, or (gradient_as_bucket_view) nothing."""
-        grads = [p.grad for p in bucket._params]
-        if globally_used is None and all(g is not None for g in grads):  # every parameter used: the fast path
+        """Make ``p.grad`` hold the bucket's averages: slots lent (see _plan_write_back), the rest copied in one
+        call; nothing for ``p.grad`` that is its slot already (gradient_as_bucket_view, a slot lent and kept)."""
+        params, views = bucket._params, bucket._views
+        if globally_used is None and not bucket.lendable:  # every parameter used, none can be its slot
             if not self.gradient_as_bucket_view:  # (with it, every p.grad is its slot already)
-                torch._foreach_copy_(grads, bucket._views)  # one call (and cast) for the whole bucket
+                torch._foreach_copy_([p.grad for p in params], views)  # one call (and cast) for the whole bucket
             return
-        for p, view, index in zip(bucket._params, bucket._views, bucket.param_indices):
+        lend = set(bucket.lend_now)
+        copy_to, copy_from = [], []
+        for k, (p, view, index) in enumerate(zip(params, views, bucket.param_indices)):
             if globally_used is not None and not globally_used[index]:
                 continue  # no rank used it: leave p.grad untouched (None), as PyTorch does
-            if p.grad is None:  # unused here but used elsewhere: the average arrives only through the bucket
+            if k in lend:
+                p.grad = view.detach()  # its own tensor object sharing the slot: _plan_write_back counts those
+            elif p.grad is None:  # unused here but used elsewhere: the average arrives only through the bucket
                 p.grad = view if self.gradient_as_bucket_view else view.to(p.dtype, copy=True)
             elif p.grad.data_ptr() != view.data_ptr():
-                p.grad.copy_(view)
+                copy_to.append(p.grad)
+                copy_from.append(view)
+        if copy_to:
+            torch._foreach_copy_(copy_to, copy_from)
 
     def _globally_used_flags(self) -> list[bool] | None:
         """Which parameters some rank used (only those get a gradient); ``None`` when all are, by construction."""
@@ -336,30 +383,3 @@ class Reducer:
                 for index, p in enumerate(self._params):
                     if p.grad is not None:  # a slot of the old buckets: move it into the new ones
                         p.grad = self._slot[index][1].copy_(p.grad)
-
-
-def unused_parameters(outputs, params: list[nn.Parameter]) -> list[int]:
-    """Indices of ``params`` that the autograd graph behind ``outputs`` does not reach (their hooks never fire)."""
-    reached: set[int] = set()
-    seen: set = set()
-    stack = [t.grad_fn for t in tensors_in(outputs) if t.grad_fn is not None]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        if (variable := getattr(fn, "variable", None)) is not None:  # AccumulateGrad nodes hold their parameter
-            reached.add(id(variable))
-        stack.extend(next_fn for next_fn, _ in fn.next_functions)
-    return [i for i, p in enumerate(params) if id(p) not in reached]
-
-
-def tensors_in(output) -> list[torch.Tensor]:
-    """Every tensor inside a (possibly nested) forward output."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (list, tuple)):
-        return [t for item in output for t in tensors_in(item)]
-    return []
