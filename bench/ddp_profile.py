@@ -20,7 +20,8 @@ rank's per-repeat median. The machine may be shared: read the ratios to PyTorch'
 
 Variants: ``no DDP`` (the bare model: no communication), ``ours`` and ``torch`` (25 MiB buckets, fp32 on the wire),
 ``ours bf16`` and ``torch bf16`` (the same, with ``app.parallel.comm_hooks.bf16_compress_hook``). Beside them, one
-all-reduce of the model's gradients alone in fp32, bf16 and fp16: the most a 16-bit wire can save here.
+all-reduce of the model's gradients alone in fp32, bf16 and fp16 (gloo's), and in bf16 by exchange (ours): the most
+a 16-bit wire can save here.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from app.parallel import wrap_model
-from app.parallel.comm_hooks import HOOKS
+from app.parallel.comm_hooks import HOOKS, Exchange
 from app.worker.dist import distributed
 from bench.ddp_bench import describe, mlp_workload, transformer_workload
 from bench.provenance import describe_output, load_average, output_path, provenance
@@ -113,18 +114,37 @@ def profile_variants(names: list[str], workload, batch: int, repeats: int, steps
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class _Bucket:
+    """What ``Exchange`` reads of a bucket: its buffer and index (and it keeps its inbox here)."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self._buffer = buffer
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return 0
+
+
 def allreduce_alone(numel: int, repeats: int, calls: int = 3) -> dict:
     """Seconds of one all-reduce of ``numel`` gradients (the model's) per wire dtype, nothing else running: what a
-    16-bit bucket can save at most. Interleaved per repeat; the slowest rank's mean of ``calls``, median over
+    16-bit bucket can save at most. gloo's all-reduce in each dtype, and ours by exchange (``Exchange``: what our
+    compressed buckets use) in bf16. Interleaved per repeat; the slowest rank's mean of ``calls``, median over
     repeats. gloo sums 16-bit types more slowly per element than fp32, so half the bytes is not half the time."""
     buffers = {name: torch.randn(numel).to(dtype) for name, dtype in WIRE_DTYPES.items()}
+    buffers["bf16 exchange"] = buffers["bf16"].clone()
+    bucket = _Bucket(buffers["bf16 exchange"])
     times: dict[str, list[float]] = {name: [] for name in buffers}
     for _ in range(repeats):
         for name, buf in buffers.items():
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(calls):
-                dist.all_reduce(buf)
+                if name == "bf16 exchange":
+                    Exchange(bucket, dist.group.WORLD).wait()
+                else:
+                    dist.all_reduce(buf)
             mine = torch.tensor((time.perf_counter() - t0) / calls, dtype=torch.float64)
             dist.all_reduce(mine, op=dist.ReduceOp.MAX)
             times[name].append(mine.item())

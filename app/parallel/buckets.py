@@ -33,6 +33,7 @@ class GradBucket:
         self.batched = False  # the reducer's batched_grad_copy applies to this bucket
         self.lendable: list[int] = []  # positions whose slot the reducer may hand to p.grad (reducer.py)
         self.lend_now: list[int] = []  # ... and those it hands over at the end of the current backward
+        self.grouped_spans: list[torch.Tensor] = []  # the memory of slots copied together (reducer._copy_grouped)
         self._offsets = offsets
         self._buffer = torch.zeros(sum(numels), dtype=wire_dtype or params[0].dtype, device=params[0].device)
         self._views = self._make_views()
@@ -43,14 +44,14 @@ class GradBucket:
 
     # -- Lending slots to p.grad (reducer.py, _plan_write_back) --------------------------------------------------------
     def shared_elsewhere(self, lent: int) -> bool:
-        """Whether a tensor other than the buffer, our views and ``lent`` gradients handed their slot shares this
-        bucket's memory: one the user kept (an old ``p.grad``, a ``detach()`` or slice of it), a hook's view.
+        """Whether a tensor other than the buffer, our views (and spans) and ``lent`` gradients handed their slot
+        shares this bucket's memory: one the user kept (an old ``p.grad``, a ``detach()`` or slice of it), a hook's view.
 
         Every tensor that shares a storage holds one reference to it, and so does the temporary storage object
         made here to ask (PyTorch's CUDA-graph trees ask the same way whether a storage is still in use).
         """
         users = torch._C._storage_Use_Count(self._buffer.untyped_storage()._cdata)
-        return users > 2 + len(self._views) + lent
+        return users > 2 + len(self._views) + len(self.grouped_spans) + lent
 
     def renew(self) -> None:
         """A new buffer and views for this bucket; the old memory stays with whoever still holds it."""

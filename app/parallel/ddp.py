@@ -15,7 +15,8 @@ The idea fits in four lines:
     2. every rank runs forward and backward on its own shard of the batch;
     3. as backward produces each parameter's gradient, a hook copies it, divided by the world size, into a flat
        *bucket*; a full bucket is all-reduced (SUM) *asynchronously*, while backward computes earlier layers';
-    4. when backward ends, we wait for the outstanding buckets and copy the averages back into ``p.grad``.
+    4. when backward ends, we wait for the outstanding buckets and put the averages in ``p.grad`` (copied back, or
+       for a large gradient its slot handed over when nobody else could tell: ``reducer._plan_write_back``).
 
 So ``loss.backward(); optimizer.step()`` works exactly as with ``torch.nn.parallel.DistributedDataParallel``, and
 because every rank applies the same averaged gradient to the same parameters, the ranks stay identical.
@@ -29,9 +30,8 @@ because every rank applies the same averaged gradient to the same parameters, th
 
 The constructor is PyTorch 2.13's, argument for argument (``DistributedDataParallel(model, device_ids=[rank])``
 works by changing the import only); docs/ddp.md maps each argument to what it does here. With
-``gradient_as_bucket_view=True`` step 4 disappears: ``p.grad`` *is* a slice of the bucket, so the gradient exists
-once. With ``static_graph=True`` the first iteration is studied once (unused parameters, the order gradients
-arrive in) and later iterations reuse it.
+``gradient_as_bucket_view=True`` step 4 always disappears: ``p.grad`` *is* a slice of the bucket. With
+``static_graph=True`` the first iteration is studied once (unused parameters, gradients' order) and reused.
 
 Buffers (BatchNorm's running stats) are broadcast from rank 0 exactly when PyTorch's DDP does it: before the first
 forward and before each forward that follows a synchronising one (under ``no_sync()``: the first micro-batch's).

@@ -116,8 +116,15 @@ class Reducer:
         return buckets, slot
 
     def _fill_slots(self, bucket: GradBucket, slot: list) -> None:
-        for index, view in zip(bucket.param_indices, bucket._views):
-            slot[index] = (bucket, view, self._grouped(bucket, view))
+        spans: list[list[int]] = []  # the grouped slots' memory as few [start, end) runs as it takes
+        for index, view, start in zip(bucket.param_indices, bucket._views, bucket._offsets):
+            grouped = self._grouped(bucket, view)
+            slot[index] = (bucket, view, grouped)
+            if grouped and spans and spans[-1][1] == start:
+                spans[-1][1] += view.numel()
+            elif grouped:
+                spans.append([start, start + view.numel()])
+        bucket.grouped_spans = [bucket.buffer()[start:end] for start, end in spans]
 
     def _grouped(self, bucket: GradBucket, view: torch.Tensor) -> bool:
         """Whether this slot's gradient waits for its bucket to fill and is copied with the others (_copy_grouped).
@@ -249,7 +256,10 @@ class Reducer:
             if self._divides:
                 bucket.buffer().div_(self.world_size)  # (slots of missing gradients are zeros)
         elif self._divides:
-            torch._foreach_copy_(views, torch._foreach_mul(grads, bucket.scale))  # the same bits as torch.mul
+            # Copied, then scaled in place where they lie: the same bits as torch.mul into the slot, and no
+            # temporary per gradient (a _foreach_mul would allocate one each; for small ones that is the cost).
+            torch._foreach_copy_(views, grads)
+            torch._foreach_mul_(bucket.grouped_spans, bucket.scale)
         else:
             torch._foreach_copy_(views, grads)
 

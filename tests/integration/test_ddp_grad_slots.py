@@ -64,11 +64,12 @@ def in_a_bucket(ddp: DDP, t: torch.Tensor) -> bool:
 
 def lent_training(rank, world, set_to_none, accumulate):
     (ours, opt_ours), (theirs, opt_theirs) = pair()
-    identities = []
+    identities, buffers = [], []
     for s in range(4):
         for wrapped, opt in ((ours, opt_ours), (theirs, opt_theirs)):
             step(wrapped, opt, s, rank, set_to_none, accumulate)
         identities.append([id(p.grad) for p in ours.parameters()])
+        buffers.append([b.buffer().data_ptr() for b in ours.reducer.buckets])
     big = ours.module[0].weight
     return {
         "params": max_diff(ours.parameters(), theirs.parameters()),
@@ -76,6 +77,7 @@ def lent_training(rank, world, set_to_none, accumulate):
         "big_in_bucket": in_a_bucket(ours, big.grad),
         "small_in_bucket": [in_a_bucket(ours, p.grad) for p in ours.parameters() if p.numel() <= GROUP_NUMEL],
         "same_tensors": identities[-1] == identities[-2] == identities[-3],
+        "same_buckets": buffers[0] == buffers[-1],
         "grad_bytes": ours.gradient_bytes(),
         "bucket_bytes": sum(ours.bucket_sizes),
     }
@@ -90,6 +92,7 @@ def test_training_equals_pytorchs_whether_a_slot_is_lent_kept_or_copied(set_to_n
     for r in run_world(lent_training, 2, set_to_none, accumulate):
         assert r["params"] <= TOL and r["grads"] <= TOL, r
         assert not any(r["small_in_bucket"])  # small gradients keep their own tensor (copied back)
+        assert r["same_buckets"]  # nobody else held a bucket: it was never replaced by a new one
         if accumulate == 1:
             # p.grad was None (or its slot) at every synchronising backward: the large gradient lives in its bucket
             assert r["big_in_bucket"]

@@ -70,8 +70,14 @@ def _ddp_losses(losses: dict) -> list[str]:
 def _ddp_claims(doc: dict) -> list[tuple[str, str, str, bool | None]]:
     rows = []
     for m, info in doc["models"].items():
-        ratio = info["variants"]["ours 25MB"]["ratio_to_torch"]
-        rows.append((f"ours (25 MB buckets) as fast as PyTorch's DDP, {m}", "≤ 1.05×", f"{ratio:.2f}×", ratio <= 1.05))
+        ours, theirs = info["variants"]["ours 25MB"], info["variants"]["torch 25MB"]
+        ratio = ours["ratio_to_torch"]
+        # Repeats are interleaved, so repeat i of ours and of PyTorch's ran minutes apart at most: a fair pair.
+        pairs = list(zip(ours.get("per_repeat_s", []), theirs.get("per_repeat_s", [])))
+        ahead = f" (ahead in {sum(a < b for a, b in pairs)} of {len(pairs)} repeats)" if pairs else ""
+        rows.append(
+            (f"ours (25 MB buckets) ahead of PyTorch's DDP, {m}", "≤ 1.00×", f"{ratio:.2f}×{ahead}", ratio <= 1)
+        )
     mlp = doc["models"].get("deep_mlp", {}).get("variants", {})
     if "lesson loop" in mlp:
         speedup = mlp["lesson loop"]["median_s"] / mlp["ours 25MB"]["median_s"]
@@ -124,6 +130,7 @@ def render_ddp_profile(doc: dict) -> list[str]:
             )
             lines += [
                 "",
-                f"One all-reduce of its {info['gradient_mib']} MiB of gradients alone, nothing else running: {cells}.",
+                f"One all-reduce of its {info['gradient_mib']} MiB of gradients alone, nothing else running (gloo's "
+                f"in each dtype; `exchange`: ours, what our compressed buckets use): {cells}.",
             ]
     return lines
