@@ -275,7 +275,7 @@ def compare_losses(steps: int) -> dict[str, dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats per variant (default 5)")
+    ap.add_argument("--repeats", type=int, default=9, help="interleaved repeats per variant (default 9)")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per repeat (default 8)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (default 3)")
     ap.add_argument("--loss-steps", type=int, default=40, help="training steps of the compression loss check")
