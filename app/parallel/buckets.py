@@ -31,8 +31,7 @@ class GradBucket:
         self.compressed = wire_dtype is not None
         self.scale: torch.Tensor | None = None  # the reducer's 1 / world size, a 0-dim tensor (reducer.py)
         self.batched = False  # the reducer's batched_grad_copy applies to this bucket
-        self.lendable: list[int] = []  # positions whose slot the reducer may hand to p.grad (reducer.py)
-        self.lend_now: list[int] = []  # ... and those it hands over at the end of the current backward
+        self.lendable: list[int] = []  # positions whose slot the reducer may hand to p.grad (reducer._plan_lending)
         self.grouped_spans: list[torch.Tensor] = []  # the memory of slots copied together (reducer._copy_grouped)
         self._offsets = offsets
         self._buffer = torch.zeros(sum(numels), dtype=wire_dtype or params[0].dtype, device=params[0].device)
@@ -42,10 +41,10 @@ class GradBucket:
         # Views made once: slicing per gradient per step would cost Python time on the backward's critical path.
         return [self._buffer[o : o + p.numel()].view_as(p) for o, p in zip(self._offsets, self._params)]
 
-    # -- Lending slots to p.grad (reducer.py, _plan_write_back) --------------------------------------------------------
+    # -- Lending slots to p.grad (reducer.py, _plan_lending) --------------------------------------------------------
     def shared_elsewhere(self, lent: int) -> bool:
         """Whether a tensor other than the buffer, our views (and spans) and ``lent`` gradients handed their slot
-        shares this bucket's memory: one the user kept (an old ``p.grad``, a ``detach()`` or slice of it), a hook's view.
+        shares this bucket's memory: one the user kept (an old ``p.grad``, a ``detach()`` or slice of it).
 
         Every tensor that shares a storage holds one reference to it, and so does the temporary storage object
         made here to ask (PyTorch's CUDA-graph trees ask the same way whether a storage is still in use).

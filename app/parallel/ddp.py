@@ -16,7 +16,7 @@ The idea fits in four lines:
     3. as backward produces each parameter's gradient, a hook copies it, divided by the world size, into a flat
        *bucket*; a full bucket is all-reduced (SUM) *asynchronously*, while backward computes earlier layers';
     4. when backward ends, we wait for the outstanding buckets and put the averages in ``p.grad`` (copied back, or
-       for a large gradient its slot handed over when nobody else could tell: ``reducer._plan_write_back``).
+       for a large gradient its slot handed over when nobody else could tell: ``reducer._plan_lending``).
 
 So ``loss.backward(); optimizer.step()`` works exactly as with ``torch.nn.parallel.DistributedDataParallel``, and
 because every rank applies the same averaged gradient to the same parameters, the ranks stay identical.

@@ -7,9 +7,9 @@ backward synchronises; this file does the synchronising, as PyTorch's C++ ``Redu
    registration order, and one hook per parameter is registered with autograd (``register_post_accumulate_grad_hook``);
 2. ``prepare_for_backward(outputs)`` arms the next backward: its hooks copy each gradient, divided by the world
    size, into its bucket slot, and a full bucket is all-reduced (SUM) asynchronously while backward goes on;
-3. at the end of that backward (an autograd callback) every bucket is waited for and its averages reach
-   ``p.grad``: copied, or (a large gradient whose ``p.grad`` was None, nobody else holding the bucket) by handing
-   ``p.grad`` its slot of the bucket, which skips a pass over the gradients (``_plan_write_back``).
+3. at the end of that backward (an autograd callback) every bucket is waited for and its averages are copied into
+   ``p.grad``, except where ``p.grad`` is its slot of the bucket already: a large gradient whose ``p.grad`` was
+   None (nobody else holding the bucket) is handed its slot by its hook, which skips a pass (``_plan_lending``).
 
 The hooks run once per parameter per step, on backward's critical path, so they do as little Python as possible:
 everything that can be computed once (views, slots, divisors) is, small gradients go into their bucket together
@@ -106,8 +106,8 @@ class Reducer:
             # PyTorch's batched_grad_copy: copy all, then divide the buffer (a compressed one keeps its fused cast).
             b.batched = self.batched_grad_copy and not b.compressed and not self.gradient_as_bucket_view
             self._fill_slots(b, slot)
-            # Slots the end of backward may hand to p.grad instead of copying (see _plan_write_back): large
-            # gradients, laid out as their bucket view (a channels_last gradient keeps its own layout).
+            # Slots that may become p.grad instead of being copied back (see _plan_lending): large gradients,
+            # laid out as their bucket view (a channels_last gradient keeps its own layout).
             lending = not (b.compressed or self.gradient_as_bucket_view)
             b.lendable = [k for k, (p, view) in enumerate(zip(b._params, b._views)) if lending
                           and not self._grouped(b, view) and p.is_contiguous()]  # fmt: skip
@@ -181,7 +181,7 @@ class Reducer:
         self._arrival_order: list[int] = []
         self._grouped_grads: list[list] = [[] for _ in range(n)]  # per bucket: (slot, gradient) of grouped copies
         self._locally_unused: list[int] = []  # unused (below) and no gradient accumulated under no_sync()
-        self._plan_write_back()  # (after the line above: the last backward's futures no longer hold any tensor)
+        self._plan_lending()  # (after the line above: the last backward's futures no longer hold any tensor)
         # Not reached by this forward's graph (find_unused_parameters); static graph: the first iteration's set.
         walk = self._static_unused is None and (self.find_unused_parameters or self.static_graph)
         self._unused = unused_parameters(outputs, self._params) if walk else (self._static_unused or [])
@@ -241,6 +241,10 @@ class Reducer:
                 # From now on p.grad *is* the bucket slot: the separate gradient tensor is freed, and while p.grad
                 # is kept (zero_grad(set_to_none=False), no_sync()), autograd accumulates straight into the bucket.
                 param.grad = view
+            elif self._lend[index]:
+                # Lent (see _plan_lending): freed now, the tensor autograd made lends its memory, still in cache,
+                # to the next gradient backward computes.
+                param.grad = view.detach()
         self._pending[bucket._index] -= 1
         if self._pending[bucket._index] == 0:
             if self._grouped_grads[bucket._index]:
@@ -322,43 +326,44 @@ class Reducer:
         if self.static_graph and self._static_unused is None:
             self._learn_static_graph(globally_used)
 
-    def _plan_write_back(self) -> None:
-        """Before a synchronised backward: which gradients get their bucket slot as ``p.grad`` at its end.
+    def _plan_lending(self) -> None:
+        """Before a synchronised backward: which gradients get their bucket slot as ``p.grad``, not a copy.
 
         PyTorch's DDP copies every average back from the bucket into ``p.grad``: one more pass over all gradients
-        (24 MiB a step for bench's deep MLP). Ours skips it where no caller could tell: a large gradient whose
-        ``p.grad`` is None now (``zero_grad()``'s default) is handed its slot instead, a view into the bucket as
-        with ``gradient_as_bucket_view``, holding the same average. Only if no tensor outside ours shares the
-        bucket's memory: a ``p.grad`` the caller kept from the last step must not change under them, so that
-        bucket moves to a new buffer first. Small gradients are copied back in one call per bucket (cheaper than
-        handing out dozens of slots), and so are gradients accumulated in ``p.grad`` (``no_sync()``): they keep
-        their tensor, as with PyTorch.
+        (24 MiB a step for bench's deep MLP). Ours skips it where the result cannot be told apart: a large gradient
+        whose ``p.grad`` is None now (``zero_grad()``'s default) is handed its slot once copied into it (``p.grad``
+        then shares the bucket's memory, as with ``gradient_as_bucket_view``, and ends up holding the average).
+        Only if no tensor outside ours shares the bucket: a ``p.grad`` the caller kept from the last step must not
+        change under them, so that bucket moves to a new buffer first. Small gradients are copied back in one call
+        per bucket, and so are gradients accumulated in ``p.grad`` (``no_sync()``): those keep their tensor.
         """
+        self._lend = [False] * len(self._params)
         for b in self._buckets:
             grads = [b._params[k].grad for k in b.lendable]
             kept = [g is not None and g.data_ptr() == b._views[k].data_ptr() for g, k in zip(grads, b.lendable)]
             if b.lendable and b.shared_elsewhere(lent=sum(kept)):
                 b.renew()
                 self._fill_slots(b, self._slot)
-            b.lend_now = [k for g, k in zip(grads, b.lendable) if g is None]
+            for g, k in zip(grads, b.lendable):
+                self._lend[b.param_indices[k]] = g is None
 
     def _write_back(self, bucket: GradBucket, globally_used: list[bool] | None) -> None:
-        """Make ``p.grad`` hold the bucket's averages: slots lent (see _plan_write_back), the rest copied in one
-        call; nothing for ``p.grad`` that is its slot already (gradient_as_bucket_view, a slot lent and kept)."""
+        """Make ``p.grad`` hold the bucket's averages: copied, in one call per bucket, into every ``p.grad`` that is
+        not its slot already (gradient_as_bucket_view, a slot lent in this backward or kept since)."""
         params, views = bucket._params, bucket._views
         if globally_used is None and not bucket.lendable:  # every parameter used, none can be its slot
             if not self.gradient_as_bucket_view:  # (with it, every p.grad is its slot already)
                 torch._foreach_copy_([p.grad for p in params], views)  # one call (and cast) for the whole bucket
             return
-        lend = set(bucket.lend_now)
         copy_to, copy_from = [], []
-        for k, (p, view, index) in enumerate(zip(params, views, bucket.param_indices)):
+        for p, view, index in zip(params, views, bucket.param_indices):
             if globally_used is not None and not globally_used[index]:
                 continue  # no rank used it: leave p.grad untouched (None), as PyTorch does
-            if k in lend:
-                p.grad = view.detach()  # its own tensor object sharing the slot: _plan_write_back counts those
-            elif p.grad is None:  # unused here but used elsewhere: the average arrives only through the bucket
-                p.grad = view if self.gradient_as_bucket_view else view.to(p.dtype, copy=True)
+            if p.grad is None:  # unused here but used elsewhere: the average arrives only through the bucket
+                lend = self.gradient_as_bucket_view or self._lend[index]
+                p.grad = (
+                    (view if self.gradient_as_bucket_view else view.detach()) if lend else view.to(p.dtype, copy=True)
+                )
             elif p.grad.data_ptr() != view.data_ptr():
                 copy_to.append(p.grad)
                 copy_from.append(view)

@@ -1,7 +1,7 @@
 """Large gradients handed their bucket slot as ``p.grad`` (no copy back), and only where no caller could tell.
 
 Our reducer skips PyTorch's last pass over the gradients, the copy from the bucket back into ``p.grad``, by making
-``p.grad`` of a large gradient whose ``p.grad`` was None a view of its bucket slot (``reducer._plan_write_back``).
+``p.grad`` of a large gradient whose ``p.grad`` was None a view of its bucket slot (``reducer._plan_lending``).
 Each test trains ours and PyTorch's DDP side by side on real gloo ranks and asserts what a user would notice:
 the same parameters and gradients, a gradient kept from an earlier step unchanged, ``p.grad`` kept by
 ``zero_grad(set_to_none=False)`` the same tensor from step to step, and the memory saved.
