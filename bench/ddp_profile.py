@@ -119,6 +119,7 @@ class _Bucket:
 
     def __init__(self, buffer: torch.Tensor):
         self._buffer = buffer
+        self.inbox = None
 
     def buffer(self) -> torch.Tensor:
         return self._buffer

@@ -143,7 +143,7 @@ def check_checkpoint_dir(directory: str) -> None:
     fault would train up to the next save and fail there again."""
     if not directory or not os.path.isdir(directory):
         return  # no checkpoints, or a directory the trainer creates: its own save reports a failure
-    probe = os.path.join(directory, f".launch-probe-{os.getpid()}")
+    probe = os.path.join(directory, f".launch-probe-{socket.gethostname()}-{os.getpid()}")  # PIDs repeat in containers
     try:
         with open(probe, "wb") as f:
             f.write(b"\0" * 4096)  # one block: an empty file can be created on a disk with no block left

@@ -33,6 +33,7 @@ class GradBucket:
         self.batched = False  # the reducer's batched_grad_copy applies to this bucket
         self.lendable: list[int] = []  # positions whose slot the reducer may hand to p.grad (reducer._plan_lending)
         self.grouped_spans: list[torch.Tensor] = []  # the memory of slots copied together (reducer._copy_grouped)
+        self.inbox: torch.Tensor | None = None  # where a compressed bucket's Exchange receives (comm_hooks.py)
         self._offsets = offsets
         self._buffer = torch.zeros(sum(numels), dtype=wire_dtype or params[0].dtype, device=params[0].device)
         self._views = self._make_views()

@@ -97,7 +97,7 @@ class Exchange:
         self._parts = list(buffer.split(sizes))
         self._mine = self._parts[me]
         self._peers = [k for k in range(n) if k != me]
-        inbox = getattr(bucket, "inbox", None)
+        inbox = bucket.inbox
         if inbox is None or inbox.numel() != len(self._peers) * sizes[me]:
             inbox = bucket.inbox = buffer.new_empty(len(self._peers) * sizes[me])
         self._received = list(inbox.view(len(self._peers), sizes[me]).unbind()) if self._peers else []

@@ -360,10 +360,10 @@ class Reducer:
             if globally_used is not None and not globally_used[index]:
                 continue  # no rank used it: leave p.grad untouched (None), as PyTorch does
             if p.grad is None:  # unused here but used elsewhere: the average arrives only through the bucket
-                lend = self.gradient_as_bucket_view or self._lend[index]
-                p.grad = (
-                    (view if self.gradient_as_bucket_view else view.detach()) if lend else view.to(p.dtype, copy=True)
-                )
+                if self.gradient_as_bucket_view or self._lend[index]:
+                    p.grad = view if self.gradient_as_bucket_view else view.detach()
+                else:
+                    p.grad = view.to(p.dtype, copy=True)  # (a compressed slot: cast back)
             elif p.grad.data_ptr() != view.data_ptr():
                 copy_to.append(p.grad)
                 copy_from.append(view)

@@ -126,6 +126,8 @@ class Trainer:
         self.metrics.observe_progress(step_index, cfg.steps)
         if self.resumed and self.resumed.wall_time and not self.progress.all:
             self.metrics.observe_reformation(time.time() - self.resumed.wall_time)
+        if cfg.min_step_seconds:  # paced after the step's own figures: the metrics keep the step's real time
+            time.sleep(max(0.0, cfg.min_step_seconds - (time.perf_counter() - t0)))
         return StepRecord(
             step_index, seconds, outcome.comm_seconds, outcome.exposed_seconds, outcome.loss, self.step.global_batch
         )

@@ -219,7 +219,11 @@ def test_a_store_that_crashes_and_comes_back_is_joined_again_and_the_run_finishe
     port = free_port()
     store = start_store(port)
     ckpt = tmp_path / "ckpt"
-    trainer = worker_args("until_stopped", checkpoint_dir=ckpt, steps=3000, checkpoint_every=5, log_every=10)
+    # Each step paced to at least 20 ms: still training when the agent notices the lost store, on a fast machine too
+    # (unpaced, 300 steps took 0.4 s there and finished first).
+    trainer = worker_args(
+        "until_stopped", checkpoint_dir=ckpt, steps=300, checkpoint_every=5, log_every=10, min_step_seconds=0.02
+    )
     args = c10d_args(port, *trainer)
     proc = start_launch("--max-restarts=1", *args, LAUNCH_STORE_LOST_SECONDS="60")
     try:

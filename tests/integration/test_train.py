@@ -6,6 +6,7 @@ keeps the last good checkpoint; a rank that cannot reach the rendezvous says whe
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import threading
@@ -76,6 +77,17 @@ def test_one_process_without_torchrun():
     result = run_process(*worker_args("one_process", steps=20, log_every=20), timeout=120)
     assert result.returncode == 0, describe(result)
     assert finished(result.stdout)[0]["world_size"] == "1"
+
+
+def test_min_step_seconds_paces_the_run_and_the_metrics_keep_the_steps_own_time():
+    result = run_process(*worker_args("one_process", steps=31, log_every=1, min_step_seconds=0.1), timeout=120)
+    assert result.returncode == 0, describe(result)
+    # The log's clock (whole seconds) at step 1 and step 31: 30 paced steps of at least 0.1 s lie between.
+    lines = re.finditer(r"^(\d\d):(\d\d):(\d\d) \[rank 0\] INFO step (\d+)/31", result.stderr, re.M)
+    stamps = {int(m[4]): int(m[1]) * 3600 + int(m[2]) * 60 + int(m[3]) for m in lines}
+    assert stamps[31] - stamps[1] >= 2, result.stderr[-2000:]
+    median_ms = float(re.search(r"median_step_ms=([\d.]+)", result.stderr)[1])
+    assert median_ms < 100, result.stderr[-2000:]  # the step's own time, not the pace: MiniMLP steps take ~ms
 
 
 def test_two_plain_runs_at_once_do_not_clash():

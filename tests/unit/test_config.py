@@ -105,6 +105,8 @@ def test_unknown_env_setting_is_an_error_with_the_nearest_name():
         ({"lr_reference_batch": -64}, "lr_reference_batch"),
         ({"lr_schedule": "cosine", "parallel": "zero2"}, "lr_schedule"),
         ({"grad_clip_norm": 1.0, "parallel": "pipeline"}, "grad_clip_norm"),
+        ({"min_step_seconds": -0.01}, "min_step_seconds"),
+        ({"metrics_linger_seconds": -1.0}, "metrics_linger_seconds"),
     ],
 )
 def test_validation_names_the_field(kwargs, field):

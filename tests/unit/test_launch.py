@@ -134,3 +134,34 @@ def test_a_gpu_build_of_torch_starts_its_trainers_as_new_interpreters(monkeypatc
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     args = torchrun.parse_args(["--standalone", "-m", "app.train"])
     assert not fork_trainers(args, {}) and not args.run_path
+
+
+def test_replicas_checking_one_checkpoint_dir_at_once_do_not_trip_over_each_other(tmp_path, monkeypatch):
+    """Compose replicas share the checkpoint volume and, each in its own container, often the launcher's PID: two
+    probing the directory at the same moment must not take each other's probe file (one deleting it while the
+    other still writes it made a healthy directory fail with ENOENT). Threads stand for the containers here: one
+    PID for all, a host name each."""
+    import socket
+    import threading
+
+    from app.cluster.launch import check_checkpoint_dir
+
+    monkeypatch.setattr(os, "getpid", lambda: 7)
+    monkeypatch.setattr(socket, "gethostname", lambda: threading.current_thread().name)
+    start, errors = threading.Barrier(2), []
+
+    def replica() -> None:
+        for _ in range(300):
+            start.wait()
+            try:
+                check_checkpoint_dir(str(tmp_path))
+            except LaunchError as e:
+                errors.append(str(e))
+
+    threads = [threading.Thread(target=replica, name=f"container-{i}") for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert [p.name for p in tmp_path.iterdir()] == []  # every probe file removed

@@ -151,6 +151,11 @@ class TrainConfig:
         "keep /metrics up this long after training, so Prometheus scrapes the final values", 0.0
     )
     log_every: int = _doc("rank 0 logs a progress line every this many steps", 10)
+    min_step_seconds: float = _doc(
+        "each optimizer step lasts at least this long (the loop sleeps the rest), so that a run on a fast machine "
+        "still spans Prometheus scrapes: for demos, drills and tests (0 = as fast as it goes)",
+        0.0,
+    )
     # -- stopping -------------------------------------------------------------------------------------------------
     stop_timeout_seconds: float = _doc(
         "after SIGTERM/SIGINT, force-exit (code 1) if the graceful stop has not finished within this many seconds", 10.0
@@ -201,8 +206,9 @@ class TrainConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")
-        if self.metrics_linger_seconds < 0:
-            raise ConfigError(f"metrics_linger_seconds={self.metrics_linger_seconds}: must be >= 0")
+        for name in ("metrics_linger_seconds", "min_step_seconds"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port={self.metrics_port}: must be a TCP port 1..65535, or 0 for no metrics")
         if self.inject_nan_at_step < 0:
