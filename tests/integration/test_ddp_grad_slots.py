@@ -151,3 +151,45 @@ def one_gradient_set_to_none(rank, world):
 
 def test_lent_kept_and_copied_gradients_in_one_bucket_equal_pytorchs():
     assert max(run_world(one_gradient_set_to_none, 2)) <= TOL
+
+
+class Branches(nn.Module):
+    """Large layers on both branches: ``wide`` (lent when used) is skipped on some ranks at some steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(WIDTH, WIDTH)
+        self.wide = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, 8)
+
+    def forward(self, x, use_wide: bool = True):
+        h = torch.tanh(self.trunk(x))
+        return self.head(torch.tanh(self.wide(h)) if use_wide else h)
+
+
+def options_training(rank, world, options):
+    torch.manual_seed(0)
+    base = Branches()
+    ours, theirs = DDP(copy.deepcopy(base), **options), TorchDDP(copy.deepcopy(base), **options)
+    opts = [torch.optim.SGD(w.parameters(), lr=0.1, momentum=0.9) for w in (ours, theirs)]
+    worst = 0.0
+    for s in range(5):
+        x, y = batch(s, rank)
+        use_wide = not options.get("find_unused_parameters") or (s + rank) % 3 != 0  # unused here, used there
+        for wrapped, opt in zip((ours, theirs), opts):
+            opt.zero_grad()
+            F.mse_loss(wrapped(x, use_wide), y).backward()
+            opt.step()
+        grads = [(p.grad, q.grad) for p, q in zip(ours.parameters(), theirs.parameters())]
+        assert all((a is None) == (b is None) for a, b in grads)  # None where PyTorch leaves None
+        worst = max([worst] + [(a - b).abs().max().item() for a, b in grads if a is not None])
+    return worst, max_diff(ours.parameters(), theirs.parameters()), in_a_bucket(ours, ours.module.trunk.weight.grad)
+
+
+@pytest.mark.parametrize(
+    "options", [{"find_unused_parameters": True}, {"static_graph": True}], ids=["find_unused", "static_graph"]
+)
+def test_lent_slots_with_unused_parameters_and_static_graphs_equal_pytorchs(options):
+    for grads, params, lent in run_world(options_training, 3, options):
+        assert grads <= TOL and params <= TOL
+        assert lent  # the large trunk's gradient is its bucket slot
