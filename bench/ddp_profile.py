@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from app.parallel import wrap_model
+from app.parallel.buckets import GradBucket
 from app.parallel.comm_hooks import HOOKS, Exchange
 from app.worker.dist import distributed
 from bench.ddp_bench import describe, mlp_workload, transformer_workload
@@ -114,28 +115,15 @@ def profile_variants(names: list[str], workload, batch: int, repeats: int, steps
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class _Bucket:
-    """What ``Exchange`` reads of a bucket: its buffer and index (and it keeps its inbox here)."""
-
-    def __init__(self, buffer: torch.Tensor):
-        self._buffer = buffer
-        self.inbox = None
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def index(self) -> int:
-        return 0
-
-
 def allreduce_alone(numel: int, repeats: int, calls: int = 3) -> dict:
     """Seconds of one all-reduce of ``numel`` gradients (the model's) per wire dtype, nothing else running: what a
     16-bit bucket can save at most. gloo's all-reduce in each dtype, and ours by exchange (``Exchange``: what our
     compressed buckets use) in bf16. Interleaved per repeat; the slowest rank's mean of ``calls``, median over
     repeats. gloo sums 16-bit types more slowly per element than fp32, so half the bytes is not half the time."""
     buffers = {name: torch.randn(numel).to(dtype) for name, dtype in WIRE_DTYPES.items()}
-    buffers["bf16 exchange"] = buffers["bf16"].clone()
-    bucket = _Bucket(buffers["bf16 exchange"])
+    # A bucket of our wrapper's, compressed to bf16, holding the same gradients: what Exchange averages in a step.
+    bucket = GradBucket(0, [nn.Parameter(torch.empty(numel))], [0], is_last=True, wire_dtype=torch.bfloat16)
+    buffers["bf16 exchange"] = bucket.buffer().copy_(buffers["bf16"])
     times: dict[str, list[float]] = {name: [] for name in buffers}
     for _ in range(repeats):
         for name, buf in buffers.items():

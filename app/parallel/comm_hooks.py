@@ -100,7 +100,7 @@ class Exchange:
         inbox = bucket.inbox
         if inbox is None or inbox.numel() != len(self._peers) * sizes[me]:
             inbox = bucket.inbox = buffer.new_empty(len(self._peers) * sizes[me])
-        self._received = list(inbox.view(len(self._peers), sizes[me]).unbind()) if self._peers else []
+        self._received = list(inbox.view(len(self._peers), sizes[me]).unbind())
         # Tags of their own, per bucket and half: no message can be taken for another bucket's, or a user's.
         self._tag = 2 * bucket.index() + 1
         self._works = self._post([(self._parts[k], k) for k in self._peers], zip(self._received, self._peers), 0)

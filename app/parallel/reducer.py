@@ -100,30 +100,30 @@ class Reducer:
         ]
         slot: list = [None] * len(self._params)  # parameter index -> (its bucket, its slot, grouped)
         for b in buckets:
-            # In the gradients' dtype: a float64 scale on float32 gradients is as exact (the same bits) but takes
-            # a slower kernel, 1.5x the time of the copy itself on small gradients.
+            # In the gradients' dtype: a float64 one gives the same bits but a kernel 1.5x slower on small gradients.
             b.scale = torch.tensor(1.0 / self.world_size, dtype=b._params[0].dtype)
             # PyTorch's batched_grad_copy: copy all, then divide the buffer (a compressed one keeps its fused cast).
             b.batched = self.batched_grad_copy and not b.compressed and not self.gradient_as_bucket_view
             self._fill_slots(b, slot)
-            # Slots that may become p.grad instead of being copied back (see _plan_lending): large gradients,
-            # laid out as their bucket view (a channels_last gradient keeps its own layout).
-            lending = not (b.compressed or self.gradient_as_bucket_view)
-            b.lendable = [k for k, (p, view) in enumerate(zip(b._params, b._views)) if lending
-                          and not self._grouped(b, view) and p.is_contiguous()]  # fmt: skip
         # Full-precision bytes (what the stats and logs report, compressed or not).
         self._bucket_sizes = [sum(p.numel() * p.element_size() for p in b._params) for b in buckets]
         return buckets, slot
 
     def _fill_slots(self, bucket: GradBucket, slot: list) -> None:
-        spans: list[list[int]] = []  # the grouped slots' memory as few [start, end) runs as it takes
-        for index, view, start in zip(bucket.param_indices, bucket._views, bucket._offsets):
+        """Each slot and whether it is grouped; then the grouped slots' memory in as few runs as it takes, and the
+        slots that may become p.grad (_plan_lending: large, laid out as their view, unlike channels_last)."""
+        spans: list[list[int]] = []
+        lending = not (bucket.compressed or self.gradient_as_bucket_view)
+        bucket.lendable = []
+        for k, (index, view, start) in enumerate(zip(bucket.param_indices, bucket._views, bucket._offsets)):
             grouped = self._grouped(bucket, view)
             slot[index] = (bucket, view, grouped)
             if grouped and spans and spans[-1][1] == start:
                 spans[-1][1] += view.numel()
             elif grouped:
                 spans.append([start, start + view.numel()])
+            elif lending and bucket._params[k].is_contiguous():
+                bucket.lendable.append(k)
         bucket.grouped_spans = [bucket.buffer()[start:end] for start, end in spans]
 
     def _grouped(self, bucket: GradBucket, view: torch.Tensor) -> bool:
@@ -329,13 +329,11 @@ class Reducer:
     def _plan_lending(self) -> None:
         """Before a synchronised backward: which gradients get their bucket slot as ``p.grad``, not a copy.
 
-        PyTorch's DDP copies every average back from the bucket into ``p.grad``: one more pass over all gradients
-        (24 MiB a step for bench's deep MLP). Ours skips it where the result cannot be told apart: a large gradient
-        whose ``p.grad`` is None now (``zero_grad()``'s default) is handed its slot once copied into it (``p.grad``
-        then shares the bucket's memory, as with ``gradient_as_bucket_view``, and ends up holding the average).
-        Only if no tensor outside ours shares the bucket: a ``p.grad`` the caller kept from the last step must not
-        change under them, so that bucket moves to a new buffer first. Small gradients are copied back in one call
-        per bucket, and so are gradients accumulated in ``p.grad`` (``no_sync()``): those keep their tensor.
+        PyTorch's DDP copies every average back into ``p.grad``: one more pass over all gradients. Ours skips it
+        where the result cannot be told apart: a large gradient whose ``p.grad`` is None now (``zero_grad()``'s
+        default) is handed its slot once copied into it, as with ``gradient_as_bucket_view``, if no tensor outside
+        ours shares the bucket (a ``p.grad`` kept from the last step must not change: the bucket moves first).
+        Small or accumulated (``no_sync()``) gradients keep their tensor and are copied back (docs/ddp.md).
         """
         self._lend = [False] * len(self._params)
         for b in self._buckets:
@@ -360,8 +358,10 @@ class Reducer:
             if globally_used is not None and not globally_used[index]:
                 continue  # no rank used it: leave p.grad untouched (None), as PyTorch does
             if p.grad is None:  # unused here but used elsewhere: the average arrives only through the bucket
-                if self.gradient_as_bucket_view or self._lend[index]:
-                    p.grad = view if self.gradient_as_bucket_view else view.detach()
+                if self.gradient_as_bucket_view:
+                    p.grad = view
+                elif self._lend[index]:
+                    p.grad = view.detach()
                 else:
                     p.grad = view.to(p.dtype, copy=True)  # (a compressed slot: cast back)
             elif p.grad.data_ptr() != view.data_ptr():

@@ -70,6 +70,13 @@ def _is_ours(longrepr) -> bool:
     return SETUP_HINT in message and docker_problem() is not None and docker_problem() in message
 
 
+# Each training step of an e2e run lasts at least this long (TrainConfig.min_step_seconds): a run of N steps then
+# spans N x 20 ms or more whatever the machine, long enough for the scrapes, the spare's refusal or the loss a test
+# waits for. MiniMLP steps took 20-60 ms on one kind of 2-core machine and 5 ms on a faster kind, where unpaced runs
+# ended first; on a slower machine the pace adds nothing.
+STEP_PACE_SECONDS = "0.02"
+
+
 def build_settings() -> tuple[str, str]:
     """(BASE_IMAGE, COMPOSE_FILE) as the Makefile chooses them: the local stand-ins where the setup script exists."""
     base = os.environ.get("BASE_IMAGE") or (LOCAL_BASE if SETUP_ENGINE.exists() else "python:3.11-slim")

@@ -53,16 +53,14 @@ from tests.e2e.cluster_files import (
     scrape_interval_seconds,
     substitute,
 )
-from tests.e2e.conftest import build_settings
+from tests.e2e.conftest import STEP_PACE_SECONDS, build_settings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 WORKERS = 3  # not the compose default (4): --scale alone must set the world size
-# Long enough for several scrapes (every 5 s) during training, whatever the machine's load: 1000 MiniMLP steps of
-# 4 ranks on 2 cores took 15-30 s on one kind of machine and 5 s on a faster one; PACE makes each step last at least
-# 20 ms (TrainConfig.min_step_seconds), so at least 20 s anywhere, and no longer where steps are slower anyway.
+# Long enough for several scrapes (every 5 s) during training, whatever the machine's load: 1000 paced steps
+# (STEP_PACE_SECONDS) are at least 20 s.
 STEPS = 1000
-PACE = "0.02"
 RUN_DEADLINE_S = 300
 FINISHED = re.compile(r"FINISHED rank=(\d+) world_size=(\d+) step=(\d+) checksum=([0-9a-f]{16})")
 
@@ -189,7 +187,7 @@ def cluster() -> ClusterRun:
         "ALERTMANAGER_PORT": str(free_port()),
         "RUN_ID": project,
         "DDP_STEPS": str(STEPS),
-        "DDP_MIN_STEP_SECONDS": PACE,
+        "DDP_MIN_STEP_SECONDS": STEP_PACE_SECONDS,
         "DDP_LOG_EVERY": "100",
         "DDP_CHECKPOINT_EVERY": "250",
         # The panels are evaluated at the last step's time, so what Prometheus scrapes later shows in none of them:
@@ -623,7 +621,7 @@ def test_a_bad_configuration_is_not_retried(typo_run):
 
 # The first world waits for every replica's launcher (LAUNCH_PEERS), so the spare enters the redundancy list as the
 # world forms; it is refused after its grace (5 s, checked every 2 s: at most ~8 s). The job must outlast that:
-# the trainers' start (import torch, seconds) and 600 steps of at least 20 ms (PACE) do, with room.
+# the trainers' start (import torch, seconds) and 600 steps of at least 20 ms (STEP_PACE_SECONDS) do, with room.
 SPARE_STEPS = 600
 
 
@@ -635,7 +633,7 @@ def spare_run() -> dict:
         MAX_WORKERS="2",
         LAUNCH_REDUNDANT_GRACE_SECONDS="5",
         DDP_STEPS=str(SPARE_STEPS),
-        DDP_MIN_STEP_SECONDS=PACE,
+        DDP_MIN_STEP_SECONDS=STEP_PACE_SECONDS,
         DDP_LOG_EVERY="200",
         DDP_CHECKPOINT_EVERY="200",
         DDP_METRICS_LINGER_SECONDS="0",
@@ -729,7 +727,7 @@ def store_kill_run() -> dict:
         "storekill",
         MAX_WORKERS="2",
         DDP_STEPS=str(STORE_KILL_STEPS),
-        DDP_MIN_STEP_SECONDS=PACE,  # still training when the store's crash is noticed, on a fast machine too
+        DDP_MIN_STEP_SECONDS=STEP_PACE_SECONDS,  # still training when the store crash is noticed
         DDP_LOG_EVERY="50",
         DDP_CHECKPOINT_EVERY="100",
         DDP_METRICS_LINGER_SECONDS="0",

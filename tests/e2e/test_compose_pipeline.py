@@ -19,15 +19,14 @@ import pytest
 
 from app.worker.dist import free_port
 from tests.e2e.cluster_files import PIPELINE_ROW, panel_queries, scrape_interval_seconds, substitute
-from tests.e2e.conftest import build_settings
+from tests.e2e.conftest import STEP_PACE_SECONDS, build_settings
 from tests.e2e.test_compose_cluster import FINISHED, Compose, prom_get
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 WORKERS = 2
-# Long enough that training spans several 5 s scrapes even on a quiet machine (~25 ms a step there, less on a faster
-# one: each step is paced to at least 20 ms below): a rate() over 4 scrape intervals needs two samples that differ,
-# or the panel is empty.
+# Long enough that training spans several 5 s scrapes (steps paced to STEP_PACE_SECONDS at least): a rate() over
+# 4 scrape intervals needs two samples that differ, or the panel is empty.
 STEPS = 1500
 RUN_DEADLINE_S = 300
 
@@ -48,7 +47,7 @@ def pipeline_run() -> dict:
         "RUN_ID": project,
         "DDP_PARALLEL": "pipeline",
         "DDP_STEPS": str(STEPS),
-        "DDP_MIN_STEP_SECONDS": "0.02",  # at least 30 s of training on a fast machine too (see the comment above)
+        "DDP_MIN_STEP_SECONDS": STEP_PACE_SECONDS,  # at least 30 s of training on a fast machine too
         "DDP_LOG_EVERY": "100",
         "DDP_CHECKPOINT_EVERY": "300",
     }

@@ -50,6 +50,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.e2e.conftest import STEP_PACE_SECONDS
 from tests.unit.test_k8s import ROOT, container, kustomize, quantity, render_pod
 
 # Bounded by DEADLINE_S once started; the rest is room for a cold `make image` under CI.
@@ -272,11 +273,9 @@ def test_job_pod_template_trains_as_containers_named_like_the_pods(tmp_path):
 COLLECTIVE_TIMEOUT_S = 45
 KILL_AT_CHECKPOINT = "step-00000050.pt"
 # More steps than the kill's checkpoint, so that training still runs when pod 1 goes (the test polls every 0.5 s;
-# each step paced to at least 20 ms, as a step takes 20-60 ms on 2 cores of one kind and 5 ms on a faster kind: the
-# 250 steps after it take 5 s or more); each step past that is only a cost, paid again by the second attempt, which
-# trains from the checkpoint to the end.
+# steps paced to STEP_PACE_SECONDS at least: the 250 steps after it take 5 s or more); each step past that is only a
+# cost, paid again by the second attempt, which trains from the checkpoint to the end.
 LOST_POD_STEPS = "300"
-LOST_POD_PACE = "0.02"
 # Two attempts of two pods, each starting Python and torch under whatever else the machine runs.
 LOST_POD_DEADLINE_S = 420.0
 
@@ -357,7 +356,7 @@ def test_a_lost_pod_is_replaced_and_its_replacement_waits_for_a_new_store(tmp_pa
     env = {
         "DDP_COLLECTIVE_TIMEOUT_SECONDS": str(COLLECTIVE_TIMEOUT_S),
         "DDP_STEPS": LOST_POD_STEPS,
-        "DDP_MIN_STEP_SECONDS": LOST_POD_PACE,
+        "DDP_MIN_STEP_SECONDS": STEP_PACE_SECONDS,
     }
     emu = EmulatedJob(tmp_path, {**env, "DDP_METRICS_LINGER_SECONDS": "0"})
     try:
@@ -418,7 +417,7 @@ def test_a_lost_pod_is_replaced_and_its_replacement_waits_for_a_new_store(tmp_pa
 def test_an_evicted_pod_and_its_peers_spend_no_retry(tmp_path):
     require_docker_and_image()
     # still training when pod 1 is evicted
-    env = {"DDP_STEPS": LOST_POD_STEPS, "DDP_MIN_STEP_SECONDS": LOST_POD_PACE, "DDP_METRICS_LINGER_SECONDS": "0"}
+    env = {"DDP_STEPS": LOST_POD_STEPS, "DDP_MIN_STEP_SECONDS": STEP_PACE_SECONDS, "DDP_METRICS_LINGER_SECONDS": "0"}
     emu = EmulatedJob(tmp_path, env)
     try:
         old1 = emu.start(1)
