@@ -241,10 +241,6 @@ def announce_endpoints(ctx, cfg: TrainConfig, node: str) -> None:
 
 
 if __name__ == "__main__":
-    exit_code = main()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip the interpreter's teardown of torch's module graph: it takes seconds (4 s measured on a busy 2-core
-    # machine) and a SIGTERM'd container has a grace period to meet. Everything that matters is on disk by now.
-    os._exit(exit_code)
+    from app.worker.dist import exit_process
+
+    exit_process(main())  # not sys.exit: the interpreter's teardown takes seconds and can abort (see there)

@@ -35,7 +35,6 @@ import gc
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -46,7 +45,7 @@ from torch import nn
 
 from app.parallel import wrap_model
 from app.parallel.comm_hooks import HOOKS
-from app.worker.dist import distributed
+from app.worker.dist import distributed, exit_process
 from app.worker.models import DeepMLP, TinyTransformer, count_parameter_tensors
 from bench.provenance import describe_output, load_average, output_path, provenance
 
@@ -423,4 +422,4 @@ def print_losses(losses: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # not sys.exit: app.worker.dist.exit_process says why

@@ -31,7 +31,6 @@ import copy
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -42,7 +41,7 @@ from torch import nn
 from app.parallel import wrap_model
 from app.parallel.buckets import GradBucket
 from app.parallel.comm_hooks import HOOKS, Exchange
-from app.worker.dist import distributed
+from app.worker.dist import distributed, exit_process
 from bench.ddp_bench import describe, mlp_workload, transformer_workload
 from bench.provenance import describe_output, load_average, output_path, provenance
 
@@ -200,4 +199,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # not sys.exit: app.worker.dist.exit_process says why

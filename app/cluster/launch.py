@@ -391,10 +391,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Not sys.exit: torch's teardown can abort ("terminate called without an active exception": exit 134 seen
-    # after a join timeout at load 59) and replace the exit code said above. As app.train leaves.
-    os._exit(code)
+    from app.worker.dist import exit_process
+
+    exit_process(main())  # not sys.exit: torch's teardown can abort and replace the exit code said above

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from app.parallel import wrap_model
-from app.worker.dist import distributed
+from app.worker.dist import distributed, exit_process
 from app.worker.models import MiniMLP, parameter_checksum
 
 PARAM_TOLERANCE = 1e-5  # float32 sums in a different order drift by ~1e-7 per step; 20 steps stay far below this
@@ -146,4 +145,4 @@ def run(args: argparse.Namespace, rank: int, world: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # not sys.exit: app.worker.dist.exit_process says why

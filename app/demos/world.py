@@ -62,6 +62,9 @@ def _rank_entry(rank: int, world: int, folder: str, backend: str, env: dict, fn,
     defer_dynamo_import()
     try:
         result = fn(rank, world, *args)
+        # Leave together: a rank done first (fn ran no collective, or its last one returned early) would close its
+        # connections while a peer still sets them up or reads from them, and that peer fails (seen in CI).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     Path(folder, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))

@@ -23,7 +23,6 @@ With ``--compute-dtype bf16`` (stage 3) the verdict is FAIL by design: bf16 arit
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 import torch.distributed as dist
@@ -34,7 +33,7 @@ from app.parallel.ddp import DistributedDataParallel
 from app.parallel.fsdp import FullyShardedDataParallel
 from app.parallel.sharded_grad import ShardedGradDataParallel
 from app.parallel.zero import ZeroRedundancyOptimizer
-from app.worker.dist import distributed
+from app.worker.dist import distributed, exit_process
 from app.worker.models import MiniMLP, parameter_checksum
 
 PARAM_TOLERANCE = 1e-5  # fp32 sums in another order drift by ~1e-8 per AdamW step here; 20 steps stay far below
@@ -147,4 +146,4 @@ def run(args: argparse.Namespace, rank: int, world: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # not sys.exit: app.worker.dist.exit_process says why
