@@ -177,6 +177,7 @@ def project_env(name: str, args) -> dict[str, str]:
         "DDP_CHECKPOINT_EVERY": str(args.checkpoint_every),
         "DDP_LOG_EVERY": "1",
         "DDP_METRICS_LINGER_SECONDS": "0",
+        "DDP_MIN_STEP_SECONDS": str(getattr(args, "min_step_seconds", 0.0)),
     }
     if getattr(args, "parallel", "ddp") != "ddp":  # the ZeRO stages of issue 22: the same proof, sharded
         env["DDP_PARALLEL"] = args.parallel
@@ -335,6 +336,13 @@ def build_parser() -> argparse.ArgumentParser:
     # float64: the world of 3 sums in another order than the world of 4; in float32 that 1e-7 of rounding tips the
     # odd ReLU over hundreds of steps and B drifts from A (docs/cluster.md measures it); in float64 it stays ~1e-15,
     # so any difference left is the recovery's own.
+    p.add_argument(
+        "--min-step-seconds",
+        type=float,
+        default=0.0,
+        help="DDP_MIN_STEP_SECONDS: pace each step, so that a short run on a fast machine still outlasts the "
+        "returning container's start",
+    )
     p.add_argument("--dtype", default="float64", choices=["float32", "float64"], help="precision of both runs")
     p.add_argument("--parallel", default="ddp", choices=["ddp", "zero1", "zero2", "zero3"], help="DDP_PARALLEL")
     p.add_argument("--timeout", type=float, default=900, help="seconds each phase may take")

@@ -32,6 +32,10 @@ WORKERS = 3  # B's world: 3, then 2 after the loss, then 3 again
 # container starts (36 steps measured both at a load of 1-3 and of 9; 57 in bench/results/chaos.json's world of 3),
 # and the world of 3 must still have steps left after that: ~55 here. Each further step is only cost, in A and in B.
 STEPS, KILL_AT = 120, 20
+# Counted in steps, the world of 2 lasts as long as its steps take: ~0.3 s each where the numbers above were measured,
+# but a third of that on a faster machine, where the run could end before the third container is back. Paced, its
+# ~100 steps after the kill span at least 25 s; where steps are slower than the pace it adds nothing.
+PACE_SECONDS = "0.25"
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +45,7 @@ def result() -> dict:
         [
             *("--workers", str(WORKERS), "--max-workers", str(WORKERS)),
             *("--steps", str(STEPS), "--kill-at", str(KILL_AT), "--checkpoint-every", str(CHECKPOINT_EVERY)),
-            *("--timeout", "600"),
+            *("--min-step-seconds", PACE_SECONDS, "--timeout", "600"),
         ]
     )
     result = chaos(args)
