@@ -53,7 +53,7 @@ class BackwardTimes:
         clock = self.clock
         per_bucket = [clock.seconds(start, end) for start, end in zip(self.launches, self.dones)]
         waited = sum(clock.seconds(start, end) for start, end in self.waits)
-        span = max(clock.seconds(self.launches[0], end) for end in self.dones)  # bucket 0 launches first
+        span = max((clock.seconds(self.launches[0], end) for end in self.dones), default=0.0)  # bucket 0 first
         return per_bucket, waited, span
 
 

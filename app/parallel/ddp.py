@@ -52,6 +52,7 @@ from torch import nn
 
 from app.parallel.comm_stats import Clock, CommStats
 from app.parallel.reducer import CommHook, GradBucket, Reducer
+from app.parallel.sparse_grads import sparse_gradient_params
 
 __all__ = ["DistributedDataParallel", "GradBucket", "CommStats", "Clock", "Reducer", "CommHook"]
 
@@ -61,15 +62,11 @@ DEFAULT_BUCKET_CAP_MB = 25  # PyTorch's default, used when bucket_cap_mb is None
 # explicit bucket_cap_mb applies to every bucket, the first too, as in PyTorch: ask for 25 MB buckets, get them.
 FIRST_BUCKET_BYTES = 1024 * 1024
 
-# Arguments of PyTorch's constructor that this wrapper does not implement, with the value that means "not used".
-# Any other value is refused: silently ignoring them would change what training computes or how fast.
-_NOT_IMPLEMENTED = {
-    "delay_all_reduce_named_params": None,
-    "param_to_hook_all_reduce": None,
-    "mixed_precision": None,
-    "device_mesh": None,
-    "bucket_cap_mb_list": None,
-}
+# Arguments of PyTorch's constructor that this wrapper does not implement; None means "not used", and any other
+# value is refused: silently ignoring them would change what training computes or how fast.
+_NOT_IMPLEMENTED = (
+    "delay_all_reduce_named_params param_to_hook_all_reduce mixed_precision device_mesh bucket_cap_mb_list"
+)
 
 
 def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group) -> None:
@@ -221,15 +218,17 @@ class DistributedDataParallel(nn.Module):
 
         # module.parameters() yields a tied (shared) parameter once, so it gets one hook and one bucket slot.
         # Frozen parameters get no gradient: they are left out of buckets and hooks alike.
-        self._params = [p for p in module.parameters() if p.requires_grad]
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        sparse = sparse_gradient_params(module)  # nn.Embedding(sparse=True): reduced apart (sparse_grads.py)
+        self._params = [p for p in trainable if id(p) not in sparse]
         self._param_names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
         self._buffers_to_sync = list(module.buffers())
-        if not self._params:
+        if not trainable:
             raise ValueError(
                 "the module has no parameter that requires a gradient: there is nothing for "
                 "DistributedDataParallel to synchronise; run it unwrapped"
             )
-        self.device = self._params[0].device
+        self.device = trainable[0].device
         self.device_ids, self.output_device = self._check_devices(device_ids, output_device)
 
         if init_sync:
@@ -252,6 +251,7 @@ class DistributedDataParallel(nn.Module):
             static_graph=static_graph,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             batched_grad_copy=batched_grad_copy,
+            sparse_params=[p for p in trainable if id(p) in sparse],
         )
         self.stats: CommStats = self.reducer.stats
 
@@ -263,7 +263,7 @@ class DistributedDataParallel(nn.Module):
                 f"device_ids={device_ids}: device_ids can only be None or contain a single element "
                 f"(one process per device; start one rank per GPU with torchrun)"
             )
-        devices = {p.device for p in self._params}
+        devices = {p.device for p in self.module.parameters() if p.requires_grad}
         if len({d.type for d in devices}) != 1 or len(devices) > 1:
             raise ValueError(f"the module's parameters are on several devices ({devices}): move it to one device")
         if not device_ids or self.device.type == "cpu":
@@ -348,7 +348,7 @@ class DistributedDataParallel(nn.Module):
     def _set_static_graph(self) -> None:
         """PyTorch's older way to ask for ``static_graph=True`` after construction (before the first forward)."""
         self.static_graph = True
-        self.reducer.set_static_graph()
+        self.reducer.static_graph = True
 
     def _sync_buffers(self) -> None:
         """Broadcast rank 0's buffers in place: each rank's forwards update BatchNorm's stats locally; rank 0's win."""
@@ -376,11 +376,11 @@ class DistributedDataParallel(nn.Module):
 
 
 def _refuse_not_implemented(arguments: dict) -> None:
-    for name, default in _NOT_IMPLEMENTED.items():
-        if arguments[name] is not default and arguments[name] != default:
+    for name in _NOT_IMPLEMENTED.split():
+        if arguments[name] is not None:
             raise NotImplementedError(
                 f"DistributedDataParallel({name}=...) is not implemented by app.parallel.ddp; leave it at "
-                f"{default!r} or use torch.nn.parallel.DistributedDataParallel"
+                f"None or use torch.nn.parallel.DistributedDataParallel"
             )
 
 

@@ -14,13 +14,14 @@ backward synchronises; this file does the synchronising, as PyTorch's C++ ``Redu
 The hooks run once per parameter per step, on backward's critical path, so they do as little Python as possible:
 everything that can be computed once (views, slots, divisors) is, small gradients go into their bucket together
 (two calls per bucket, ``_copy_grouped``), and the copy back is one call per bucket.
-Unused parameters (``find_unused_parameters``), ``static_graph`` and ``gradient_as_bucket_view`` are handled here
-too. Nothing in this file knows about ``no_sync()``: a backward that was not prepared leaves ``p.grad`` alone.
-Compressed buckets (a comm hook with a ``wire_dtype``, ``comm_hooks.py``) hold the gradients cast, not divided.
+Unused parameters, ``static_graph``, ``gradient_as_bucket_view`` and sparse gradients (``sparse_grads.py``) are
+handled here too; ``no_sync()`` is not: a backward that was not prepared leaves ``p.grad`` alone. Compressed
+buckets (a comm hook with a ``wire_dtype``, ``comm_hooks.py``) hold the gradients cast, not divided.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,7 @@ from app.parallel.buckets import GradBucket, assign_buckets
 from app.parallel.comm_hooks import Exchange
 from app.parallel.comm_stats import BackwardTimes, Clock, CommStats
 from app.parallel.graph_walk import unused_parameters
+from app.parallel.sparse_grads import SparseGradients
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 # Gradients up to this many elements are copied into their bucket in one grouped call (see Reducer._grouped):
@@ -59,15 +61,14 @@ class Reducer:
         self.world_size = dist.get_world_size(process_group)
         # Global rank of the group's rank 0: broadcast takes a global rank even inside a subgroup.
         self._src_rank = dist.get_global_rank(process_group, 0)
-        self.device = params[0].device
+        self.device = (params or options["sparse_params"])[0].device
         self.first_bucket_cap_bytes: int = options["first_bucket_cap_bytes"]
         self.bucket_cap_bytes: int = options["bucket_cap_bytes"]
         self.find_unused_parameters: bool = options["find_unused_parameters"]
         self.gradient_as_bucket_view: bool = options["gradient_as_bucket_view"]
         self.static_graph: bool = options["static_graph"]
         self.skip_all_reduce_unused_params: bool = options["skip_all_reduce_unused_params"]
-        # Every copy into a bucket grouped into one _foreach_copy_ once it is full (see _grouped).
-        self.batched_grad_copy: bool = options.get("batched_grad_copy", False)
+        self.batched_grad_copy: bool = options.get("batched_grad_copy", False)  # one _foreach_copy_ (_grouped)
         self.stats = CommStats()
         self._clock = Clock(self.device)
         self._comm_hook: CommHook | None = None  # None: the built-in all-reduce (see _launch_ready_buckets)
@@ -78,16 +79,17 @@ class Reducer:
         self._divides = True
         self._wire_dtype: torch.dtype | None = None  # a compressed bucket's dtype, if the comm hook asks for one
         self._buckets, self._slot = self._build_buckets(list(reversed(range(len(self._params)))))
+        self._sparse = SparseGradients(options.get("sparse_params", []), process_group, param_names)  # no bucket
 
-        # What static_graph learns in its first synchronised iteration (None until then).
-        self._static_unused: list[int] | None = None
+        self._static_unused: list[int] | None = None  # these two: what static_graph's first iteration learns
         self._static_used_flags: list[bool] | None = None
-
         self.expect_autograd_hooks = False  # the rest of the per-backward state is set by prepare_for_backward
 
-        # One hook per parameter, fired by autograd right after the parameter's .grad has been accumulated.
-        for index, p in enumerate(self._params):
-            p.register_post_accumulate_grad_hook(self._make_grad_hook(index))
+        # One hook per parameter (once p.grad is accumulated), holding us weakly: a cycle through it kept the group
+        # and futures until shutdown, where freeing them aborted 1 finished run in 4. (Sparse: only ends backward.)
+        hooked = [*enumerate(params), *((None, p) for p in self._sparse.params)]
+        hooks = [p.register_post_accumulate_grad_hook(_grad_hook(weakref.ref(self), i)) for i, p in hooked]
+        weakref.finalize(self, lambda: [h.remove() for h in hooks])
 
     def _build_buckets(self, order: list[int]) -> tuple[list[GradBucket], list[tuple[GradBucket, int]]]:
         groups = assign_buckets(self._params, order, self.first_bucket_cap_bytes, self.bucket_cap_bytes)
@@ -129,10 +131,9 @@ class Reducer:
     def _grouped(self, bucket: GradBucket, view: torch.Tensor) -> bool:
         """Whether this slot's gradient waits for its bucket to fill and is copied with the others (_copy_grouped).
 
-        A copy of a small gradient costs less than the dispatch of its op from Python, so the hooks leave the
-        small ones (up to GROUP_NUMEL elements) to one grouped copy per bucket: the same values, 2 calls instead
-        of dozens. Large ones are copied as they come, in one pass while they are still in cache (a second pass
-        would cost more than a call saves). batched_grad_copy groups them all, as PyTorch's does.
+        A small gradient's copy costs less than its op's dispatch from Python, so the hooks leave the small ones
+        (up to GROUP_NUMEL elements) to one grouped copy per bucket: 2 calls, not dozens. Large ones are copied as
+        they come, while still in cache (a second pass costs more than a call saves). batched_grad_copy groups all.
         """
         if self.gradient_as_bucket_view:  # the slot becomes p.grad itself: nothing to copy after the first step
             return False
@@ -154,17 +155,12 @@ class Reducer:
             # As PyTorch: swapping reductions between steps would silently mix two averaging schemes.
             raise RuntimeError("register_comm_hook can be called only once, before training")
         self._comm_hook, self._comm_state = hook, state
-        # A hook with a wire_dtype gets buckets cast in the copy into them, and cast back in the copy out: two
-        # passes over the gradients fewer. Others get full precision, as with PyTorch's DDP. Either way the hook
-        # divides (a cast alone is a plain copy; fused with the division it takes a kernel 1.5x slower).
+        # A hook with a wire_dtype gets buckets cast in the copies into and out of them (two passes fewer); others
+        # full precision, as PyTorch's. The hook divides (a cast fused with the division: a kernel 1.5x slower).
         self._divides = False
         self._wire_dtype = getattr(hook, "wire_dtype", None)
         if self._wire_dtype is not None and not self.gradient_as_bucket_view:
             self._buckets, self._slot = self._build_buckets([i for b in self._buckets for i in b.param_indices])
-
-    def set_static_graph(self) -> None:
-        """PyTorch's older way to ask for ``static_graph=True`` after construction (before the first forward)."""
-        self.static_graph = True
 
     def prepare_for_backward(self, outputs) -> None:
         """Arm the next backward to synchronise: called after a synchronising forward, or by a pipeline stage
@@ -186,17 +182,7 @@ class Reducer:
         walk = self._static_unused is None and (self.find_unused_parameters or self.static_graph)
         self._unused = unused_parameters(outputs, self._params) if walk else (self._static_unused or [])
 
-    # -- During backward: hooks, launches ------------------------------------------------------------------------------
-    def _make_grad_hook(self, index: int):
-        def hook(param: torch.Tensor) -> None:
-            if not self.expect_autograd_hooks:
-                return  # inside no_sync(): leave the local gradient to accumulate in p.grad
-            if not self._callback_queued:
-                self._first_hook()
-            self._mark_ready(index)
-
-        return hook
-
+    # -- During backward: hooks (_grad_hook, below the class), launches -----------------------------------------------
     def _first_hook(self) -> None:
         """First hook of this backward: ask autograd to call us once the whole backward pass is done."""
         self._callback_queued = True
@@ -287,15 +273,16 @@ class Reducer:
             else:
                 fut = self._comm_hook(self._comm_state, bucket)  # the hook averages, as with PyTorch's DDP
 
-            def record_done(f: torch.futures.Future, i=i, times=self._times) -> torch.Tensor:
+            def record_done(f: torch.futures.Future, i=i, times=self._times, clock=self._clock) -> None:
                 # Runs when the reduction completes (gloo: on its thread; CUDA: on a stream synchronised with the
                 # collective): launch -> done is the latency the metrics report, whenever backward gets to waiting.
-                times.dones[i] = self._clock.now()
-                value = f.value()
-                return value[0] if isinstance(value, list) else value  # all_reduce's future holds a list
+                if times.dones[i] is None:  # (unless _finalize_backward's wait returned first)
+                    times.dones[i] = clock.now()
 
-            # (A compressed bucket's Exchange is finished, and timed, by its wait() at the end of backward.)
-            self._futures[i] = fut if isinstance(fut, Exchange) else fut.then(record_done)
+            # Held here, fut frees record_done on this thread, not on gloo's at shutdown (an abort: see __init__).
+            if not isinstance(fut, Exchange):  # (an Exchange is finished, and timed, by its wait())
+                fut.then(record_done)
+            self._futures[i] = fut
             self._next_bucket += 1
 
     # -- End of backward: wait, write p.grad ---------------------------------------------------------------------------
@@ -312,16 +299,17 @@ class Reducer:
         globally_used = self._globally_used_flags()
         with torch.no_grad():
             for i, (bucket, fut) in enumerate(zip(self._buckets, self._futures)):
-                # Wait bucket by bucket and write each out as soon as it is back: the write of bucket i overlaps
-                # the reduction of bucket i+1. Only the waiting counts as exposed communication.
+                # Bucket by bucket: writing out i overlaps reducing i+1. Only waiting is exposed communication.
                 before = self._clock.now()
                 averaged = fut.wait()
+                averaged = averaged[0] if isinstance(averaged, list) else averaged  # all_reduce's future: a list
                 self._times.waits.append((before, self._clock.now()))
                 if self._times.dones[i] is None:
                     self._times.dones[i] = self._times.waits[-1][1]
                 if averaged.data_ptr() != bucket.buffer().data_ptr():
                     bucket.buffer().copy_(averaged)  # hooks may return a new tensor rather than the buffer
                 self._write_back(bucket, globally_used)
+        self._sparse.reduce()  # (after the buckets, in the same order on every rank)
         self.stats.record(list(self._bucket_sizes), self._times)
         if self.static_graph and self._static_unused is None:
             self._learn_static_graph(globally_used)
@@ -329,11 +317,10 @@ class Reducer:
     def _plan_lending(self) -> None:
         """Before a synchronised backward: which gradients get their bucket slot as ``p.grad``, not a copy.
 
-        PyTorch's DDP copies every average back into ``p.grad``: one more pass over all gradients. Ours skips it
-        where the result cannot be told apart: a large gradient whose ``p.grad`` is None now (``zero_grad()``'s
-        default) is handed its slot once copied into it, as with ``gradient_as_bucket_view``, if no tensor outside
-        ours shares the bucket (a ``p.grad`` kept from the last step must not change: the bucket moves first).
-        Small or accumulated (``no_sync()``) gradients keep their tensor and are copied back (docs/ddp.md).
+        PyTorch's DDP copies every average back into ``p.grad``, one more pass; ours skips it where nobody can tell:
+        a large gradient whose ``p.grad`` is None now (``zero_grad()``'s default) is handed its slot once copied into
+        it, as with ``gradient_as_bucket_view``, if no tensor outside ours shares the bucket (a ``p.grad`` kept from
+        the last step must not change: the bucket moves first). Small or ``no_sync()`` ones are copied back.
         """
         self._lend = [False] * len(self._params)
         for b in self._buckets:
@@ -398,3 +385,16 @@ class Reducer:
                 for index, p in enumerate(self._params):
                     if p.grad is not None:  # a slot of the old buckets: move it into the new ones
                         p.grad = self._slot[index][1].copy_(p.grad)
+
+
+def _grad_hook(reducer: weakref.ref, index: int):
+    def hook(param: torch.Tensor) -> None:
+        self = reducer()
+        if self is None or not self.expect_autograd_hooks:
+            return  # inside no_sync(): leave the local gradient to accumulate in p.grad
+        if not self._callback_queued:
+            self._first_hook()
+        if index is not None:  # (a sparse gradient: reduced once backward ends, see sparse_grads.py)
+            self._mark_ready(index)
+
+    return hook
