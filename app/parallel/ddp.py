@@ -1,6 +1,6 @@
 """DistributedDataParallel from scratch: the lesson's wrapper, grown into a drop-in for PyTorch's.
 
-Three files (and ``buckets.py``), read in this order, each top to bottom:
+Three files (and the smaller ones they name: ``buckets.py``, ``unused.py``, ``sparse_grads.py``), read in this order:
 
 - ``ddp.py`` (this one): the ``nn.Module`` front: PyTorch's constructor, the initial broadcast, ``forward``,
   ``no_sync()``, ``register_comm_hook``, the buffer sync; it decides *whether* a backward synchronises;

@@ -14,9 +14,9 @@ backward synchronises; this file does the synchronising, as PyTorch's C++ ``Redu
 The hooks run once per parameter per step, on backward's critical path, so they do as little Python as possible:
 everything that can be computed once (views, slots, divisors) is, small gradients go into their bucket together
 (two calls per bucket, ``_copy_grouped``), and the copy back is one call per bucket.
-Unused parameters, ``static_graph``, ``gradient_as_bucket_view`` and sparse gradients (``sparse_grads.py``) are
-handled here too; ``no_sync()`` is not: a backward that was not prepared leaves ``p.grad`` alone. Compressed
-buckets (a comm hook with a ``wire_dtype``, ``comm_hooks.py``) hold the gradients cast, not divided.
+Unused parameters and ``static_graph`` (``unused.py``), ``gradient_as_bucket_view`` and sparse gradients
+(``sparse_grads.py``) are handled here too; ``no_sync()`` is not: a backward that was not prepared leaves ``p.grad``
+alone. Compressed buckets (a comm hook with a ``wire_dtype``, ``comm_hooks.py``) hold the gradients cast, not divided.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from app.parallel.comm_hooks import Exchange
 from app.parallel.comm_stats import BackwardTimes, Clock, CommStats
 from app.parallel.graph_walk import unused_parameters
 from app.parallel.sparse_grads import SparseGradients
+from app.parallel.unused import UnusedParameters
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 # Gradients up to this many elements are copied into their bucket in one grouped call (see Reducer._grouped):
@@ -41,7 +42,7 @@ CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 GROUP_NUMEL = 64 * 1024
 
 
-class Reducer:
+class Reducer(UnusedParameters):
     """Buckets, hooks and the all-reduce of one wrapped module's gradients (PyTorch's ``Reducer``, in Python).
 
     ``DistributedDataParallel`` builds one and calls ``prepare_for_backward(outputs)`` after each synchronising
@@ -165,7 +166,7 @@ class Reducer:
     def prepare_for_backward(self, outputs) -> None:
         """Arm the next backward to synchronise: called after a synchronising forward, or by a pipeline stage
         before its last micro-batch's backward. ``outputs`` (any nesting of tensors) is what that backward starts
-        from: with ``find_unused_parameters`` (or static_graph's first iteration) its graph is walked."""
+        from: with ``find_unused_parameters`` (and no ``static_graph``) its graph is walked."""
         n = len(self._buckets)
         self.expect_autograd_hooks = True
         self._pending = [len(b.param_indices) for b in self._buckets]  # per bucket: parameters not yet ready
@@ -178,8 +179,10 @@ class Reducer:
         self._grouped_grads: list[list] = [[] for _ in range(n)]  # per bucket: (slot, gradient) of grouped copies
         self._locally_unused: list[int] = []  # unused (below) and no gradient accumulated under no_sync()
         self._plan_lending()  # (after the line above: the last backward's futures no longer hold any tensor)
-        # Not reached by this forward's graph (find_unused_parameters); static graph: the first iteration's set.
-        walk = self._static_unused is None and (self.find_unused_parameters or self.static_graph)
+        # Not reached by this forward's graph (find_unused_parameters); static graph: the set its first iteration's
+        # hooks told (unused.py), as PyTorch's, without a walk (blind to a reentrant checkpoint's inner graph).
+        self._learning = self.static_graph and self._static_unused is None
+        walk = self.find_unused_parameters and not self.static_graph
         self._unused = unused_parameters(outputs, self._params) if walk else (self._static_unused or [])
 
     # -- During backward: hooks (_grad_hook, below the class), launches -----------------------------------------------
@@ -203,8 +206,6 @@ class Reducer:
                 f"the loss uses it outside forward; route every use through forward"
             )
         self._ready[index] = True
-        if self.static_graph and self._static_unused is None:
-            self._arrival_order.append(index)
         bucket, view, grouped = self._slot[index]
         param = self._params[index]
         grad = param.grad
@@ -289,6 +290,8 @@ class Reducer:
     def _finalize_backward(self) -> None:
         """Called by autograd after the last gradient of this backward: wait, then write averages to ``p.grad``."""
         self.expect_autograd_hooks = False
+        if self._learning:
+            self._mark_learned()  # static_graph's first iteration: every bucket fills and launches now
         if self._next_bucket < len(self._buckets):
             missing = [self._param_names[id(p)] for p, ready in zip(self._params, self._ready) if not ready]
             raise RuntimeError(
@@ -311,7 +314,7 @@ class Reducer:
                 self._write_back(bucket, globally_used)
         self._sparse.reduce()  # (after the buckets, in the same order on every rank)
         self.stats.record(list(self._bucket_sizes), self._times)
-        if self.static_graph and self._static_unused is None:
+        if self._learning:
             self._learn_static_graph(globally_used)
 
     def _plan_lending(self) -> None:
@@ -357,35 +360,6 @@ class Reducer:
         if copy_to:
             torch._foreach_copy_(copy_to, copy_from)
 
-    def _globally_used_flags(self) -> list[bool] | None:
-        """Which parameters some rank used (only those get a gradient); ``None`` when all are, by construction."""
-        if self._static_used_flags is not None:
-            return self._static_used_flags  # static graph: the first iteration's answer holds for every iteration
-        if not (self.find_unused_parameters or self.static_graph):
-            return None
-        used = torch.ones(len(self._params), dtype=torch.int32, device=self.device)
-        used[self._locally_unused] = 0  # not reached by this forward and no gradient accumulated under no_sync()
-        if not self.skip_all_reduce_unused_params:
-            # One tiny extra all-reduce, as in PyTorch. int32 rather than bool: NCCL and gloo both SUM int32.
-            dist.all_reduce(used, op=dist.ReduceOp.SUM, group=self.process_group)
-        return used.bool().tolist()
-
-    def _learn_static_graph(self, globally_used: list[bool] | None) -> None:
-        """End of the first iteration under static_graph: keep what it found, rebuild buckets in arrival order."""
-        self._static_unused = list(self._unused)
-        self._static_used_flags = globally_used if globally_used is not None else [True] * len(self._params)
-        # Every rank must bucket identically (collectives match by call order): rank 0's order is the order.
-        order = torch.tensor(self._arrival_order, dtype=torch.int64, device=self.device)
-        dist.broadcast(order, src=self._src_rank, group=self.process_group)
-        if order.tolist() == [i for b in self._buckets for i in b.param_indices]:
-            return  # gradients arrived in bucket order already
-        self._buckets, self._slot = self._build_buckets(order.tolist())
-        if self.gradient_as_bucket_view:
-            with torch.no_grad():
-                for index, p in enumerate(self._params):
-                    if p.grad is not None:  # a slot of the old buckets: move it into the new ones
-                        p.grad = self._slot[index][1].copy_(p.grad)
-
 
 def _grad_hook(reducer: weakref.ref, index: int):
     def hook(param: torch.Tensor) -> None:
@@ -394,7 +368,11 @@ def _grad_hook(reducer: weakref.ref, index: int):
             return  # inside no_sync(): leave the local gradient to accumulate in p.grad
         if not self._callback_queued:
             self._first_hook()
-        if index is not None:  # (a sparse gradient: reduced once backward ends, see sparse_grads.py)
+        if index is None:  # (a sparse gradient: reduced once backward ends, see sparse_grads.py)
+            return
+        if self._learning:
+            self._arrival_order.append(index)  # (the reduction waits for the end of backward: _mark_learned)
+        else:
             self._mark_ready(index)
 
     return hook
