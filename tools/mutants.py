@@ -65,7 +65,7 @@ MUTANTS: list[Mutant] = [
         "ddp-no-divide-by-world-size",
         "gradients summed over ranks, not averaged: every step is world_size times too big",
         "app/parallel/reducer.py",
-        "torch.tensor(1.0 / self.world_size, dtype=b._params[0].dtype)",
+        "torch.tensor(1.0 / self._divisor, dtype=b._params[0].dtype)",
         "torch.tensor(1.0, dtype=b._params[0].dtype)",
         T("tests/integration/test_ddp.py::test_matches_single_process_training_step_by_step"),
     ),

@@ -49,8 +49,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Joinable
 
+from app.parallel import join
 from app.parallel.comm_stats import Clock, CommStats
+from app.parallel.module_sync import broadcast_coalesced, device_of, same_device, to_device
 from app.parallel.reducer import CommHook, GradBucket, Reducer
 from app.parallel.sparse_grads import sparse_gradient_params
 
@@ -69,48 +72,7 @@ _NOT_IMPLEMENTED = (
 )
 
 
-def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group) -> None:
-    """Broadcast ``tensors`` from global rank ``src`` in place, one collective per (device, dtype).
-
-    One flat broadcast instead of one per tensor, for the same reason buckets exist.
-    """
-    by_kind: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_kind.setdefault((t.device, t.dtype), []).append(t)
-    for same_kind in by_kind.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in same_kind])
-        dist.broadcast(flat, src=src, group=group)
-        offset = 0
-        with torch.no_grad():
-            for t in same_kind:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-
-
-def _device_of(d) -> torch.device:
-    """``device_ids`` entries as PyTorch accepts them: an int (a CUDA index), a string or a ``torch.device``."""
-    return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
-    return a.type == b.type and (current if a.index is None else a.index) == (current if b.index is None else b.index)
-
-
-def _to_device(obj, device: torch.device):
-    """Move every tensor in a (nested) forward input to ``device``, as PyTorch's DDP does when given device_ids."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_to_device(o, device) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj
-
-
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Wrap ``module`` so that ``loss.backward()`` leaves every rank with the gradient averaged over all ranks.
 
     The signature is ``torch.nn.parallel.DistributedDataParallel``'s (torch 2.13), same order, same defaults.
@@ -181,6 +143,8 @@ class DistributedDataParallel(nn.Module):
         forward_sync_buffers=None,
     ):
         super().__init__()
+        Joinable.__init__(self)  # join(): uneven inputs (join.py)
+        self._divide_by_initial_world_size = True
         _refuse_not_implemented(locals())
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -235,7 +199,7 @@ class DistributedDataParallel(nn.Module):
             self._check_same_model_everywhere()
             # 1. Everyone starts from rank 0's weights: ranks seeded differently would otherwise drift apart forever.
             buffers = self._buffers_to_sync if init_sync_buffers else []
-            _broadcast_coalesced(
+            broadcast_coalesced(
                 [p.data for p in module.parameters()] + buffers, src=self._src_rank, group=self.process_group
             )
 
@@ -273,13 +237,13 @@ class DistributedDataParallel(nn.Module):
                     f"GPU, but the module is on {self.device}; pass neither (DDP(model)) for a CPU module"
                 )
             return None, None
-        wanted = _device_of(device_ids[0])
-        if not _same_device(wanted, self.device):
+        wanted = device_of(device_ids[0])
+        if not same_device(wanted, self.device):
             raise ValueError(
                 f"device_ids={device_ids}: the module lives on {self.device}; move it first "
                 f"(model.to({wanted})) or pass device_ids=[{self.device.index}]"
             )
-        out = _device_of(output_device if output_device is not None else device_ids[0])
+        out = device_of(output_device if output_device is not None else device_ids[0])
         return [self.device.index], out.index
 
     def _check_same_model_everywhere(self) -> None:
@@ -350,23 +314,45 @@ class DistributedDataParallel(nn.Module):
         self.static_graph = True
         self.reducer.static_graph = True
 
-    def _sync_buffers(self) -> None:
+    def join(self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False):
+        """Train on uneven inputs, as PyTorch's: ``with model.join(): for batch in my_batches: ...`` (``join.py``)."""
+        return join.join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
+
+    def join_hook(self, **kwargs) -> join.DDPJoinHook:
+        return join.DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self):
+        return self.process_group
+
+    def _sync_buffers(self, still_training: bool = True) -> None:
         """Broadcast rank 0's buffers in place: each rank's forwards update BatchNorm's stats locally; rank 0's win."""
         self._buffers_to_sync = list(self.module.buffers())  # re-read, as PyTorch: a module may reassign a buffer
+        src = self._src_rank
+        if self._join_config.enable:  # rank 0 may have joined, with stale buffers: the highest still training wins
+            src = dist.get_global_rank(self.process_group, join.common_rank(self, still_training))
         # Keep the buffers' autograd version counters (as PyTorch): an earlier forward may have saved them for its
         # backward (BatchNorm in eval mode), and a bumped counter would fail that backward.
         with torch.autograd._unsafe_preserve_version_counter(tuple(self._buffers_to_sync)):
-            _broadcast_coalesced(self._buffers_to_sync, src=self._src_rank, group=self.process_group)
+            broadcast_coalesced(self._buffers_to_sync, src=src, group=self.process_group)
 
     def forward(self, *inputs, **kwargs):
         if self.device_ids:
-            inputs, kwargs = _to_device(inputs, self.device), _to_device(kwargs, self.device)
+            inputs, kwargs = to_device(inputs, self.device), to_device(kwargs, self.device)
+        # This forward decides whether its backward syncs, and whether the *next* forward starts by syncing
+        # buffers (only if this one synchronises; no_sync() and no-grad forwards do not), as PyTorch's.
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if self._join_config.enable:
+            join.notify(self, sync)  # inside join(): the joined ranks match this iteration's collectives
         if self.require_forward_param_sync and self.forward_sync_buffers and self._buffers_to_sync:
             self._sync_buffers()
+        if self._join_config.enable:
+            join.tell_sync(self, sync)
         output = self.module(*inputs, **kwargs)
-        # PyTorch's post-forward: this forward decides whether its backward syncs, and whether the *next* forward
-        # starts by syncing buffers (only if this one synchronises; no_sync() and no-grad forwards do not).
-        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self.require_forward_param_sync = sync
         if sync:
             self.reducer.prepare_for_backward(output)  # arms this backward: its hooks will all-reduce

@@ -60,6 +60,7 @@ class Reducer(UnusedParameters):
         self._param_names = param_names
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
+        self._divisor = self.world_size  # of every gradient: the world size (join(): perhaps the ranks still training)
         # Global rank of the group's rank 0: broadcast takes a global rank even inside a subgroup.
         self._src_rank = dist.get_global_rank(process_group, 0)
         self.device = (params or options["sparse_params"])[0].device
@@ -104,7 +105,7 @@ class Reducer(UnusedParameters):
         slot: list = [None] * len(self._params)  # parameter index -> (its bucket, its slot, grouped)
         for b in buckets:
             # In the gradients' dtype: a float64 one gives the same bits but a kernel 1.5x slower on small gradients.
-            b.scale = torch.tensor(1.0 / self.world_size, dtype=b._params[0].dtype)
+            b.scale = torch.tensor(1.0 / self._divisor, dtype=b._params[0].dtype)
             # PyTorch's batched_grad_copy: copy all, then divide the buffer (a compressed one keeps its fused cast).
             b.batched = self.batched_grad_copy and not b.compressed and not self.gradient_as_bucket_view
             self._fill_slots(b, slot)
@@ -162,6 +163,12 @@ class Reducer(UnusedParameters):
         self._wire_dtype = getattr(hook, "wire_dtype", None)
         if self._wire_dtype is not None and not self.gradient_as_bucket_view:
             self._buckets, self._slot = self._build_buckets([i for b in self._buckets for i in b.param_indices])
+
+    def set_divisor(self, n: int) -> None:
+        """Divide gradients by ``n`` from the next backward on (``join.py``: the ranks still training)."""
+        self._divisor = self._sparse.world_size = n
+        for b in self._buckets:
+            b.scale.fill_(1.0 / n)
 
     def prepare_for_backward(self, outputs) -> None:
         """Arm the next backward to synchronise: called after a synchronising forward, or by a pipeline stage
@@ -245,7 +252,7 @@ class Reducer(UnusedParameters):
         if bucket.batched:
             torch._foreach_copy_(views, grads)  # PyTorch's batched_grad_copy: a copy, then divide the buffer
             if self._divides:
-                bucket.buffer().div_(self.world_size)  # (slots of missing gradients are zeros)
+                bucket.buffer().div_(self._divisor)  # (slots of missing gradients are zeros)
         elif self._divides:
             # Copied, then scaled in place where they lie: the same bits as torch.mul into the slot, and no
             # temporary per gradient (a _foreach_mul would allocate one each; for small ones that is the cost).

@@ -46,13 +46,17 @@ class SparseGradients:
                 f"construct the embedding with sparse=False, or use the gloo backend"
             )
 
+    @staticmethod
+    def empty_gradient(p: nn.Parameter) -> torch.Tensor:
+        """A sparse gradient of ``p`` with no rows: what a rank that looked nothing up contributes."""
+        rows = torch.empty(1, 0, dtype=torch.long, device=p.device)
+        return torch.sparse_coo_tensor(rows, p.new_empty((0, *p.shape[1:])), p.shape)
+
     def reduce(self) -> None:
         for p in self.params:
             grad = p.grad
             if grad is None:  # not looked up on this rank: it still takes part, with no rows
-                grad = torch.sparse_coo_tensor(
-                    torch.empty(1, 0, dtype=torch.long, device=p.device), p.new_empty((0, *p.shape[1:])), p.shape
-                )
+                grad = self.empty_gradient(p)
             elif grad.is_sparse:
                 grad = grad.coalesce()  # (one entry per row: the division below then divides each row once)
             grad.div_(self.world_size)

@@ -1,0 +1,51 @@
+"""What our DDP moves besides gradients: module state broadcast from one rank, forward inputs moved to the device.
+
+``ddp.py`` broadcasts parameters and buffers at construction and buffers before forwards, and ``join.py`` the final
+model; both go through ``broadcast_coalesced``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group) -> None:
+    """Broadcast ``tensors`` from global rank ``src`` in place, one collective per (device, dtype).
+
+    One flat broadcast instead of one per tensor, for the same reason buckets exist.
+    """
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    for same_kind in by_kind.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in same_kind])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        with torch.no_grad():
+            for t in same_kind:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def device_of(d) -> torch.device:
+    """``device_ids`` entries as PyTorch accepts them: an int (a CUDA index), a string or a ``torch.device``."""
+    return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return a.type == b.type and (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
+def to_device(obj, device: torch.device):
+    """Move every tensor in a (nested) forward input to ``device``, as PyTorch's DDP does when given device_ids."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(to_device(o, device) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
