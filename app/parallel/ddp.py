@@ -51,8 +51,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
-from app.parallel import join
 from app.parallel.comm_stats import Clock, CommStats
+from app.parallel.join import DDPJoinHook, common_rank, join_context, notify, tell_sync
 from app.parallel.module_sync import broadcast_coalesced, device_of, same_device, to_device
 from app.parallel.reducer import CommHook, GradBucket, Reducer
 from app.parallel.sparse_grads import sparse_gradient_params
@@ -316,10 +316,10 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def join(self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False):
         """Train on uneven inputs, as PyTorch's: ``with model.join(): for batch in my_batches: ...`` (``join.py``)."""
-        return join.join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
+        return join_context(self, divide_by_initial_world_size, enable, throw_on_early_termination)
 
-    def join_hook(self, **kwargs) -> join.DDPJoinHook:
-        return join.DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+    def join_hook(self, **kwargs) -> DDPJoinHook:
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property
     def join_device(self) -> torch.device:
@@ -334,7 +334,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._buffers_to_sync = list(self.module.buffers())  # re-read, as PyTorch: a module may reassign a buffer
         src = self._src_rank
         if self._join_config.enable:  # rank 0 may have joined, with stale buffers: the highest still training wins
-            src = dist.get_global_rank(self.process_group, join.common_rank(self, still_training))
+            src = dist.get_global_rank(self.process_group, common_rank(self, still_training))
         # Keep the buffers' autograd version counters (as PyTorch): an earlier forward may have saved them for its
         # backward (BatchNorm in eval mode), and a bumped counter would fail that backward.
         with torch.autograd._unsafe_preserve_version_counter(tuple(self._buffers_to_sync)):
@@ -347,11 +347,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         # buffers (only if this one synchronises; no_sync() and no-grad forwards do not), as PyTorch's.
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if self._join_config.enable:
-            join.notify(self, sync)  # inside join(): the joined ranks match this iteration's collectives
+            notify(self, sync)  # inside join(): the joined ranks match this iteration's collectives
         if self.require_forward_param_sync and self.forward_sync_buffers and self._buffers_to_sync:
             self._sync_buffers()
         if self._join_config.enable:
-            join.tell_sync(self, sync)
+            tell_sync(self, sync)
         output = self.module(*inputs, **kwargs)
         self.require_forward_param_sync = sync
         if sync:

@@ -29,7 +29,9 @@ from torch.distributed.algorithms.join import Join, JoinHook
 from app.parallel.module_sync import broadcast_coalesced
 
 
-def join(ddp, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False):
+def join_context(
+    ddp, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+):
     """``DistributedDataParallel.join``: PyTorch's ``Join`` context manager over ``ddp`` alone."""
     refused = [
         name
