@@ -329,6 +329,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     def join_process_group(self):
         return self.process_group
 
+    def _will_sync_buffers(self) -> bool:
+        """Whether the next forward starts with the buffer broadcast (a joined rank's hook asks it too)."""
+        return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._buffers_to_sync)
+
     def _sync_buffers(self, still_training: bool = True) -> None:
         """Broadcast rank 0's buffers in place: each rank's forwards update BatchNorm's stats locally; rank 0's win."""
         self._buffers_to_sync = list(self.module.buffers())  # re-read, as PyTorch: a module may reassign a buffer
@@ -348,7 +352,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if self._join_config.enable:
             notify(self, sync)  # inside join(): the joined ranks match this iteration's collectives
-        if self.require_forward_param_sync and self.forward_sync_buffers and self._buffers_to_sync:
+        if self._will_sync_buffers():
             self._sync_buffers()
         if self._join_config.enable:
             tell_sync(self, sync)

@@ -33,18 +33,15 @@ def join_context(
     ddp, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
 ):
     """``DistributedDataParallel.join``: PyTorch's ``Join`` context manager over ``ddp`` alone."""
-    refused = [
-        name
-        for name, on in (
-            ("a comm hook", ddp.reducer._comm_hook is not None),
-            ("static_graph", ddp.static_graph),
-            ("skip_all_reduce_unused_params", ddp.skip_all_reduce_unused_params),
-        )
-        if on
-    ]
+    options = {
+        "a comm hook": ddp.reducer._comm_hook is not None,
+        "static_graph": ddp.static_graph,
+        "skip_all_reduce_unused_params": ddp.skip_all_reduce_unused_params,
+    }
+    refused = next((name for name, on in options.items() if on), None)
     if enable and refused:
         raise NotImplementedError(
-            f"DistributedDataParallel.join() with {refused[0]} is not implemented by app.parallel.ddp: train "
+            f"DistributedDataParallel.join() with {refused} is not implemented by app.parallel.ddp: train "
             f"without it, or use torch.nn.parallel.DistributedDataParallel"
         )
     return Join(
@@ -64,22 +61,14 @@ class DDPJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         ddp = self.ddp
-        group = ddp.process_group
-        if ddp.require_forward_param_sync and ddp.forward_sync_buffers and ddp._buffers_to_sync:
+        if ddp._will_sync_buffers():
             ddp._sync_buffers(still_training=False)
         sync = torch.zeros(1, device=ddp.device)
-        dist.all_reduce(sync, group=group)
+        dist.all_reduce(sync, group=ddp.process_group)
         ddp.require_forward_param_sync = bool(sync.item())  # as after the others' forward
         if not sync.item():
             return  # the others' iteration runs under no_sync(), or without grad: nothing more to match
-        reducer = ddp.reducer
-        works = [dist.all_reduce(torch.zeros_like(b.buffer()), group=group, async_op=True) for b in reducer.buckets]
-        for work in works:
-            work.wait()
-        if ddp.find_unused_parameters:
-            dist.all_reduce(torch.zeros(len(ddp._params), dtype=torch.int32, device=ddp.device), group=group)
-        for p in reducer._sparse.params:
-            dist.all_reduce(reducer._sparse.empty_gradient(p), group=group)
+        ddp.reducer.shadow_backward()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp
@@ -105,5 +94,4 @@ def notify(ddp, sync: bool) -> None:
 
 
 def tell_sync(ddp, sync: bool) -> None:
-    flag = torch.ones(1, device=ddp.device) if sync else torch.zeros(1, device=ddp.device)
-    dist.all_reduce(flag, group=ddp.process_group)
+    dist.all_reduce(torch.tensor([float(sync)], device=ddp.device), group=ddp.process_group)

@@ -166,7 +166,7 @@ class Reducer(UnusedParameters):
 
     def set_divisor(self, n: int) -> None:
         """Divide gradients by ``n`` from the next backward on (``join.py``: the ranks still training)."""
-        self._divisor = self._sparse.world_size = n
+        self._divisor = self._sparse.divisor = n
         for b in self._buckets:
             b.scale.fill_(1.0 / n)
 
@@ -323,6 +323,16 @@ class Reducer(UnusedParameters):
         self.stats.record(list(self._bucket_sizes), self._times)
         if self._learning:
             self._learn_static_graph(globally_used)
+
+    def shadow_backward(self) -> None:
+        """The collectives of one synchronised backward, in its order, contributing zeros: what a rank that ran out of
+        inputs issues while the others train (``join.py``)."""
+        zeros = [torch.zeros_like(b.buffer()) for b in self._buckets]
+        for work in [dist.all_reduce(z, group=self.process_group, async_op=True) for z in zeros]:
+            work.wait()
+        self._locally_unused = list(range(len(self._params)))
+        self._globally_used_flags()  # its all-reduce, where a backward has one, with every flag 0
+        self._sparse.shadow()
 
     def _plan_lending(self) -> None:
         """Before a synchronised backward: which gradients get their bucket slot as ``p.grad``, not a copy.

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from app.parallel.module_sync import broadcast_coalesced
 from app.parallel.zero import refuse_unshardable
 
 DEFAULT_BUCKET_CAP_MB = 25
@@ -81,20 +82,9 @@ class FlatShard:
 
 
 def broadcast_module_state(module: nn.Module, group, src_rank: int = 0) -> None:
-    """Every rank takes rank ``src_rank``'s parameters and buffers: one flat broadcast per dtype."""
+    """Every rank takes rank ``src_rank``'s parameters and buffers: one flat broadcast per (device, dtype)."""
     src = dist.get_global_rank(group, src_rank) if group is not None else src_rank
-    tensors = [t for t in (*module.parameters(), *module.buffers())]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    with torch.no_grad():
-        for same in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in same])
-            dist.broadcast(flat, src=src, group=group)
-            offset = 0
-            for t in same:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+    broadcast_coalesced([*module.parameters(), *module.buffers()], src=src, group=group)
 
 
 def trainable_named_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[str]]:

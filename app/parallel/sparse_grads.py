@@ -4,8 +4,8 @@ Such a layer's backward gives ``p.grad`` as a sparse COO tensor: the rows this r
 table. A dense bucket cannot hold it (copying sparse into dense is not implemented, and would cost the whole table
 anyway), so, as PyTorch's DDP does, these parameters stay out of the buckets and are all-reduced on their own: the
 local gradient divided by the world size, then SUM. gloo reduces sparse tensors as such (the union of the ranks'
-rows); NCCL has no sparse all-reduce and PyTorch's DDP refuses sparse gradients with it (so do we, see
-``check_backend``).
+rows); NCCL has no sparse all-reduce and PyTorch's DDP refuses sparse gradients with it (so do we, at
+construction).
 
 PyTorch decides which parameters these are from the module type, before any backward: so do we
 (``sparse_gradient_params``). What differs from PyTorch's: the reduction runs once backward has ended, after the
@@ -39,7 +39,7 @@ class SparseGradients:
     def __init__(self, params: list[nn.Parameter], process_group, names: dict[int, str]):
         self.params = params
         self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group)
+        self.divisor = dist.get_world_size(process_group)  # (join() may set the ranks still training)
         if params and dist.get_backend(process_group) == dist.Backend.NCCL:
             raise RuntimeError(
                 f"{names[id(params[0])]!r} has sparse gradients (sparse=True), which NCCL cannot all-reduce: "
@@ -52,6 +52,11 @@ class SparseGradients:
         rows = torch.empty(1, 0, dtype=torch.long, device=p.device)
         return torch.sparse_coo_tensor(rows, p.new_empty((0, *p.shape[1:])), p.shape)
 
+    def shadow(self) -> None:
+        """``reduce``'s all-reduces, with no rows: a rank that ran out of inputs (``join.py``) matching the others."""
+        for p in self.params:
+            dist.all_reduce(self.empty_gradient(p), group=self.process_group)
+
     def reduce(self) -> None:
         for p in self.params:
             grad = p.grad
@@ -59,7 +64,7 @@ class SparseGradients:
                 grad = self.empty_gradient(p)
             elif grad.is_sparse:
                 grad = grad.coalesce()  # (one entry per row: the division below then divides each row once)
-            grad.div_(self.world_size)
+            grad.div_(self.divisor)
             dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.process_group)
             if p.grad is not None or grad._nnz():  # a table no rank looked up keeps p.grad None, as a dense one
                 p.grad = grad

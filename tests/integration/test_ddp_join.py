@@ -41,13 +41,15 @@ def batches(rank: int, world: int):
     return [(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(2 + 2 * rank)]
 
 
-def train(ddp, rank, world, divide, accumulate):
+def train(ddp, rank, world, divide, accumulate, spare_grads=None):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     with ddp.join(divide_by_initial_world_size=divide):
         for k, (x, y) in enumerate(batches(rank, world)):
             last = (k + 1) % accumulate == 0
             if last:
                 F.mse_loss(ddp(x), y).backward()
+                if spare_grads is not None and ddp.module.spare is not None:
+                    spare_grads.append(ddp.module.spare.weight.grad)  # no rank uses it: None, joined ranks too
                 opt.step()
                 opt.zero_grad()
             else:
@@ -59,8 +61,10 @@ def train(ddp, rank, world, divide, accumulate):
 def join_against_torch(rank, world, divide, batchnorm, unused, accumulate):
     torch.manual_seed(0)
     base = Net(batchnorm, unused)
-    ours = train(DDP(copy.deepcopy(base), find_unused_parameters=unused), rank, world, divide, accumulate)
+    spare_grads = []
+    ours = train(DDP(copy.deepcopy(base), find_unused_parameters=unused), rank, world, divide, accumulate, spare_grads)
     theirs = train(TorchDDP(copy.deepcopy(base), find_unused_parameters=unused), rank, world, divide, accumulate)
+    assert all(g is None for g in spare_grads), "a layer no rank used got a gradient"
     return max((a - b).abs().max().item() for a, b in zip(ours, theirs)), torch.cat([t.flatten() for t in ours])
 
 
