@@ -163,8 +163,9 @@ image: ## build the worker image <project>:IMAGE_TAG (ddp-cluster:latest; BASE_I
 	TORCH_VARIANT=$(TORCH_VARIANT) IMAGE_TAG=$(or $(strip $(IMAGE_TAG)),latest) docker compose build worker
 
 MAX_WORKERS ?= 8    # the elastic world's maximum (torchrun --nnodes=1:MAX_WORKERS in compose.yaml)
-# Every DDP_* variable of this shell goes to every worker through this file (app/cluster/compose_env.py): a setting
-# compose.yaml does not name still arrives, and one that is no setting stops the workers with "did you mean".
+# compose.yaml passes every setting's DDP_* of the shell to the workers; `make up` also writes all of them, whatever
+# the name, to this file (app/cluster/compose_env.py), so that one that is no setting stops the workers with "did you
+# mean". Each `up` writes it anew and `down` removes it: a plain `docker compose up` never reads it.
 CLUSTER_ENV_FILE ?= .cluster.env
 export MAX_WORKERS CLUSTER_ENV_FILE
 up: ## start the cluster: WORKERS containers (1..MAX_WORKERS), one rank each, + Prometheus (:9090) and Grafana (:3000); DDP_*=... settings
@@ -174,8 +175,9 @@ up: ## start the cluster: WORKERS containers (1..MAX_WORKERS), one rank each, + 
 	WORKERS=$(strip $(WORKERS)) docker compose up -d --scale worker=$(strip $(WORKERS))
 	@echo "Grafana http://127.0.0.1:3000, Prometheus http://127.0.0.1:9090; make logs to follow, make down to stop"
 
-down: ## stop the cluster and remove its containers, network and volumes (checkpoints, metrics)
+down: ## stop the cluster and remove its containers, network and volumes (checkpoints, metrics) and .cluster.env
 	docker compose down -v --remove-orphans
+	rm -f $(CLUSTER_ENV_FILE)
 
 grafana-password: ## print Grafana's admin password (random, made at the cluster's first start; user admin)
 	@docker compose exec grafana sh -c 'cat "$${GF_PATHS_DATA:-/var/lib/grafana}/admin-password"; echo'

@@ -1,11 +1,13 @@
-"""Every ``DDP_*`` setting of the caller's environment, written to the env file each compose worker reads.
+"""The env file `make up` hands the compose workers: every ``DDP_*`` of the caller's environment, whatever its name.
 
-Compose hands a container only the variables its file names. compose.yaml used to name a hand-kept dozen, so a
-setting it did not list (``DDP_LR=abc``, a typo such as ``DDP_STESP=10``, a field added later) never reached the
-containers and the run trained at the defaults without a word. Now it names none: the workers read
-``env_file: ${CLUSTER_ENV_FILE:-.cluster.env}`` (``format: raw``: values as given, no quoting or ``$``
-expansion), which this writes from the environment, every ``DDP_*`` name included; the worker's launcher then
-refuses a name that is no setting (exit 2, "did you mean"). Torch-free, stdlib only::
+compose.yaml names every ``TrainConfig`` field's ``DDP_*`` variable (generated: ``make docs-config``), so a plain
+``DDP_STEPS=400 docker compose up`` reaches the workers. What Compose cannot do is pass a name its file does not
+list: a typo (``DDP_STESP=10``) would be dropped and the run train at the default without a word. `make up` closes
+that gap with this file (``env_file: ${CLUSTER_ENV_FILE:-/dev/null}``, ``format: raw``: values as given, no quoting
+or ``$`` expansion): every ``DDP_*`` name goes in, and the worker's launcher refuses one that is no setting (exit 2,
+"did you mean"). Each `make up` writes it anew, `make down` removes it, and a plain ``docker compose up`` reads none,
+so yesterday's settings cannot train today's run. The file also names itself and its settings, which the launcher
+logs (``describe_env_file``). Torch-free, stdlib only::
 
     python3 -m app.cluster.compose_env                  # .cluster.env from this shell's DDP_* (`make up` runs it)
     CLUSTER_ENV_FILE=/tmp/run.env python3 -m app.cluster.compose_env   # a file of its own (one per project)
@@ -15,6 +17,7 @@ refuses a name that is no setting (exit 2, "did you mean"). Torch-free, stdlib o
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import sys
 from collections.abc import Mapping
@@ -23,6 +26,8 @@ from pathlib import Path
 PREFIX = "DDP_"
 DEFAULT_FILE = ".cluster.env"
 FILE_ENV = "CLUSTER_ENV_FILE"
+# Written into the file beside the settings, for the launcher's line: which file, when, and which names it carried.
+NAMES_ENV, WRITTEN_ENV = "CLUSTER_ENV_SETTINGS", "CLUSTER_ENV_WRITTEN"
 
 
 def settings(environ: Mapping[str, str]) -> dict[str, str]:
@@ -44,7 +49,10 @@ def write_env_file(path: str | os.PathLike, environ: Mapping[str, str] = os.envi
         subprocess.run(["docker", "compose", "up", "-d"], env=env)
     """
     path = Path(path)
-    lines = "".join(f"{key}={value}\n" for key, value in settings(environ).items())
+    found = settings(environ)
+    written = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    about = {FILE_ENV: str(path), WRITTEN_ENV: written, NAMES_ENV: " ".join(found)}
+    lines = "".join(f"{key}={value}\n" for key, value in {**found, **about}.items())
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(lines)
     os.replace(tmp, path)  # never half a file: a worker starting meanwhile reads the old one or the new one
@@ -60,6 +68,22 @@ def with_env_file(env: Mapping[str, str], path: str | os.PathLike) -> dict[str, 
         subprocess.run(["docker", "compose", "-p", name, "up", "-d"], env=with_env_file(env, tmp / f"{name}.env"))
     """
     return {**env, FILE_ENV: str(write_env_file(path, env))}
+
+
+def describe_env_file(environ: Mapping[str, str]) -> str | None:
+    """The launcher's line about the env file its container read, or None where it read none (a plain ``up``).
+
+    Example::
+
+        >>> describe_env_file({FILE_ENV: ".cluster.env", WRITTEN_ENV: "2026-12-03T18:00:00Z", NAMES_ENV: "DDP_LR"})
+        'settings from env file .cluster.env (written 2026-12-03T18:00:00Z): DDP_LR'
+    """
+    if FILE_ENV not in environ:
+        return None
+    names = environ.get(NAMES_ENV, "").split()
+    when = environ.get(WRITTEN_ENV, "at an unknown time")
+    listed = ", ".join(names) if names else "none (no DDP_* in its shell)"
+    return f"settings from env file {environ[FILE_ENV]} (written {when}): {listed}"
 
 
 def main(argv: list[str] | None = None) -> int:

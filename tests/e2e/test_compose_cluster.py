@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cluster.compose_env import with_env_file
+from app.cluster.compose_env import FILE_ENV, with_env_file
 from app.net import free_port
 from tests.e2e.cluster_files import (
     COMPOSE,
@@ -101,18 +101,25 @@ class ClusterRun:
 
 
 class Compose:
-    def __init__(self, project: str, env: dict[str, str]):
-        self.project, self.env = project, env
+    """``docker compose -p PROJECT ...`` with the environment ``env``: as a user types it (``plain``: the shell's
+    ``DDP_*`` reach the workers because compose.yaml names them), or as `make up` runs it, with the env file that
+    carries every ``DDP_*`` name (app/cluster/compose_env.py)."""
+
+    def __init__(self, project: str, env: dict[str, str], plain: bool = False):
+        self.project, self.env, self.plain = project, env, plain
 
     def __call__(
         self, *args: str, timeout: float = 120, check: bool = True, env: dict[str, str] | None = None
     ) -> subprocess.CompletedProcess:
-        # The DDP_* settings reach the workers through an env file, as `make up` writes it (app/cluster/compose_env.py).
-        settings = Path(tempfile.gettempdir()) / f"{self.project}.cluster.env"
+        run_env = {**self.env, **(env or {})}
+        if self.plain:
+            run_env.pop(FILE_ENV, None)  # `make e2e` exports make up's; a user's shell has none
+        else:
+            run_env = with_env_file(run_env, Path(tempfile.gettempdir()) / f"{self.project}.cluster.env")
         result = subprocess.run(
             ["docker", "compose", "-p", self.project, *args],
             cwd=ROOT,
-            env=with_env_file({**self.env, **(env or {})}, settings),
+            env=run_env,
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -195,8 +202,14 @@ def cluster() -> ClusterRun:
         "DDP_METRICS_LINGER_SECONDS": "7",
     }
     env.pop("WORKERS", None)  # --scale alone decides; a WORKERS from the caller's shell would only add a warning
-    compose = Compose(project, env)
+    # As a user types it: `DDP_STEPS=1000 docker compose up --scale worker=3`, no env file named. A .cluster.env left
+    # by an earlier `make up` must not be read: one naming no setting would stop every worker (exit 2).
+    compose = Compose(project, env, plain=True)
     run = ClusterRun(project, f"http://127.0.0.1:{prom_port}")
+    stale = ROOT / ".cluster.env"
+    planted = not stale.exists()
+    if planted:
+        stale.write_text("DDP_YESTERDAYS_SETTING=1\nDDP_STEPS=3\n")
 
     try:
         started = time.monotonic()
@@ -266,6 +279,8 @@ def cluster() -> ClusterRun:
         since = dt.datetime.fromtimestamp(second_wall, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         run.second_logs = compose("logs", "--no-color", "--timestamps", "--since", since, "worker").stdout
     finally:
+        if planted:
+            stale.unlink(missing_ok=True)
         compose("down", "-v", "--remove-orphans", "--timeout", "20", timeout=180, check=False)
         remove_image(compose.project)
         label = f"label=com.docker.compose.project={project}"
@@ -315,6 +330,7 @@ def test_scale_alone_makes_that_many_ranks_that_train_to_the_end_in_step(cluster
     assert {(ws, step) for _, ws, step, _ in finished.values()} == {(WORKERS, STEPS)}
     checksums = {cs for *_, cs in finished.values()}
     assert len(checksums) == 1, f"ranks ended with different parameters: {finished}"
+    assert "settings from env file" not in cluster.logs, "a plain up read an env file (.cluster.env left behind?)"
 
 
 def test_a_second_up_without_down_resumes_from_the_shared_checkpoint(cluster):
@@ -490,8 +506,9 @@ EVERY_SETTING = {
 }
 
 
-def small_project(name: str, **env: str) -> Compose:
-    """A project of its own with the worker settings ``env`` (DDP_*, MAX_WORKERS, ...), its image built."""
+def small_project(name: str, plain: bool = False, **env: str) -> Compose:
+    """A project of its own with the worker settings ``env`` (DDP_*, MAX_WORKERS, ...), its image built; ``plain``:
+    run as a user types ``docker compose``, with no env file."""
     if shutil.which("docker") is None or subprocess.run(["docker", "info"], capture_output=True).returncode:
         unavailable("no Docker engine answers: make docker-setup")
     base_image, compose_file = build_settings()
@@ -501,6 +518,7 @@ def small_project(name: str, **env: str) -> Compose:
         project,
         {**base, "BASE_IMAGE": base_image, "COMPOSE_FILE": compose_file, "COMPOSE_BAKE": "false", "RUN_ID": project}
         | env,
+        plain,
     )
     compose("build", "worker", timeout=900)
     return compose
@@ -546,7 +564,8 @@ def container_logs(container_id: str, since: float | None = None) -> str:
 @pytest.fixture(scope="module")
 def settings_run() -> dict:
     env = {f"DDP_{name.upper()}": value for name, value in EVERY_SETTING.items()}
-    compose = small_project("settings", **env)
+    # No env file: each of them reaches the workers because compose.yaml names it (`make docs-config`).
+    compose = small_project("settings", plain=True, **env)
     try:
         compose("up", "-d", "--no-build", "--scale", "worker=2", "worker", timeout=180)
         first = wait_until_settled(compose, 2, RUN_DEADLINE_S)
@@ -588,11 +607,14 @@ def test_a_worker_started_after_its_job_finished_neither_trains_nor_forms_a_worl
 
 @pytest.fixture(scope="module")
 def typo_run() -> dict:
+    # `make up`'s way: the env file carries a name compose.yaml cannot list (a typo).
     compose = small_project("typo", DDP_STESP="10", DDP_STEPS="5")
     try:
         # `run` applies no restart policy: the launcher's own exit code, as docker compose ps would show it at first.
         once = compose("run", "--rm", "--no-deps", "worker", check=False, timeout=300)
-        compose("up", "-d", "--no-build", "--scale", "worker=2", "worker", timeout=180)
+        # A user's way: `DDP_LR=abc docker compose up --scale worker=2`, no env file.
+        plain = Compose(compose.project, {**compose.env, "DDP_LR": "abc"}, plain=True)
+        plain("up", "-d", "--no-build", "--scale", "worker=2", "worker", timeout=180)
         settled = wait_until_settled(compose, 2, 240)
         return {"once": once, "settled": settled, "logs": {s["Id"]: container_logs(s["Id"]) for s in settled}}
     finally:
@@ -601,22 +623,28 @@ def typo_run() -> dict:
 
 
 TYPO = "config error: DDP_STESP: no such setting (did you mean DDP_STEPS?)"
+BAD_LR = "config error: lr='abc' (from env DDP_LR): must be a float"
 
 
 def test_an_unknown_setting_exits_2_naming_the_nearest(typo_run):
     once = typo_run["once"]
-    assert once.returncode == 2, once.stdout[-2000:] + once.stderr[-2000:]
-    errors = [line for line in (once.stdout + once.stderr).splitlines() if "ERROR" in line]
-    assert len(errors) == 1 and TYPO in errors[0], once.stdout[-2000:] + once.stderr[-2000:]
+    output = once.stdout + once.stderr
+    assert once.returncode == 2, output[-2000:]
+    errors = [line for line in output.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and TYPO in errors[0], output[-2000:]
+    # The env file is never read silently: the launcher names it and what it carried.
+    assert re.search(r"settings from env file \S+\.cluster\.env \(written [\dT:Z-]+\): DDP_STEPS, DDP_STESP", output)
 
 
-def test_a_bad_configuration_is_not_retried(typo_run):
+def test_a_bad_value_from_a_plain_up_stops_each_worker_once_naming_the_setting(typo_run):
     # Docker restarts no worker (restart: "no"): each container ends once, with its exit 2 and its one error.
     for s in typo_run["settled"]:
         text = typo_run["logs"][s["Id"]]
         assert (s["RestartCount"], s["State"]["ExitCode"]) == (0, 2), (s["RestartCount"], text[-3000:])
-        assert text.count(TYPO) == 1, text[-3000:]
+        errors = [line for line in text.splitlines() if "ERROR" in line]
+        assert len(errors) == 1 and BAD_LR in errors[0], text[-3000:]
         assert "joining a world" not in text and "Traceback" not in text, text[-3000:]
+        assert "settings from env file" not in text, "a plain up reads no env file"
 
 
 # The first world waits for every replica's launcher (LAUNCH_PEERS), so the spare enters the redundancy list as the
