@@ -25,6 +25,7 @@ import signal
 import socket
 import time
 
+from app.cluster.memory import OomWatch, oom_line
 from app.exit_codes import BAD_CONFIG, FAILED, OK, PEER_STOPPED, STORAGE_FAILED
 
 # The DNS name of every replica (compose: the service's name): the job's first world waits for all of them.
@@ -87,8 +88,9 @@ def describe_exit(code: int) -> str:
 class Reporter:
     """Reads the rendezvous state at the store (torch's own c10d backend) to say who is in each world."""
 
-    def __init__(self, store: tuple[str, int] | None, run_id: str, workers: int | None):
+    def __init__(self, store: tuple[str, int] | None, run_id: str, workers: int | None, config=None):
         self.store, self.run_id, self.workers = store, run_id, workers
+        self.config = config  # the trainer's TrainConfig, when the launcher checked it (for the advice on memory)
         self.me = socket.getfqdn()
         self._read = None  # state_reader, once the store is reached
         self._client = None
@@ -100,6 +102,8 @@ class Reporter:
         self.local_id = 0  # this agent's rendezvous node id (fresh_node_identity)
         self.first_of_job = False  # this agent came before the job's first world (not to a running job)
         self.expected = 0  # the first world's size once every replica is ready (wait_for_peers); 0 = not known
+        self.memory = OomWatch()
+        self.out_of_memory: str | None = None  # the line of a trainer killed for memory (app.cluster.memory)
 
     def state(self):
         """torch's private ``_RendezvousState`` (participants, wait and redundancy lists), or None."""
@@ -188,6 +192,11 @@ class Reporter:
         self.members = members
 
     def workers_failed(self, failures) -> None:
+        killed = [rank for rank, f in sorted(failures.items()) if f.exitcode == -signal.SIGKILL]
+        if killed and (memory := self.memory.kills()):
+            # The kernel killed it for memory: the launcher ends with this line (and no restart), not a warning.
+            self.out_of_memory = oom_line(killed[0], short(socket.gethostname()), memory, self.config)
+            return
         for rank, failure in sorted(failures.items()):
             # A peer's planned departure (scale down, docker stop) ends this rank with 75 on purpose: the world
             # re-forms without the peer. That is the design working, not a warning.
@@ -314,9 +323,10 @@ def install_agent(reporter: Reporter) -> None:
             result = super()._monitor_workers(worker_group)
             if result.is_failed():
                 reporter.workers_failed(result.failures)
-                if {f.exitcode for f in result.failures.values()} == {STORAGE_FAILED}:
-                    # The checkpoint directory is full or not writable: a new world would train to the next save
-                    # and fail there again. No restart of the group (the agent gives up: ChildFailedError).
+                if {f.exitcode for f in result.failures.values()} == {STORAGE_FAILED} or reporter.out_of_memory:
+                    # The checkpoint directory is full or not writable, or the trainer was killed for memory: a new
+                    # world would fail at the same save, or be killed again. No restart of the group (the agent
+                    # gives up: ChildFailedError).
                     self._remaining_restarts = 0
             reporter.succeeded = result.state.name == "SUCCEEDED"
             return result

@@ -23,9 +23,9 @@ module adds what a person reading ``docker compose ps`` and ``docker compose log
 - **Checks before the agent starts**, each one line within a bounded time: the trainer's settings (app.worker.config),
   ``WORKERS`` against the ``--nnodes`` range, the checkpoint directory taking a file and having room for one more
   checkpoint, the rendezvous store answering (``LAUNCH_STORE_WAIT_SECONDS``).
-- **A storage fault is not retried**: a trainer that could not write a checkpoint exits 74 (``STORAGE_FAILED``); the
-  agent restarts no world for it and the launcher exits 1 in one line. A later ``up`` ends at the checkpoint
-  directory check, within seconds, until the disk has room again.
+- **A storage fault or a kill for memory is not retried**: a trainer that could not write a checkpoint (exit 74,
+  ``STORAGE_FAILED``) or that the kernel killed over the container's memory limit (``app.cluster.memory``) would
+  fail the same way again: no restart, exit 1 in one line naming the cause and the fix.
 - **One line per event** instead of torch's multi-line reports and tracebacks: this container joining a world
   (its rank, the members, which containers left or came since the last world), its trainer failing (rank, exit
   code or signal), leaving a world and why, the reason the launcher gives up. What it reads of torch's private
@@ -44,6 +44,7 @@ import sys
 import threading
 
 from app.cli import first_line, setup_logging
+from app.cluster.compose_env import describe_env_file
 from app.cluster.elastic import (
     Reporter,
     SpareAtTheEnd,
@@ -219,18 +220,19 @@ def outcome_of_stop(reporter: Reporter, sig: str) -> int:
     return FAILED
 
 
-def outcome_of_failure(failures, high: int) -> int:
+def outcome_of_failure(failures, reporter: Reporter) -> int:
     codes = {f.exitcode for f in failures.values()}
     if codes == {BAD_CONFIG}:
         log.error("bad configuration (the trainer's line above names the setting): exit 2")
         return BAD_CONFIG
-    if codes == {STORAGE_FAILED}:
-        log.error(
-            "giving up: the trainer could not write a checkpoint (its line above names the directory and the "
-            "cause); a restart would fail at the same save: exit 1"
-        )
-        return FAILED
-    log.error("giving up: the trainer failed and the restart budget (--max-restarts) is spent: exit 1")
+    if reporter.out_of_memory:
+        why = reporter.out_of_memory  # the one line: rank, limit, peak, fixes (app.cluster.memory)
+    elif codes == {STORAGE_FAILED}:
+        why = "giving up: the trainer could not write a checkpoint (its line above names the directory and the "
+        why += "cause); a restart would fail at the same save"
+    else:
+        why = "giving up: the trainer failed and the restart budget (--max-restarts) is spent"
+    log.error("%s: exit 1", why)
     return FAILED
 
 
@@ -279,6 +281,8 @@ def launch(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)  # torchrun's own parser (usage + exit 2 on errors)
     job.arrived()
+    if env_file := describe_env_file(os.environ):  # never read silently: which file, and what it carried
+        log.info("%s", env_file)
     try:
         _, high = nnodes_range(args.nnodes)
         workers = expected_workers(high)
@@ -293,7 +297,7 @@ def launch(argv: list[str] | None = None) -> int:
         if e.code == BAD_CONFIG:
             job.refuse(str(e))
         return e.code
-    reporter = Reporter(store, args.rdzv_id, workers)
+    reporter = Reporter(store, args.rdzv_id, workers, config)
     fresh_node_identity(reporter)
     complete_first_world_when_full(reporter)
     install_agent(reporter)
@@ -309,7 +313,7 @@ def launch(argv: list[str] | None = None) -> int:
         log.info("the job ended while this container waited as a spare (the world was full): exit 0")
         return OK
     except ChildFailedError as e:
-        code = outcome_of_failure(e.failures, high)
+        code = outcome_of_failure(e.failures, reporter)
         if code == BAD_CONFIG:
             job.refuse("the trainer refused its configuration (its line names the setting)")
         return code
