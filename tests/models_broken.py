@@ -74,6 +74,19 @@ class CreatesInForward(nn.Module):
         return self.late(torch.relu(self.body(x)))
 
 
+class IdleSparseTable(nn.Module):
+    """A sparse embedding forward never looks up: ours trains it (its gradient stays None), PyTorch's DDP stops with
+    "Expected sparse gradient to be defined". Equal with one wrapper and not with the other: the verdict must FAIL."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(32, 8)
+        self.idle = nn.Embedding(10, 4, sparse=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
 def not_a_model():
     """A spec that builds something else: the check must refuse it with exit code 2."""
     return [nn.Linear(4, 4)]

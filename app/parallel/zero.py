@@ -119,6 +119,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         # ranks than parameters) still gets a group, so group indices match across ranks and the scheduler's lr
         # reaches it.
         self.optim = optimizer_class(mine, **defaults)
+        # The class's own defaults (AdamW's betas, eps, weight_decay, ...) into the groups, as PyTorch's ZeRO does:
+        # state_dict() saves these groups, and a plain optimizer that loads them steps with what they hold.
+        for group, local in zip(self.param_groups, self.optim.param_groups):
+            group.update({k: v for k, v in local.items() if k != "params" and k not in group})
         self._all_params = [p for group in self.param_groups for p in group["params"]]
         self._consolidated: dict | None = None
 

@@ -36,15 +36,17 @@ class Net(nn.Module):
         return self.b(torch.tanh(self.norm(self.a(x))))
 
 
-def batches(rank: int, world: int):
+def batches(rank: int, world: int, lowest_last: bool = False):
+    """2 + 2r batches for rank r; ``lowest_last``: the other way round, rank 0 has the most and joins last."""
     g = torch.Generator().manual_seed(rank)
-    return [(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(2 + 2 * rank)]
+    count = 2 + 2 * (world - 1 - rank if lowest_last else rank)
+    return [(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(count)]
 
 
-def train(ddp, rank, world, divide, accumulate, spare_grads=None):
+def train(ddp, rank, world, divide, accumulate, spare_grads=None, lowest_last=False):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     with ddp.join(divide_by_initial_world_size=divide):
-        for k, (x, y) in enumerate(batches(rank, world)):
+        for k, (x, y) in enumerate(batches(rank, world, lowest_last)):
             last = (k + 1) % accumulate == 0
             if last:
                 F.mse_loss(ddp(x), y).backward()
@@ -58,29 +60,41 @@ def train(ddp, rank, world, divide, accumulate, spare_grads=None):
     return [t.detach().clone() for t in [*ddp.module.parameters(), *ddp.module.buffers()] if t.is_floating_point()]
 
 
-def join_against_torch(rank, world, divide, batchnorm, unused, accumulate):
+def join_against_torch(rank, world, divide, batchnorm, unused, accumulate, lowest_last=False):
     torch.manual_seed(0)
     base = Net(batchnorm, unused)
     spare_grads = []
-    ours = train(DDP(copy.deepcopy(base), find_unused_parameters=unused), rank, world, divide, accumulate, spare_grads)
-    theirs = train(TorchDDP(copy.deepcopy(base), find_unused_parameters=unused), rank, world, divide, accumulate)
+    ours = DDP(copy.deepcopy(base), find_unused_parameters=unused)
+    ours = train(ours, rank, world, divide, accumulate, spare_grads, lowest_last)
+    theirs = TorchDDP(copy.deepcopy(base), find_unused_parameters=unused)
+    theirs = train(theirs, rank, world, divide, accumulate, lowest_last=lowest_last)
     assert all(g is None for g in spare_grads), "a layer no rank used got a gradient"
     return max((a - b).abs().max().item() for a, b in zip(ours, theirs)), torch.cat([t.flatten() for t in ours])
 
 
 @pytest.mark.parametrize(
-    ("world", "divide", "batchnorm", "unused", "accumulate"),
+    ("world", "divide", "batchnorm", "unused", "accumulate", "lowest_last"),
     [
-        (2, True, False, False, 1),
-        (2, False, False, False, 1),
-        (2, True, True, False, 1),
-        (3, False, True, True, 1),
-        (3, True, False, False, 2),
+        (2, True, False, False, 1, False),
+        (2, False, False, False, 1, False),
+        (2, True, True, False, 1, False),
+        (3, False, True, True, 1, False),
+        (3, True, False, False, 2, False),
+        # Rank 0 joins last, the highest rank first: the final model must come from rank 0 (the last joiner), not
+        # from the highest rank, which stopped stepping early.
+        (3, True, True, False, 1, True),
     ],
-    ids=["world2", "divide-by-still-training", "batchnorm-buffers", "world3-unused-batchnorm", "world3-no_sync"],
+    ids=[
+        "world2",
+        "divide-by-still-training",
+        "batchnorm-buffers",
+        "world3-unused-batchnorm",
+        "world3-no_sync",
+        "world3-rank0-joins-last",
+    ],
 )
-def test_uneven_inputs_train_as_with_pytorchs_join(world, divide, batchnorm, unused, accumulate):
-    results = run_world(join_against_torch, world, divide, batchnorm, unused, accumulate, timeout=240)
+def test_uneven_inputs_train_as_with_pytorchs_join(world, divide, batchnorm, unused, accumulate, lowest_last):
+    results = run_world(join_against_torch, world, divide, batchnorm, unused, accumulate, lowest_last, timeout=240)
     for diff, _ in results:
         assert diff <= 1e-5
     assert all(torch.equal(results[0][1], state) for _, state in results)  # the last joiner's model, everywhere

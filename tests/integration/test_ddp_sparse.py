@@ -32,7 +32,7 @@ class Lookup(nn.Module):
     """A sparse embedding, a sparse bag, a dense head; optionally the head tied to the embedding, and a third table
     that forward never uses."""
 
-    def __init__(self, tied: bool = False, idle_table: bool = False):
+    def __init__(self, tied: bool = False, idle_table: bool = False, one_rank_table: bool = False):
         super().__init__()
         self.emb = nn.Embedding(ROWS, DIM, sparse=True)
         self.bag = nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=True)
@@ -40,9 +40,14 @@ class Lookup(nn.Module):
         if tied:
             self.head.weight = self.emb.weight  # the tied weight's gradient is sparse + dense: dense
         self.idle = nn.Embedding(ROWS, DIM, sparse=True) if idle_table else None
+        # Looked up only for ids below 10, which only rank 0 draws (ids_for): rank 1 has no gradient of it at all.
+        self.rare = nn.Embedding(ROWS, DIM, sparse=True) if one_rank_table else None
 
     def forward(self, ids):
-        return self.head(torch.tanh(self.emb(ids).mean(1) + self.bag(ids)))
+        hidden = self.emb(ids).mean(1) + self.bag(ids)
+        if self.rare is not None and bool((ids < 10).any()):
+            hidden = hidden + self.rare(ids.clamp(max=9)).mean(1)
+        return self.head(torch.tanh(hidden))
 
 
 def ids_for(step: int, rank: int) -> torch.Tensor:
@@ -73,13 +78,14 @@ def max_diff(a, b) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a, b))
 
 
-def sparse_against_torch(rank, world, tied, accumulate, idle_table):
+def sparse_against_torch(rank, world, tied, accumulate, idle_table, one_rank_table=False):
     torch.manual_seed(0)
-    base = Lookup(tied, idle_table)
+    base = Lookup(tied, idle_table, one_rank_table)
     # PyTorch's DDP refuses two of these cases, which ours trains: a sparse table no rank looks up ("Expected sparse
     # gradient to be defined", with find_unused_parameters or without) and one tied to a dense head ("Expected
     # variable to have sparse gradient"). Those are checked against one process only.
-    ours, theirs = DDP(copy.deepcopy(base)), None if idle_table or tied else TorchDDP(copy.deepcopy(base))
+    ours = DDP(copy.deepcopy(base))
+    theirs = None if idle_table or tied or one_rank_table else TorchDDP(copy.deepcopy(base))
     for wrapped in (ours, theirs) if theirs else (ours,):
         train(wrapped, rank, steps=4, accumulate=accumulate)
     single = copy.deepcopy(base)  # one process, every rank's micro-batches, the mean over ranks
@@ -100,16 +106,26 @@ def sparse_against_torch(rank, world, tied, accumulate, idle_table):
             id(ours.module.bag.weight) != id(p) for b in ours.reducer.buckets for p in b._params
         ),
         "grads_present": sum(g is not None for g in grads),
+        "rare_rows": None if not one_rank_table else ours.module.rare.weight.grad.coalesce().indices().tolist(),
     }
 
 
 @pytest.mark.parametrize(
-    ("world", "tied", "accumulate", "idle_table"),
-    [(2, False, 1, False), (3, False, 2, False), (2, True, 1, False), (2, False, 1, True)],
-    ids=["world2", "world3-no_sync", "tied-dense-head", "idle-table"],
+    ("world", "tied", "accumulate", "idle_table", "one_rank_table"),
+    [
+        (2, False, 1, False, False),
+        (3, False, 2, False, False),
+        (2, True, 1, False, False),
+        (2, False, 1, True, False),
+        (2, False, 1, False, True),
+    ],
+    ids=["world2", "world3-no_sync", "tied-dense-head", "idle-table", "table-one-rank-looks-up"],
 )
-def test_sparse_gradients_train_as_with_pytorchs_ddp(world, tied, accumulate, idle_table):
-    for r in run_world(sparse_against_torch, world, tied, accumulate, idle_table, timeout=240):
+def test_sparse_gradients_train_as_with_pytorchs_ddp(world, tied, accumulate, idle_table, one_rank_table):
+    results = run_world(sparse_against_torch, world, tied, accumulate, idle_table, one_rank_table, timeout=240)
+    if one_rank_table:  # the rank that looked up none of its rows holds the others' rows all the same
+        assert results[0]["rare_rows"] == results[1]["rare_rows"] != [[]], results
+    for r in results:
         assert r["vs_torch"] <= 1e-6, r
         assert r["vs_single"] <= 1e-5, r
         assert r["sparse_kept_out_of_buckets"], r

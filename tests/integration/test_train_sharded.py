@@ -236,3 +236,41 @@ def test_zero2_metrics_after_a_short_run():
         assert v[f"ddp_zero_reduce_scatter_seconds_count{r}"] == steps
         assert 0 < v[f"ddp_zero_all_gather_seconds_sum{r}"] < 60
         assert v[f"ddp_gradient_syncs_total{r}"] == steps
+
+
+def _zero_gauges_after_a_step(rank: int, world: int, parallel: str) -> dict:
+    from app.worker.dist import DistContext
+    from app.worker.step_kinds import build_step
+
+    cfg = TrainConfig(parallel=parallel, micro_batch=4, metrics_port=0)
+    metrics = TrainMetrics(rank=rank, local_rank=rank, world_size=world, node=str(rank))
+    step = build_step(cfg, DistContext(rank, rank, world, torch.device("cpu"), "gloo"), 1, metrics)
+    step.train_step(step.batches.next_micro_batches(), agree_nonfinite=lambda bad: bad)
+    labels = {"rank": str(rank)}
+    return {
+        name: metrics.registry.get_sample_value(f"ddp_zero_{name}_bytes", labels)
+        for name in ("parameter", "gradient", "optimizer_state")
+    }
+
+
+@pytest.mark.parametrize("parallel", ["zero1", "zero3"])
+def test_zero1_and_zero3_memory_gauges_read_what_each_rank_holds(parallel):
+    """The bytes each rank keeps (zero2's exact values: test_zero2_metrics_after_a_short_run): AdamW's two moments
+    of what the rank steps, plus its step counters; between them, the ranks hold one copy of that state."""
+    from tests.world import run_world
+
+    world = 2
+    params = list(MiniMLP().parameters())
+    total = sum(p.numel() for p in params) * 4  # float32 bytes
+    gauges = run_world(_zero_gauges_after_a_step, world, parallel, timeout=120)
+    for g in gauges:
+        assert all(v is not None and v > 0 for v in g.values()), gauges
+    state = sum(g["optimizer_state"] for g in gauges)
+    if parallel == "zero1":
+        assert [g["parameter"] for g in gauges] == [total] * world, gauges  # the model whole on every rank ...
+        assert [g["gradient"] for g in gauges] == [total] * world, gauges  # ... and its all-reduced gradient
+        assert state == 2 * total + 4 * len(params), gauges  # 1/N of the state each: one copy between them
+    else:
+        held = sum(g["parameter"] for g in gauges)
+        assert total <= held <= total + 4 * world * len(params), gauges  # 1/N each (+ padding to a multiple of N)
+        assert 2 * held <= state <= 2 * held + 4 * world * len(params), gauges

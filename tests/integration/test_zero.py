@@ -359,3 +359,103 @@ def zero2_bucket_sizes(rank, world):
 def test_a_zero2_bucket_closes_once_it_holds_bucket_cap_mb_mebibytes():
     # a and b together are exactly 1 MiB (2**20 bytes): the first bucket, as in ddp.py; c alone, padded to the world.
     assert run_world(zero2_bucket_sizes, 2, timeout=60) == [[2**20, 8 * 4]] * 2
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# What a user changes between steps: an LR scheduler, a hand-set group lr, several parameter groups
+# --------------------------------------------------------------------------------------------------------------------
+class UnevenChain(Uneven):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:-1]:
+            x = torch.tanh(layer(x))
+        return self.layers[-1](x)
+
+
+def two_groups(model: Uneven) -> list[dict]:
+    """Two parameter groups with their own hyperparameters (what a user's no-decay split looks like)."""
+    first = [p for layer in model.layers[:2] for p in layer.parameters()]
+    rest = [p for layer in model.layers[2:] for p in layer.parameters()]
+    return [{"params": first}, {"params": rest, "lr": LR / 2, "weight_decay": 0.1}]
+
+
+def zero1_with_a_schedule_and_two_groups(rank, world):
+    """ZeRO-1 next to one process, both with two groups, a LambdaLR and a hand-set lr; then the consolidated state."""
+    torch.manual_seed(0)
+    model = UnevenChain()
+    reference = copy.deepcopy(model)
+    ddp = DDP(model)
+    opt = ZeroRedundancyOptimizer(two_groups(model), optimizer_class=torch.optim.AdamW, lr=LR)
+    ref_opt = torch.optim.AdamW(two_groups(reference), lr=LR)
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + 3 * s)) for o in (opt, ref_opt)]
+    for step in range(4):
+        x, y = batch(step, PER_RANK * world)
+        y = y[:, :5]
+        opt.zero_grad()
+        mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        F.mse_loss(ddp(x[mine]), y[mine]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        for s in schedules:
+            s.step()
+        if step == 1:  # by hand, as a user's warm-up code does: the next step must use it
+            for o in (opt, ref_opt):
+                o.param_groups[1]["lr"] = 5 * LR
+    drift = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    opt.consolidate_state_dict(to=0)
+    objs = [opt.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(objs, src=0)
+    full = objs[0]
+    # Rank 0's whole state, loaded into a plain AdamW over the same two groups, is the one-process optimizer's.
+    plain_model = copy.deepcopy(reference)
+    plain = torch.optim.AdamW(two_groups(plain_model), lr=LR)
+    plain.load_state_dict(full)
+    worst_state = max(
+        (plain.state[p][k] - ref_opt.state[q][k]).abs().max().item()
+        for p, q in zip(plain_model.parameters(), reference.parameters())
+        for k in ("exp_avg", "exp_avg_sq")
+    )
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in full["param_groups"]]
+    ref_groups = [{k: v for k, v in g.items() if k != "params"} for g in ref_opt.state_dict()["param_groups"]]
+    # ... and it steps on from there as the one-process optimizer does (AdamW reads betas, eps, ... from each group).
+    x, y = batch(4, PER_RANK * world)
+    for m, o in ((plain_model, plain), (reference, ref_opt)):
+        o.zero_grad()
+        F.mse_loss(m(x), y[:, :5]).backward()
+        o.step()
+    stepped_on = max((p - q).abs().max().item() for p, q in zip(plain_model.parameters(), reference.parameters()))
+    return {"drift": drift, "worst_state": worst_state, "groups_equal": groups == ref_groups, "stepped_on": stepped_on}
+
+
+def test_zero1_follows_an_lr_scheduler_a_hand_set_lr_and_two_groups_into_its_state_dict():
+    for r in run_world(zero1_with_a_schedule_and_two_groups, 2, timeout=120):
+        assert r["drift"] <= PARAM_TOL, r  # the lr each group was given, every step, on every rank's partition
+        assert r["worst_state"] <= PARAM_TOL, r  # each group's state under its own parameters' indices
+        assert r["groups_equal"], r  # each group's lr (the last one the scheduler set), weight decay, betas, ...
+        assert r["stepped_on"] <= PARAM_TOL, r  # the same state and hyperparameters: the same next step
+
+
+def zero2_two_synchronised_backwards(rank, world):
+    """Two backwards outside no_sync() before one step add up, as p.grad does in plain PyTorch."""
+    torch.manual_seed(0)
+    model = build("mlp")
+    reference = copy.deepcopy(model)
+    wrapped, opt = wrap(2, model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    for step in range(3):
+        x, y = batch(step, 2 * PER_RANK * world)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for i in range(2):
+            half = slice(i * PER_RANK * world, (i + 1) * PER_RANK * world)
+            start = i * PER_RANK * world + rank * PER_RANK
+            (F.mse_loss(wrapped(x[start : start + PER_RANK]), y[start : start + PER_RANK]) / 2).backward()
+            (F.mse_loss(reference(x[half]), y[half]) / 2).backward()
+        opt.step()
+        ref_opt.step()
+    return max_diff(full_parameters(2, wrapped, model), reference)
+
+
+def test_zero2_adds_up_two_synchronised_backwards_before_one_step():
+    assert max(run_world(zero2_two_synchronised_backwards, 2, timeout=120)) <= PARAM_TOL

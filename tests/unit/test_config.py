@@ -200,6 +200,27 @@ def test_the_compose_settings_run_sets_every_field():
     assert set(EVERY_SETTING) == set(FIELDS), "give the new field a value in EVERY_SETTING: it must reach the workers"
 
 
+@pytest.mark.parametrize("route", ["flag", "env", "file"])
+def test_every_setting_arrives_by_each_documented_route(route, tmp_path):
+    """Each field, set by a flag alone, by DDP_<NAME> alone or by a YAML key alone, is the value the trainer runs
+    with, and its source says so (the e2e run sends the same values through compose: EVERY_SETTING)."""
+    from app.worker.config import convert
+    from tests.e2e.test_compose_cluster import EVERY_SETTING
+
+    expected = TrainConfig(**{name: convert(name, raw, "test") for name, raw in EVERY_SETTING.items()})
+    argv, env = [], {}
+    if route == "flag":
+        argv = [arg for name, raw in EVERY_SETTING.items() for arg in (f"--{name.replace('_', '-')}", raw)]
+    elif route == "env":
+        env = {f"DDP_{name.upper()}": raw for name, raw in EVERY_SETTING.items()}
+    else:  # YAML as a user writes it: numbers, strings, a mapping
+        argv = ["--config", write(tmp_path, "".join(f"{n}: {r or repr('')}\n" for n, r in EVERY_SETTING.items()))]
+    resolved = load_config(argv, env)
+    assert resolved.config == expected
+    prefix = {"flag": "flag --", "env": "env DDP_", "file": "config file "}[route]
+    assert [n for n in EVERY_SETTING if not resolved.sources[n].startswith(prefix)] == []
+
+
 def test_the_config_flag_wins_over_ddp_config(tmp_path):
     flag_file, env_file = tmp_path / "flag.yaml", tmp_path / "env.yaml"
     flag_file.write_text("steps: 11\n")

@@ -65,6 +65,24 @@ def test_a_token_file_loads_with_weights_only(tmp_path):
         token_file(str(tmp_path / "floats.pt"))
 
 
+class _Planted:
+    """What a hostile token file holds: unpickling it calls ``open(marker, "w")``, code the file chose to run."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_token_file_that_would_run_code_on_load_is_refused_without_running_it(tmp_path):
+    marker = tmp_path / "ran"
+    torch.save({"tokens": torch.arange(17), "payload": _Planted(str(marker))}, tmp_path / "hostile.pt")
+    with pytest.raises(Exception, match="Unsupported global"):  # torch's weights-only loader, naming builtins.open
+        token_file(str(tmp_path / "hostile.pt"), seq_len=4)
+    assert not marker.exists(), "loading the token file ran the code pickled in it"
+
+
 def test_the_stdlib_corpus_is_the_same_bytes_every_time():
     a, b = stdlib_corpus(seq_len=64, max_bytes=50_000), stdlib_corpus(seq_len=64, max_bytes=50_000)
     assert len(a.tokens) == 50_000 and a.describe() == b.describe() and "sha256" in a.describe()

@@ -116,6 +116,23 @@ def test_build_checks_the_type_it_is_asked_for():
         build("builtins:int", returns=nn.Module)
 
 
+def test_a_loss_gets_its_keywords_as_a_function_and_as_a_class():
+    import torch
+
+    from app.specs import build_loss
+
+    out, target = torch.randn(6, 8, generator=torch.Generator().manual_seed(0)), torch.arange(6)
+    plain = nn.functional.cross_entropy(out, target)
+    scaled = build_loss("tests.models_user:scaled_cross_entropy", {"scale": 2.0})  # a function: keywords bound
+    assert scaled(out, target).item() == pytest.approx(2 * plain.item(), rel=1e-6)
+    assert build_loss("tests.models_user:scaled_cross_entropy", {})(out, target).item() == pytest.approx(plain.item())
+    smoothed = build_loss("torch.nn:CrossEntropyLoss", {"label_smoothing": 0.2})  # a class: instantiated with them
+    expected = nn.functional.cross_entropy(out, target, label_smoothing=0.2)
+    assert smoothed(out, target).item() == pytest.approx(expected.item()) != pytest.approx(plain.item())
+    with pytest.raises(SpecError, match="unexpected keyword argument 'scal'"):
+        build_loss("tests.models_user:scaled_cross_entropy", {"scal": 2.0})
+
+
 def test_importing_specs_does_not_import_torch():
     code = "import sys, app.specs; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

@@ -114,6 +114,15 @@ def test_check_workload_names_the_spec_and_the_cause(settings, expected):
     assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+def test_a_pipelines_data_must_hold_one_batch_per_replica():
+    # 2 stages: at world 2 one replica takes 32 samples a step; at world 4 two replicas take 32 each.
+    cfg = config(["--parallel", "pipeline", "--pipeline-stages", "2", "--dataset-size", "40", "--wrapper", "none"])
+    check_workload(cfg, world_size=2, grad_accum_steps=1)  # 40 >= 32: fits
+    with pytest.raises(ConfigError) as e:
+        check_workload(cfg, world_size=4, grad_accum_steps=1)
+    assert "40 samples, fewer than one global batch of 64" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_a_model_the_samples_do_not_fit_is_named_with_both_shapes():
     cfg = config(["--model-kwargs", '{"in_features": 16}'])  # mini_mlp's own data has 32 features
     with pytest.raises(ConfigError) as e:

@@ -1,0 +1,84 @@
+"""The world-size alert against the world sizes the cluster files declare: ``DDPWorldBelowMinimum``
+(docker/prometheus/alerts.yml, carried into k8s/monitoring/prometheusrule.yaml) run by promtool on a world of
+exactly each declared minimum, of each maximum, and of one worker fewer than the minimum.
+
+The ranges come from where a user sets them: compose.yaml's ``--nnodes=1:${MAX_WORKERS:-8}`` (and the Makefile's
+``MAX_WORKERS``, which must agree) and the ``--nnodes`` of each Kubernetes Job render. One rank per worker (compose,
+the CPU Job; the GPU Jobs' ``gpu`` processes per pod count as one here: each rank is its own scrape target either
+way, so the count scales with them). A page for a job at its minimum wakes someone for nothing; no page below it
+leaves a job that cannot form a world unseen.
+
+    .venv/bin/python -m pytest tests/unit/test_alerts.py     # needs promtool (Debian's prometheus)
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+from tests.unit.test_k8s import ROOT, container, flags, kustomize
+from tests.unit.test_mutation_kills_alerts import promtool_test
+
+ALERT = "DDPWorldBelowMinimum"
+
+
+def compose_range() -> tuple[int, int]:
+    text = (ROOT / "compose.yaml").read_text()
+    low, high = re.search(r"--nnodes=(\d+):\$\{MAX_WORKERS:-(\d+)\}", text).groups()
+    make = re.search(r"^MAX_WORKERS \?= (\d+)", (ROOT / "Makefile").read_text(), re.M)
+    assert make and make[1] == high, "the Makefile's MAX_WORKERS and compose.yaml's default must be the same"
+    return int(low), int(high)
+
+
+def k8s_range(name: str) -> tuple[int, int]:
+    nnodes = flags(container(kustomize(name)[("Job", "ddp-train")])["args"])["nnodes"]
+    low, _, high = nnodes.partition(":")
+    return int(low), int(high or low)
+
+
+def _description() -> str:
+    groups = yaml.safe_load((ROOT / "docker" / "prometheus" / "alerts.yml").read_text())["groups"]
+    rule = next(r for g in groups for r in g["rules"] if r.get("alert") == ALERT)
+    return rule["annotations"]["description"]
+
+
+def world(workers: int, minimum: int, leaves: bool) -> str:
+    """A promtool case: a job at step 100 of 1000 with ``workers`` workers whose minimum is ``minimum``;
+    ``leaves``: the last worker goes away at 60 s. Expected at 4 minutes: a page exactly when fewer than
+    ``minimum`` run."""
+    series = {}
+    for i in range(workers):
+        values = "1x5 stale" if leaves and i == workers - 1 else "1x40"
+        series[f'up{{instance="w{i}:9400"}}'] = values
+        series[f'ddp_rank_info{{instance="w{i}:9400", rank="{i}"}}'] = values
+    series['ddp_min_world_size{rank="0"}'] = f"{minimum}x40"
+    series['ddp_step{rank="0"}'] = "100x40"
+    series['ddp_target_steps{rank="0"}'] = "1000x40"
+    running = workers - 1 if leaves else workers
+    page = {
+        "exp_labels": {"severity": "critical"},
+        "exp_annotations": {
+            "summary": f"{running} workers run, fewer than the world's minimum",
+            "description": _description(),
+        },
+    }
+    case = {
+        "interval": "10s",
+        "input_series": [{"series": k, "values": v} for k, v in series.items()],
+        "alert_rule_test": [{"eval_time": "4m", "alertname": ALERT, "exp_alerts": [page] if running < minimum else []}],
+    }
+    return "\n" + yaml.safe_dump([case], sort_keys=False, width=1000)
+
+
+RANGES = {"compose": compose_range, "k8s-cpu": lambda: k8s_range("cpu"), "k8s-elastic": lambda: k8s_range("elastic")}
+
+
+@pytest.mark.parametrize("where", list(RANGES))
+def test_no_page_at_the_minimum_or_the_maximum_and_a_page_one_below(tmp_path, where):
+    low, high = RANGES[where]()
+    assert 1 <= low <= high
+    cases = world(low, low, leaves=False) + world(high, low, leaves=False) + world(low, low, leaves=True)
+    result = promtool_test(tmp_path, cases)
+    assert result.returncode == 0, f"{where} ({low}:{high}):\n{result.stdout}{result.stderr}"
