@@ -303,6 +303,172 @@ MUTANTS: list[Mutant] = [
         "if true; then (tr",
         T("tests/e2e/test_cluster_files.py::test_grafana_admin_password_is_random_per_cluster_and_kept"),
     ),
+    # -- issue 38: promises of the docs and docstrings a held-out audit found unguarded ------------------------------
+    # Silent wrong training
+    Mutant(
+        "zero1-scheduler-lr-ignored",
+        "ZeRO-1 steps every partition at the lr it was built with: an LR scheduler or a hand-set group lr is ignored",
+        "app/parallel/zero.py",
+        '            local.update({k: v for k, v in group.items() if k != "params"})\n'
+        "        self.optim.step(**kwargs)",
+        "            pass\n        self.optim.step(**kwargs)",
+        T(
+            "tests/integration/test_zero.py::"
+            "test_zero1_follows_an_lr_scheduler_a_hand_set_lr_and_two_groups_into_its_state_dict"
+        ),
+    ),
+    Mutant(
+        "zero1-state-dict-groups-overlap",
+        "ZeRO-1's consolidated state dict numbers every group's parameters from 0: with two groups, state lands on "
+        "the wrong parameters",
+        "app/parallel/zero.py",
+        "            start += n\n",
+        "            start += 0\n",
+        T(
+            "tests/integration/test_zero.py::"
+            "test_zero1_follows_an_lr_scheduler_a_hand_set_lr_and_two_groups_into_its_state_dict"
+        ),
+    ),
+    Mutant(
+        "zero2-second-backward-replaces-the-first",
+        "ZeRO-2: of two synchronised backwards before one step, only the last one's gradient is kept",
+        "app/parallel/sharded_grad.py",
+        "b.shard.grad = chunk if b.shard.grad is None else b.shard.grad.add_(chunk)",
+        "b.shard.grad = chunk",
+        T("tests/integration/test_zero.py::test_zero2_adds_up_two_synchronised_backwards_before_one_step"),
+    ),
+    Mutant(
+        "join-final-model-from-the-highest-rank",
+        "join() ends with every rank holding the highest rank's model, even when that rank stopped training early",
+        "app/parallel/join.py",
+        "common_rank(ddp, candidate=is_last_joiner)",
+        "common_rank(ddp, candidate=True)",
+        T(
+            "tests/integration/test_ddp_join.py::test_uneven_inputs_train_as_with_pytorchs_join[world3-rank0-joins-last]"
+        ),
+    ),
+    Mutant(
+        "sparse-table-none-on-a-rank-that-looked-up-nothing",
+        "a sparse table this rank looked up no rows of keeps p.grad None: the others' rows never reach it, the ranks "
+        "drift apart",
+        "app/parallel/sparse_grads.py",
+        "if p.grad is not None or grad._nnz():",
+        "if p.grad is not None:",
+        T(
+            "tests/integration/test_ddp_sparse.py::test_sparse_gradients_train_as_with_pytorchs_ddp[table-one-rank-looks-up]"
+        ),
+    ),
+    # A check that lies
+    Mutant(
+        "check-passes-when-one-wrapper-differs",
+        "python -m app.check prints PASS and exits 0 when one of the two wrappers differs from one process",
+        "app/check/cli.py",
+        'ok = all(v == "equal" for v in verdicts.values())',
+        'ok = any(v == "equal" for v in verdicts.values())',
+        T("tests/integration/test_check.py::test_one_wrapper_differing_is_a_fail_and_exit_1"),
+    ),
+    # Settings silently ignored
+    Mutant(
+        "loss-function-keywords-dropped",
+        "loss_kwargs of a loss given as a function are checked, then dropped: it runs at its defaults",
+        "app/specs.py",
+        "return functools.partial(fn, **kwargs) if kwargs else fn",
+        "return fn",
+        T("tests/unit/test_specs.py::test_a_loss_gets_its_keywords_as_a_function_and_as_a_class"),
+    ),
+    Mutant(
+        "env-settings-in-seconds-ignored",
+        "every DDP_*_SECONDS variable is skipped: the timeouts run at their defaults, whatever the environment says",
+        "app/worker/config/load.py",
+        "if not key.startswith(ENV_PREFIX) or key == CONFIG_ENV:",
+        'if not key.startswith(ENV_PREFIX) or key == CONFIG_ENV or key.endswith("_SECONDS"):',
+        T("tests/unit/test_config.py::test_every_setting_arrives_by_each_documented_route"),
+    ),
+    # Bad input as a late traceback
+    Mutant(
+        "pipeline-data-check-counts-one-replica",
+        "a data set too small for a pipeline with several replicas passes the start-up check (it holds one batch)",
+        "app/worker/workload.py",
+        'shares = cfg.pipeline_layout(world_size)[1] if cfg.parallel == "pipeline" else world_size',
+        'shares = 1 if cfg.parallel == "pipeline" else world_size',
+        T("tests/unit/test_workload.py::test_a_pipelines_data_must_hold_one_batch_per_replica"),
+    ),
+    # Security
+    Mutant(
+        "token-file-runs-pickled-code",
+        "a token file is unpickled in full: a file of unknown origin runs the code it carries on load",
+        "app/worker/data_files.py",
+        'tokens = torch.load(path, map_location="cpu", weights_only=True)',
+        'tokens = torch.load(path, map_location="cpu", weights_only=False)',
+        T("tests/unit/test_data_files.py::test_a_token_file_that_would_run_code_on_load_is_refused_without_running_it"),
+    ),
+    Mutant(
+        "checkpoint-runs-pickled-code",
+        "a checkpoint is unpickled in full: one holding more than tensors loads (and could run code)",
+        "app/worker/checkpoint_files.py",
+        'state = torch.load(path, map_location="cpu", weights_only=True)',
+        'state = torch.load(path, map_location="cpu", weights_only=False)',
+        T("tests/unit/test_invariants.py::test_every_torch_load_loads_weights_only"),
+    ),
+    # Misleading signals
+    Mutant(
+        "zero1-optimizer-state-gauge-reads-zero",
+        "ddp_zero_optimizer_state_bytes reads 0 under zero1 (the wrapper's own, empty, state is counted)",
+        "app/worker/sharded_step.py",
+        "tensor_bytes(p.grad for p in params), optimizer_state_bytes(self.optimizer.optim)",
+        "tensor_bytes(p.grad for p in params), optimizer_state_bytes(self.optimizer)",
+        T("tests/integration/test_train_sharded.py::test_zero1_and_zero3_memory_gauges_read_what_each_rank_holds"),
+    ),
+    Mutant(
+        "zero3-parameter-gauge-counts-the-model",
+        "ddp_zero_parameter_bytes under zero3 counts the bare model, not the 1/N shards the rank keeps",
+        "app/worker/sharded_step.py",
+        "return tensor_bytes(shards), tensor_bytes(s.grad for s in shards), optimizer_state_bytes(self.optimizer)",
+        "return tensor_bytes(self.model.parameters()), tensor_bytes(s.grad for s in shards), "
+        "optimizer_state_bytes(self.optimizer)",
+        T("tests/integration/test_train_sharded.py::test_zero1_and_zero3_memory_gauges_read_what_each_rank_holds"),
+    ),
+    Mutant(
+        "world-below-minimum-pages-at-the-minimum",
+        "DDPWorldBelowMinimum pages for a job running exactly its minimum number of workers",
+        "docker/prometheus/alerts.yml",
+        "            < on() max(last_over_time(ddp_min_world_size[10m]))",
+        "            <= on() max(last_over_time(ddp_min_world_size[10m]))",
+        T("tests/unit/test_alerts.py"),
+    ),
+    Mutant(
+        "max-workers-make-and-compose-differ",
+        "make up accepts WORKERS up to another maximum than compose.yaml's world (--nnodes=1:MAX_WORKERS)",
+        "Makefile",
+        "MAX_WORKERS ?= 8 ",
+        "MAX_WORKERS ?= 6 ",
+        T("tests/unit/test_alerts.py"),
+    ),
+    # Jobs ending wrongly
+    Mutant(
+        "job-state-full-volume-crashes-the-launcher",
+        "a read-only or full LAUNCH_STATE_DIR volume ends the launcher with a traceback instead of a warning",
+        "app/cluster/job_state.py",
+        "except OSError as e:  # a read-only or full volume",
+        "except PermissionError as e:  # a read-only or full volume",
+        T("tests/unit/test_job_state.py"),
+    ),
+    Mutant(
+        "k8s-grace-shorter-than-the-stop",
+        "the pod's grace period is shorter than the trainer's stop: an evicted pod is killed before it checkpoints",
+        "k8s/base/job.yaml",
+        "terminationGracePeriodSeconds: 60",
+        "terminationGracePeriodSeconds: 15",
+        T("tests/unit/test_invariants.py::test_kubernetes_waits_longer_than_the_trainers_stop"),
+    ),
+    Mutant(
+        "compose-grace-shorter-than-the-stop",
+        "Docker's stop_grace_period is shorter than the trainer's stop: a stopped container is killed mid-checkpoint",
+        "compose.yaml",
+        "stop_grace_period: 30s",
+        "stop_grace_period: 20s",
+        T("tests/unit/test_invariants.py::test_docker_waits_longer_than_the_trainers_stop"),
+    ),
 ]
 
 
@@ -428,7 +594,7 @@ def main(argv=None) -> int:
         for m in chosen:
             found = count(m)
             state = "ok" if found == 1 else f"STALE (found {found}×)"
-            print(f"{m.name:<32} {state:<18} {m.path}: {m.what}")
+            print(f"{m.name:<52} {state:<18} {m.path}: {m.what}")
         return 0
     out_path = output_path(parser, args, "mutants")
     load_before = load_average()
@@ -454,7 +620,7 @@ def main(argv=None) -> int:
                 row = run_mutant(copy, m, args.timeout)
             rows.append(row)
             print(
-                f"[{i:>2}/{len(chosen)}] {row['outcome']:<17} {m.name:<32} {row.get('seconds', 0):>5.0f}s", flush=True
+                f"[{i:>2}/{len(chosen)}] {row['outcome']:<17} {m.name:<52} {row.get('seconds', 0):>5.0f}s", flush=True
             )
     caught = sum(r["outcome"].startswith("caught") for r in rows)
     doc = {
