@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from app.diagnostics import collectives as recorded
 from app.parallel.graph_walk import tensors_in  # every tensor in a forward output, as the reducer walks it
 from app.parallel.sharded_grad import FlatShard, broadcast_module_state
 
@@ -68,7 +69,8 @@ class _Unit:
         storage.resize_(self.full.numel() * self.full.element_size())
         t0 = time.perf_counter()
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
-            dist.all_gather_into_tensor(self.full, self.shard.detach().to(self.full.dtype), self.fsdp.process_group)
+            shard = self.shard.detach().to(self.full.dtype)
+            recorded.all_gather_into_tensor(self.full, shard, f"FSDP unit {self.name}", self.fsdp.process_group)
         self.fsdp.comm_seconds["all_gather"] += time.perf_counter() - t0
         self.fsdp.comm_bytes["all_gather"] += self.full.numel() * self.full.element_size()
         self.gathered = True
@@ -82,7 +84,8 @@ class _Unit:
     def reduce_scatter(self) -> None:
         """All of this unit's gradients are in: launch the async reduce-scatter, free the full parameters."""
         chunk = torch.empty(self.flat_shard.shard_numel, dtype=self.grad.dtype)
-        work = dist.reduce_scatter_tensor(chunk, self.grad, dist.ReduceOp.SUM, self.fsdp.process_group, True)
+        source, group = f"FSDP unit {self.name}", self.fsdp.process_group
+        work = recorded.reduce_scatter_tensor(chunk, self.grad, source, dist.ReduceOp.SUM, group, True)
         self.fsdp.comm_bytes["reduce_scatter"] += self.grad.numel() * self.grad.element_size()
         self.fsdp._works.append((self, work, chunk))
         self.grad = None
@@ -239,7 +242,7 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self.units:
             s = unit.flat_shard
             full = torch.empty(s.padded, dtype=torch.float32)
-            dist.all_gather_into_tensor(full, unit.shard.detach(), self.process_group)
+            recorded.all_gather_into_tensor(full, unit.shard.detach(), f"FSDP unit {unit.name}", self.process_group)
             if self.rank == 0:
                 for p, o, n, shape in zip(s.params, s.offsets, s.numels, s.shapes):
                     for name in self._state_dict_names[id(p)]:

@@ -26,7 +26,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
+from app.diagnostics import collectives as recorded
 from app.parallel.module_sync import broadcast_coalesced
+
+SYNC_FLAG = "DDP join: does this step sync"  # one source on both sides: a joined rank's shadow and a training rank
 
 
 def join_context(
@@ -64,7 +67,7 @@ class DDPJoinHook(JoinHook):
         if ddp._will_sync_buffers():
             ddp._sync_buffers(still_training=False)
         sync = torch.zeros(1, device=ddp.device)
-        dist.all_reduce(sync, group=ddp.process_group)
+        recorded.all_reduce(sync, SYNC_FLAG, group=ddp.process_group)
         ddp.require_forward_param_sync = bool(sync.item())  # as after the others' forward
         if not sync.item():
             return  # the others' iteration runs under no_sync(), or without grad: nothing more to match
@@ -80,7 +83,7 @@ class DDPJoinHook(JoinHook):
 def common_rank(ddp, candidate: bool) -> int:
     """The highest rank of ``ddp``'s group among those that are candidates (the group rank; PyTorch's rule)."""
     rank = torch.tensor([dist.get_rank(ddp.process_group) if candidate else -1], device=ddp.device)
-    dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=ddp.process_group)
+    recorded.all_reduce(rank, "DDP join: the common rank", op=dist.ReduceOp.MAX, group=ddp.process_group)
     return int(rank.item())
 
 
@@ -94,4 +97,4 @@ def notify(ddp, sync: bool) -> None:
 
 
 def tell_sync(ddp, sync: bool) -> None:
-    dist.all_reduce(torch.tensor([float(sync)], device=ddp.device), group=ddp.process_group)
+    recorded.all_reduce(torch.tensor([float(sync)], device=ddp.device), SYNC_FLAG, group=ddp.process_group)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from app.diagnostics import collectives as recorded
 from app.parallel.ddp import DistributedDataParallel
 from app.parallel.model_parallel import merge_stage_state_dicts, sequential_of, split_model
 
@@ -188,7 +189,7 @@ class PipelineRunner:
         if losses:
             value[0] = torch.stack([loss.detach().float().cpu() for loss in losses]).mean()
         src = self._last_stage_rank if self._last_stage_rank is not None else self.num_stages - 1
-        dist.broadcast(value, src=src, group=self.group)
+        recorded.broadcast(value, "pipeline: the loss", src=src, group=self.group)
         return value.item()
 
     def state_dict(self) -> dict:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from app.diagnostics import collectives as recorded
 from app.parallel.buckets import GradBucket, assign_buckets
 from app.parallel.comm_hooks import Exchange
 from app.parallel.comm_stats import BackwardTimes, Clock, CommStats
@@ -180,6 +181,7 @@ class Reducer(UnusedParameters):
         self._ready = [False] * len(self._params)  # per parameter: gradient already copied into its bucket
         self._next_bucket = 0  # buckets are launched strictly in index order (see _launch_ready_buckets)
         self._futures: list[torch.futures.Future | None] = [None] * n
+        self._flights: list[list | None] = [None] * n  # the flight recorder's entry of each bucket's collective
         self._times = BackwardTimes(self._clock, n)
         self._callback_queued = False
         self._arrival_order: list[int] = []
@@ -275,10 +277,10 @@ class Reducer(UnusedParameters):
                 fut.set_result(bucket.buffer())
             elif self._comm_hook is None:
                 # Built-in path: all-reduce with SUM, in place (each slot was divided by the world size already).
-                fut = dist.all_reduce(
-                    bucket.buffer(), op=dist.ReduceOp.SUM, group=self.process_group, async_op=True
-                ).get_future()
+                work = recorded.all_reduce(bucket.buffer(), f"DDP bucket {i}", group=self.process_group, async_op=True)
+                fut, self._flights[i] = work.get_future(), work.entry
             else:
+                self._flights[i] = recorded.start("comm_hook", self.process_group, bucket.buffer(), f"DDP bucket {i}")
                 fut = self._comm_hook(self._comm_state, bucket)  # the hook averages, as with PyTorch's DDP
 
             def record_done(f: torch.futures.Future, i=i, times=self._times, clock=self._clock) -> None:
@@ -312,6 +314,7 @@ class Reducer(UnusedParameters):
                 # Bucket by bucket: writing out i overlaps reducing i+1. Only waiting is exposed communication.
                 before = self._clock.now()
                 averaged = fut.wait()
+                recorded.end(self._flights[i])
                 averaged = averaged[0] if isinstance(averaged, list) else averaged  # all_reduce's future: a list
                 self._times.waits.append((before, self._clock.now()))
                 if self._times.dones[i] is None:
@@ -327,8 +330,8 @@ class Reducer(UnusedParameters):
     def shadow_backward(self) -> None:
         """The collectives of one synchronised backward, in its order, contributing zeros: what a rank that ran out of
         inputs issues while the others train (``join.py``)."""
-        zeros = [torch.zeros_like(b.buffer()) for b in self._buckets]
-        for work in [dist.all_reduce(z, group=self.process_group, async_op=True) for z in zeros]:
+        g, zeros = self.process_group, [torch.zeros_like(b.buffer()) for b in self._buckets]
+        for work in [recorded.all_reduce(z, f"DDP bucket {i}", group=g, async_op=True) for i, z in enumerate(zeros)]:
             work.wait()
         self._locally_unused = list(range(len(self._params)))
         self._globally_used_flags()  # its all-reduce, where a backward has one, with every flag 0

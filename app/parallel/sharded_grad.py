@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from app.diagnostics import collectives as recorded
 from app.parallel.module_sync import broadcast_coalesced
 from app.parallel.zero import refuse_unshardable
 
@@ -206,9 +207,10 @@ class ShardedGradDataParallel(nn.Module):
     def gather_parameters(self) -> None:
         """All-gather every bucket's chunks into its flat buffer: each rank's parameters whole and equal again."""
         works, t0 = [], time.perf_counter()
-        for b in self._buckets:
+        for i, b in enumerate(self._buckets):
             # The input is a copy: the shard is a view of the very buffer being gathered into.
-            works.append(dist.all_gather_into_tensor(b.flat, b.shard.detach().clone(), self.process_group, True))
+            shard = b.shard.detach().clone()
+            works.append(recorded.all_gather_into_tensor(b.flat, shard, f"ZeRO bucket {i}", self.process_group, True))
             self.comm_bytes["all_gather"] += b.nbytes
         for w in works:
             w.wait()
@@ -237,7 +239,8 @@ class ShardedGradDataParallel(nn.Module):
         while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
             b = self._buckets[self._next_bucket]
             chunk = torch.empty(b.flat_shard.shard_numel, dtype=b.grad.dtype, device=b.grad.device)
-            work = dist.reduce_scatter_tensor(chunk, b.grad, dist.ReduceOp.SUM, self.process_group, True)
+            source = f"ZeRO bucket {self._next_bucket}"
+            work = recorded.reduce_scatter_tensor(chunk, b.grad, source, dist.ReduceOp.SUM, self.process_group, True)
             self._works.append((work, chunk))
             self.comm_bytes["reduce_scatter"] += b.nbytes
             self._next_bucket += 1

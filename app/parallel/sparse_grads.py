@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from app.diagnostics import collectives as recorded
+
 
 def sparse_gradient_params(module: nn.Module) -> set[int]:
     """``id()`` of every parameter whose gradient is sparse by construction (PyTorch's rule for its DDP)."""
@@ -54,17 +56,17 @@ class SparseGradients:
 
     def shadow(self) -> None:
         """``reduce``'s all-reduces, with no rows: a rank that ran out of inputs (``join.py``) matching the others."""
-        for p in self.params:
-            dist.all_reduce(self.empty_gradient(p), group=self.process_group)
+        for i, p in enumerate(self.params):
+            recorded.all_reduce(self.empty_gradient(p), f"DDP sparse gradient {i}", group=self.process_group)
 
     def reduce(self) -> None:
-        for p in self.params:
+        for i, p in enumerate(self.params):
             grad = p.grad
             if grad is None:  # not looked up on this rank: it still takes part, with no rows
                 grad = self.empty_gradient(p)
             elif grad.is_sparse:
                 grad = grad.coalesce()  # (one entry per row: the division below then divides each row once)
             grad.div_(self.divisor)
-            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.process_group)
+            recorded.all_reduce(grad, f"DDP sparse gradient {i}", group=self.process_group)  # (SUM)
             if p.grad is not None or grad._nnz():  # a table no rank looked up keeps p.grad None, as a dense one
                 p.grad = grad

@@ -98,12 +98,14 @@ class StepControl:
         import torch
         import torch.distributed as dist
 
+        from app.diagnostics import collectives as recorded
+
         flags = torch.tensor(
             [int(self.stop_signal.requested), self.ctx.rank + 1 if nonfinite_here else 0],
             dtype=torch.int32,  # int32: NCCL and gloo both reduce it
             device=self.ctx.device,
         )
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        recorded.all_reduce(flags, "step control (stop, NaN)", op=dist.ReduceOp.MAX)
         stop, bad = flags.tolist()
         self.stop, self.bad_rank = bool(stop), bad - 1
         return self.bad_rank >= 0

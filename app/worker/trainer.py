@@ -19,10 +19,13 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from app.diagnostics.recorder import RECORDER, failure_reason
+from app.diagnostics.session import start_recording
 from app.exit_codes import OK, PEER_STOPPED
 from app.parallel.accum import NonFiniteLossError
 from app.worker.checkpoint import Checkpointer
@@ -55,6 +58,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, ctx: DistContext, world: WorldEnv, stop: StopSignal, metrics, *, step):
         self.cfg, self.ctx, self.stop, self.metrics = cfg, ctx, stop, metrics
         self.step: TrainStep = step
+        flight = str(Path(cfg.checkpoint_dir) / "flight") if cfg.checkpoint_dir else None  # (docs/diagnostics.md)
+        start_recording(entries=cfg.flight_recorder_entries, dump_dir=flight, desync_check=bool(cfg.desync_check))
         self.checkpointer = Checkpointer(
             cfg.checkpoint_dir,
             every=cfg.checkpoint_every,
@@ -79,6 +84,13 @@ class Trainer:
 
     def run(self) -> int:
         """Train up to ``steps``; OK when finished or stopped on request, PEER_STOPPED when stopped for a peer."""
+        try:
+            return self._run()
+        except Exception as e:  # a collective timeout, a lost peer, a desync, a NaN: the ring says where each rank was
+            RECORDER.dump(failure_reason(e))
+            raise
+
+    def _run(self) -> int:
         cfg = self.cfg
         self._announce()
         while self.step_index < cfg.steps:

@@ -151,6 +151,16 @@ class TrainConfig:
         "keep /metrics up this long after training, so Prometheus scrapes the final values", 0.0
     )
     log_every: int = _doc("rank 0 logs a progress line every this many steps", 10)
+    flight_recorder_entries: int = _doc(
+        "collectives each rank's flight recorder keeps, dumped to <checkpoint_dir>/flight on a timeout, a failure or "
+        "SIGUSR1 for python -m app.doctor (docs/diagnostics.md; 0 = off)",
+        4096,
+    )
+    desync_check: int = _doc(
+        "debug: 1 = before each collective the ranks compare what they are about to run, and stop at the first "
+        "mismatch naming both ops (one more small collective each; 0 = off)",
+        0,
+    )
     min_step_seconds: float = _doc(
         "each optimizer step lasts at least this long (the loop sleeps the rest), so that a run on a fast machine "
         "still spans Prometheus scrapes: for demos, drills and tests (0 = as fast as it goes)",
@@ -211,6 +221,9 @@ class TrainConfig:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port={self.metrics_port}: must be a TCP port 1..65535, or 0 for no metrics")
+        at_least("flight_recorder_entries", self.flight_recorder_entries, 0)
+        if self.desync_check not in (0, 1):
+            raise ConfigError(f"desync_check={self.desync_check}: must be 0 (off) or 1 (on)")
         if self.inject_nan_at_step < 0:
             raise ConfigError(f"inject_nan_at_step={self.inject_nan_at_step}: must be >= 0 (0 = off)")
         if self.model == "tiny_transformer" and not self.data and self.seq_len > 64:

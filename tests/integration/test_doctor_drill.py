@@ -1,0 +1,81 @@
+"""The SIGSTOP drill on the real trainer: one of 3 ranks frozen mid-run; the others time out, dump their flight
+recorders into the checkpoint directory, and the doctor names the frozen rank and the collective they waited in.
+Also: SIGUSR1 to a running trainer dumps its ring without stopping it, and the desync check runs clean on a healthy
+run.
+
+    .venv/bin/python -m pytest -q -n0 tests/integration/test_doctor_drill.py
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from app.diagnostics.doctor import summary_line
+from app.diagnostics.dumps import load
+from tests.trainer_run import REPO, finish, kill, start_ranks, wait_for_log, worker_args
+
+TIMEOUT_S = 5.0
+
+
+def test_a_frozen_rank_is_named_with_the_collective_the_others_waited_in(tmp_path: Path):
+    procs = start_ranks(
+        *worker_args(
+            "until_stopped",
+            checkpoint_dir=tmp_path,
+            collective_timeout_seconds=TIMEOUT_S,
+            rendezvous_timeout_seconds=120,
+        ),
+        world_size=3,
+    )
+    try:
+        wait_for_log(procs[0], "step 50/")
+        procs[1].send_signal(signal.SIGSTOP)
+        for p in (procs[0], procs[2]):
+            p.communicate(timeout=90)
+    finally:
+        kill(procs)
+    assert procs[0].returncode == procs[2].returncode == 1
+    line = summary_line(tmp_path)
+    # Which collective they waited in depends on where in its step rank 1 froze: a bucket, or the step's control.
+    pattern = (
+        r"doctor: rank 1 left no dump \(frozen or killed\) and never completed all_reduce #\d+ "
+        r"\((DDP bucket 0|step control \(stop, NaN\)), [^)]+\); ranks 0, 2 waited there \d+(\.\d)? s"
+    )
+    assert re.fullmatch(pattern, line), line
+    waited = float(re.search(r"waited there ([\d.]+) s", line).group(1))
+    assert TIMEOUT_S - 0.5 <= waited < TIMEOUT_S + 30, line
+    assert {d.header["reason"] for d in load(tmp_path).by_rank.values()} <= {"collective timeout", "peer went away"}
+    doctor = subprocess.run(
+        [sys.executable, "-m", "app.doctor", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert doctor.returncode == 0 and doctor.stdout.startswith(line + "\n"), doctor.stdout + doctor.stderr
+    assert re.search(r"^1 +no dump", doctor.stdout, re.M), doctor.stdout
+
+
+def test_sigusr1_dumps_a_running_trainer_that_goes_on_training(tmp_path: Path):
+    procs = start_ranks(*worker_args("until_stopped", checkpoint_dir=tmp_path, desync_check=1), world_size=2)
+    try:
+        wait_for_log(procs[0], "step 50/")
+        for p in procs:
+            p.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 60
+        while len(list((tmp_path / "flight").glob("rank-*.json"))) < 2:
+            assert time.monotonic() < deadline, "no dumps 60 s after SIGUSR1"
+            time.sleep(0.1)
+        wait_for_log(procs[0], "step 100/")  # still training
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        finish(procs, timeout=60)
+    finally:
+        kill(procs)
+    assert [p.returncode for p in procs] == [0, 0]
+    dumps = load(tmp_path)
+    assert sorted(dumps.by_rank) == [0, 1] and not dumps.notes
+    ops = {(e["op"], e["source"]) for d in dumps.by_rank.values() for e in d.entries}
+    assert ("all_reduce", "DDP bucket 0") in ops and ("all_reduce", "step control (stop, NaN)") in ops, ops
+    assert summary_line(tmp_path).startswith("doctor: no hang, desync or straggler in 2 of 2 ranks' dumps")

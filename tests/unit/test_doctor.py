@@ -1,0 +1,113 @@
+"""The flight recorder's ring and dumps, and the doctor's answers to bad input, in one process (no process group:
+the recorder labels every collective "world", as in a world of one).
+
+A truncated dump or one from another job: one line saying so, the rest read, exit 2; no dump at all: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from app.diagnostics.doctor import main, summary_line
+from app.diagnostics.dumps import load
+from app.diagnostics.recorder import FlightRecorder
+from tests.trainer_run import REPO
+
+
+def write_dumps(directory: Path, world_size: int = 2, steps: int = 5, world_id: str = "w1") -> None:
+    """Real dumps of ``world_size`` recorders that each ran ``steps`` all-reduces to completion."""
+    for rank in range(world_size):
+        rec = FlightRecorder(capacity=64)
+        rec.configure(rank=rank, world_size=world_size, dump_dir=directory, job="job", world_id=world_id)
+        for _ in range(steps):
+            rec.end(rec.start("all_reduce", None, torch.zeros(256), "DDP bucket 0"))
+        rec.dump("SIGUSR1")
+
+
+def test_the_ring_keeps_the_last_entries_and_counts_every_one():
+    rec = FlightRecorder(capacity=8)
+    for _ in range(20):
+        rec.end(rec.start("broadcast", None, torch.zeros(3, dtype=torch.float64), "test"))
+    entries = rec.entries()
+    assert [e[0] for e in entries] == list(range(13, 21)) and rec.recorded == 20
+    assert entries[-1][1:6] == ["broadcast", "world", 24, "float64", "test"] and entries[-1][7] >= entries[-1][6]
+
+
+def test_a_recorder_with_no_entries_records_and_dumps_nothing(tmp_path: Path):
+    rec = FlightRecorder(capacity=0)
+    rec.configure(dump_dir=tmp_path)
+    assert rec.start("all_reduce", None, torch.zeros(1), "x") is None
+    assert rec.dump("SIGUSR1") is None and list(tmp_path.iterdir()) == []
+
+
+def test_a_dump_is_written_whole_or_not_at_all(tmp_path: Path):
+    write_dumps(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-0.json", "rank-1.json"]  # no temp file left behind
+    doc = json.loads((tmp_path / "rank-1.json").read_text())
+    assert doc["header"]["rank"] == 1 and len(doc["entries"]) == 5
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    rec = FlightRecorder(capacity=4)
+    rec.configure(dump_dir=blocked / "flight")  # a file where the directory should be: a warning, no exception
+    rec.start("all_reduce", None, torch.zeros(1), "x")
+    assert rec.dump("SIGUSR1") is None
+
+
+def test_healthy_dumps_say_so_and_exit_0(tmp_path: Path, capsys):
+    write_dumps(tmp_path)
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(
+        "doctor: no hang, desync or straggler in 2 of 2 ranks' dumps: every collective up to #5 completed\n"
+    )
+    assert "all_reduce #5 (DDP bucket 0, 1.0 KiB float32)" in out
+
+
+def test_a_truncated_dump_is_named_and_read_as_far_as_it_goes(tmp_path: Path, capsys):
+    write_dumps(tmp_path, steps=5)
+    path = tmp_path / "rank-1.json"
+    text = path.read_text()
+    path.write_text(text[: text.index('[4, "all_reduce"') + 10])  # cut inside the 4th entry
+    assert main([str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert err == "doctor: rank-1.json: truncated after 3 entries: read those (the rest is lost)\n"
+    assert out.startswith("doctor: ") and "SIGUSR1 (truncated)" in out
+    assert [e["seq"] for e in load(tmp_path).by_rank[1].entries] == [1, 2, 3]
+
+
+def test_a_dump_from_another_job_is_left_out_in_one_line(tmp_path: Path, capsys):
+    write_dumps(tmp_path, world_size=3)
+    stale = tmp_path / "old"
+    write_dumps(stale, world_size=3, world_id="w0")
+    (stale / "rank-2.json").replace(tmp_path / "rank-2.json")
+    assert main([str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert err == (
+        "doctor: rank-2.json: from another job (job 'job', world 'w0'; the others: job 'job', world 'w1'): left out; "
+        "delete stale dumps before a new run\n"
+    )
+    assert "\n2     no dump" in out
+
+
+def test_not_a_dump_and_no_dumps_are_one_line_each_exit_2(tmp_path: Path):
+    (tmp_path / "rank-0.json").write_text('{"something": "else"}')
+    doctor = subprocess.run(
+        [sys.executable, "-m", "app.doctor", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert doctor.returncode == 2
+    assert (
+        doctor.stderr == "doctor: rank-0.json: not a flight recorder dump (no ddp-flight-recorder/1 header): left out\n"
+    )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    doctor = subprocess.run(
+        [sys.executable, "-m", "app.doctor", str(empty)], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert doctor.returncode == 2 and doctor.stdout == "" and len(doctor.stderr.splitlines()) == 1, doctor.stderr
+    assert "no rank-N.json dumps" in doctor.stderr
+    assert summary_line(empty) is None
