@@ -469,6 +469,73 @@ MUTANTS: list[Mutant] = [
         "stop_grace_period: 20s",
         T("tests/unit/test_invariants.py::test_docker_waits_longer_than_the_trainers_stop"),
     ),
+    # -- issue 38, the modules' docstrings walked: promises no issue had named --------------------------------------
+    Mutant(
+        "join-accepts-skip-all-reduce-unused-params",
+        "join() takes a DDP with skip_all_reduce_unused_params, whose skipped buckets a joined rank cannot tell: a "
+        "hang instead of the documented one-line refusal",
+        "app/parallel/join.py",
+        '"skip_all_reduce_unused_params": ddp.skip_all_reduce_unused_params,',
+        '"skip_all_reduce_unused_params": False,',
+        T(
+            "tests/integration/test_ddp_join.py::"
+            "test_join_refuses_what_it_cannot_shadow_in_one_line[skip_all_reduce_unused_params]"
+        ),
+    ),
+    Mutant(
+        "join-disabled-still-refuses",
+        "join(enable=False) refuses a comm hook or static_graph although it shadows nothing",
+        "app/parallel/join.py",
+        "if enable and refused:",
+        "if refused:",
+        T("tests/integration/test_ddp_join.py::test_join_refuses_what_it_cannot_shadow_in_one_line[hook]"),
+    ),
+    Mutant(
+        "ddp-skip-unused-flags-still-all-reduced",
+        "skip_all_reduce_unused_params=True still all-reduces the used flags every step",
+        "app/parallel/unused.py",
+        "if not self.skip_all_reduce_unused_params:",
+        "if True:",
+        T(
+            "tests/integration/test_ddp_api.py::"
+            "test_skip_all_reduce_unused_params_skips_what_it_says_and_trains_as_pytorchs[skipped]"
+        ),
+    ),
+    Mutant(
+        "ddp-skip-unused-buckets-still-reduced",
+        "skip_all_reduce_unused_params=True still all-reduces buckets that hold only unused parameters",
+        "app/parallel/reducer.py",
+        "if self.skip_all_reduce_unused_params and unused and set(bucket.param_indices) <= set(unused):",
+        "if False:",
+        T(
+            "tests/integration/test_ddp_api.py::"
+            "test_skip_all_reduce_unused_params_skips_what_it_says_and_trains_as_pytorchs[skipped]"
+        ),
+    ),
+    Mutant(
+        "zero1-closure-loss-dropped",
+        "ZeroRedundancyOptimizer.step(closure) runs the closure but returns None, not its loss",
+        "app/parallel/zero.py",
+        "loss = closure()",
+        "closure()",
+        T("tests/integration/test_zero.py::test_zero1_steps_with_a_closure_and_with_more_ranks_than_parameters"),
+    ),
+    Mutant(
+        "progress-no-line-at-the-last-step",
+        "rank 0 logs no progress line for the last step when it is not a multiple of log_every",
+        "app/worker/progress.py",
+        "if not (i == self.first_step or i % self.log_every == 0 or i == self.steps):",
+        "if not (i == self.first_step or i % self.log_every == 0):",
+        T("tests/unit/test_progress.py"),
+    ),
+    Mutant(
+        "progress-no-line-at-the-first-step",
+        "rank 0 logs no progress line for the first step of a run (or of a resume)",
+        "app/worker/progress.py",
+        "if not (i == self.first_step or i % self.log_every == 0 or i == self.steps):",
+        "if not (i % self.log_every == 0 or i == self.steps):",
+        T("tests/unit/test_progress.py"),
+    ),
 ]
 
 

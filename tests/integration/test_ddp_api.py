@@ -260,6 +260,64 @@ def test_without_bucket_view_gradients_are_stored_twice():
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# skip_all_reduce_unused_params
+# --------------------------------------------------------------------------------------------------------------------
+def skip_unused_training(rank, world, skip):
+    """Branchy with find_unused_parameters, ``never`` alone in its bucket: what reaches the comm hook, how many
+    used-flags all-reduces run, and the parameters against PyTorch's DDP with the same flags."""
+    torch.manual_seed(0)
+    base = Branchy()
+    flags = {"find_unused_parameters": True, "skip_all_reduce_unused_params": skip, "bucket_cap_mb": 0.0005}
+    models = {name: copy.deepcopy(base) for name in ("ours", "torch")}
+    wrapped = {"ours": DDP(models["ours"], **flags), "torch": TorchDDP(models["torch"], **flags)}
+    hooked = []
+
+    def recording_hook(state, bucket):
+        hooked.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    wrapped["ours"].register_comm_hook(None, recording_hook)
+    flag_reduces = []
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        if tensor.dtype == torch.int32:  # the used-flags all-reduce (gradients are float32)
+            flag_reduces.append(tensor.numel())
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    opts = {n: torch.optim.SGD(w.parameters(), lr=0.1) for n, w in wrapped.items()}
+    dist.all_reduce = counting_all_reduce
+    try:
+        for step in range(3):
+            x, y = batch(step, 4 * world)
+            for name, ddp in wrapped.items():
+                opts[name].zero_grad()
+                F.mse_loss(ddp(x[rank * 4 : (rank + 1) * 4]), y[rank * 4 : (rank + 1) * 4]).backward()
+                opts[name].step()
+    finally:
+        dist.all_reduce = real_all_reduce
+    buckets = len(wrapped["ours"].reducer.buckets)
+    return {
+        "diff": max_diff(models["ours"], models["torch"]),
+        "hooked_per_step": len(hooked) / 3,
+        "buckets": buckets,
+        "flag_reduces": len(flag_reduces),
+        "never_grad_none": models["ours"].never.weight.grad is None,
+    }
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["all-reduced", "skipped"])
+def test_skip_all_reduce_unused_params_skips_what_it_says_and_trains_as_pytorchs(skip):
+    for r in run_world(skip_unused_training, 2, skip):
+        assert r["diff"] <= TOL, r
+        assert r["never_grad_none"], r  # no rank used it: no gradient, either way
+        if skip:  # no used-flags all-reduce, and the buckets of unused parameters only are not reduced at all
+            assert r["flag_reduces"] == 0 and r["hooked_per_step"] < r["buckets"], r
+        else:
+            assert r["flag_reduces"] == 3 and r["hooked_per_step"] == r["buckets"], r
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # static_graph
 # --------------------------------------------------------------------------------------------------------------------
 def static_graph_training(rank, world, model_kind):

@@ -118,9 +118,17 @@ def test_a_second_join_context_divides_by_its_own_rule():
 
 
 def refused(rank, world, case):
-    ddp = DDP(Net(False, False), static_graph=case == "static_graph")
+    skip = case == "skip_all_reduce_unused_params"
+    ddp = DDP(
+        Net(False, False),
+        static_graph=case == "static_graph",
+        find_unused_parameters=skip,
+        skip_all_reduce_unused_params=skip,
+    )
     if case == "hook":
         ddp.register_comm_hook(None, allreduce_hook)
+    with ddp.join(enable=False):  # disabled: nothing to shadow, nothing refused (PyTorch's enable flag)
+        pass
     try:
         ddp.join()
     except NotImplementedError as e:
@@ -128,8 +136,8 @@ def refused(rank, world, case):
     return None
 
 
-@pytest.mark.parametrize("case", ["hook", "static_graph"])
+@pytest.mark.parametrize("case", ["hook", "static_graph", "skip_all_reduce_unused_params"])
 def test_join_refuses_what_it_cannot_shadow_in_one_line(case):
     for message in run_world(refused, 2, case):
         assert message is not None and "\n" not in message
-        assert ("comm hook" if case == "hook" else "static_graph") in message
+        assert ("comm hook" if case == "hook" else case) in message

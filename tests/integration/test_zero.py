@@ -459,3 +459,47 @@ def zero2_two_synchronised_backwards(rank, world):
 
 def test_zero2_adds_up_two_synchronised_backwards_before_one_step():
     assert max(run_world(zero2_two_synchronised_backwards, 2, timeout=120)) <= PARAM_TOL
+
+
+def zero1_closure_with_more_ranks_than_parameters(rank, world):
+    """Linear(8, 8) has 2 parameters and the world 4 ranks: two partitions are empty. step(closure) returns the
+    closure's loss and walks with one process, a scheduler included."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    reference = copy.deepcopy(model)
+    ddp = DDP(model)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ref_opt)]
+    losses = []
+    for step in range(3):
+        x, y = batch(step, PER_RANK * world)
+        mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+
+        def closure(m=ddp, x=x[mine], y=y[mine], o=opt):
+            o.zero_grad()
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            return loss
+
+        def ref_closure(x=x, y=y):
+            ref_opt.zero_grad()
+            loss = F.mse_loss(reference(x), y)
+            loss.backward()
+            return loss
+
+        losses.append((opt.step(closure).item(), F.mse_loss(reference(x[mine]), y[mine]).item()))
+        ref_opt.step(ref_closure)
+        for s in schedules:
+            s.step()
+    drift = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    return {"drift": drift, "losses": losses, "owned": len(opt.owned_parameters())}
+
+
+def test_zero1_steps_with_a_closure_and_with_more_ranks_than_parameters():
+    results = run_world(zero1_closure_with_more_ranks_than_parameters, 4, timeout=120)
+    assert sorted(r["owned"] for r in results) == [0, 0, 1, 1]  # two ranks step nothing and still take part
+    for r in results:
+        assert r["drift"] <= PARAM_TOL, r
+        for returned, before_the_step in r["losses"]:
+            assert returned == pytest.approx(before_the_step, rel=1e-6), r  # the closure's loss, from this rank's data

@@ -1,0 +1,33 @@
+"""Rank 0's progress lines (app.worker.progress): a line at the first step, every ``log_every`` steps and at the last
+one, each averaging the steps since the line before; the summary's first and last loss and step times."""
+
+from __future__ import annotations
+
+import logging
+
+from app.worker.progress import ProgressLog, StepRecord
+
+
+def test_a_line_at_the_first_step_every_log_every_steps_and_the_last_then_the_summary(caplog):
+    progress = ProgressLog(steps=7, log_every=3, first_step=1)
+    with caplog.at_level(logging.INFO, logger="app.train"):
+        closed = [
+            progress.record(StepRecord(i, seconds=0.01 * i, comm_seconds=0.0, exposed_seconds=None, loss=10.0 - i,
+                                       samples=32))
+            for i in range(1, 8)
+        ]  # fmt: skip
+        progress.summary()
+    assert closed == [True, False, True, False, False, True, True]
+    steps = [m.split(" | ")[0] for m in caplog.messages if m.startswith("step ")]
+    assert steps == ["step 1/7", "step 3/7", "step 6/7", "step 7/7"]
+    assert "loss 7.5000" in caplog.messages[1]  # steps 2 and 3, averaged: (8 + 7) / 2
+    assert caplog.messages[-1] == (
+        "summary: steps=7 loss_first=9.0000 loss_last=3.0000 median_step_ms=40.000 mean_step_ms=40.000"
+    )
+
+
+def test_a_resumed_run_logs_its_first_step_and_no_summary_before_any():
+    progress = ProgressLog(steps=200, log_every=50, first_step=101)
+    assert progress.record(StepRecord(101, 0.01, 0.0, None, 1.0, 32))  # the first step of this process: a line
+    assert not progress.record(StepRecord(102, 0.01, 0.0, None, 1.0, 32))
+    ProgressLog(steps=5, log_every=1, first_step=1).summary()  # nothing recorded: nothing to say, no error
