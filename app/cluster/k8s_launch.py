@@ -20,6 +20,8 @@ Around torchrun, three things the Job needs and torchrun does not do:
   ====  ============================================================================================
   0     every rank finished
   2     a bad configuration (a worker exited 2) or bad torchrun arguments: no retry can help
+  3     a rank was killed for memory (over the pod's limit, the kernel's own count): one line says the limit and the
+        fix, and no retry can help either
   75    the failure was a peer's: every failed local rank exited 75 (app.train: a peer was asked to
         stop, so this pod's ranks stopped with it, checkpointed). The Job ignores it.
   143   this pod was asked to stop (SIGTERM: deleted, evicted, preempted); its ranks checkpointed.
@@ -33,6 +35,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
+import socket
 import sys
 import time
 
@@ -43,7 +47,8 @@ from torch.distributed.run import determine_local_world_size, parse_args, run
 
 from app.cli import first_line, setup_logging
 from app.cluster.forked_trainer import fork_trainers
-from app.exit_codes import BAD_CONFIG, FAILED, OK, PEER_STOPPED, STOPPED_BY_SIGNAL
+from app.cluster.memory import OomWatch, oom_line
+from app.exit_codes import BAD_CONFIG, FAILED, OK, OUT_OF_MEMORY, PEER_STOPPED, STOPPED_BY_SIGNAL
 
 log = logging.getLogger("app.cluster.k8s_launch")
 
@@ -150,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             return FAILED
     set_omp_threads(args.nproc_per_node)
     fork_trainers(args)
+    memory = OomWatch()
     try:
         run(args)
     except SignalException as e:
@@ -158,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as e:
         failed = {rank: failure.exitcode for rank, failure in e.failures.items()}
         code = pod_exit_code(failed)
+        killed = [rank for rank, c in sorted(failed.items()) if c == -signal.SIGKILL]
+        if killed and (state := memory.kills()):
+            # Over the pod's resources.limits.memory: its container is not OOMKilled (the kernel took the trainer,
+            # not this process), so say it here, as the compose launcher does (app/cluster/memory.py).
+            log.error("%s: exit %d", oom_line(killed[0], socket.gethostname(), state), OUT_OF_MEMORY)
+            return OUT_OF_MEMORY
         log.warning("ranks failed with exit codes %s; exit %d", failed, code)
         return code
     return OK

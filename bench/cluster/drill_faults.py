@@ -34,7 +34,27 @@ CORRUPT_NEWEST = (
     "open(f, 'wb').write(b)\n"
     "print(f)\n"
 )
+# The same damage to the newest shard of a sharded (ZeRO) checkpoint: the manifest's digest no longer matches it.
+CORRUPT_NEWEST_SHARD = CORRUPT_NEWEST.replace(
+    "sorted(glob.glob('/checkpoints/step-*.pt'))[-1]", "max(glob.glob('/checkpoints/shard-*.pt'), key=os.path.getmtime)"
+).replace("import glob\n", "import glob, os\n")
 FILL_DISK = "dd if=/dev/zero of=/checkpoints/.fill bs=1M 2>/dev/null; df -k /checkpoints | tail -1"
+# SIGSTOPs this container's trainer (the launcher's largest child; the launcher itself, its agent's heartbeat and the
+# container all stay up): a rank that stops making progress without dying, which no keep-alive notices.
+STOP_TRAINER = (
+    "import os, signal\n"
+    "def read(p, f): return open(f'/proc/{p}/{f}', 'rb').read()\n"
+    "def parent(p): return int(read(p, 'stat').rsplit(b')', 1)[1].split()[1])\n"
+    "pids = [int(p) for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()]\n"
+    "launchers = {p for p in pids if b'app.cluster.launch' in read(p, 'cmdline') and parent(p) == 1}\n"
+    "kids = [p for p in pids if parent(p) in launchers]\n"
+    "trainer = max(kids, key=lambda p: int(read(p, 'statm').split()[1]))\n"
+    "os.kill(trainer, signal.SIGSTOP)\n"
+    "print(trainer)\n"
+)
+# A model whose training needs more than OOM_MEMORY (mini_mlp at hidden 8000: 64M parameters, ~1.3 GB of parameters,
+# gradients, buckets and AdamW state), while the launcher and an idle trainer fit.
+OOM_MEMORY, OOM_MODEL = "900m", '{"hidden": 8000}'
 
 
 @dataclass
@@ -91,13 +111,25 @@ def fill_disk(d: Drill) -> None:
     d.fault()
 
 
-def corrupt_newest(d: Drill) -> None:
+def corrupt_newest(script: str = CORRUPT_NEWEST):
+    def inject(d: Drill) -> None:
+        d.start(at_step=d.args.at_step)
+        victim = d.rank_container(0)  # the writer: nothing writes a newer checkpoint over the damaged one
+        d.notes["victim"], d.notes["victim_rank"] = inspect(victim)["name"], 0
+        docker("kill", victim)
+        d.fault()
+        d.notes["corrupted"] = docker("exec", survivor(d, victim), "python", "-c", script).strip()
+
+    return inject
+
+
+def stop_trainer(d: Drill) -> None:
     d.start(at_step=d.args.at_step)
-    victim = d.rank_container(0)  # the writer: nothing writes a newer checkpoint over the damaged one
-    d.notes["victim"], d.notes["victim_rank"] = inspect(victim)["name"], 0
-    docker("kill", victim)
+    victim = next(c for c in d.containers() if c != d.rank_container(0))
+    d.notes["victim"], d.notes["victim_rank"] = inspect(victim)["name"], rank_of(d, victim)
+    d.notes["stopped_pid"] = docker("exec", victim, "python", "-c", STOP_TRAINER).strip()
     d.fault()
-    d.notes["corrupted"] = docker("exec", survivor(d, victim), "python", "-c", CORRUPT_NEWEST).strip()
+    d.notes["stop_to_next_world_s"] = wait_seconds(d, d.fault_t, d.workers - 1) or wait_seconds(d, d.fault_t, d.workers)
 
 
 def stop_then_start(d: Drill) -> None:
@@ -193,7 +225,7 @@ def scenarios(workers: int) -> dict[str, Scenario]:
             small_disk=True,
         ),
         "corrupt-checkpoint": Scenario(
-            "the newest checkpoint corrupted, rank 0 killed", corrupt_newest, victims=1, pages=True
+            "the newest checkpoint corrupted, rank 0 killed", corrupt_newest(), victims=1, pages=True
         ),
         "bad-setting": Scenario(
             "a bad setting (`DDP_LR=-1`)", bad_setting, expect=2, says="config error: lr=-1", env={"DDP_LR": "-1"}
@@ -209,4 +241,44 @@ def scenarios(workers: int) -> dict[str, Scenario]:
         "scale-down-up": Scenario(f"scaled to {workers - 1}, then back to {workers}", scale_down_up, victims=1),
         "pause": Scenario("a peer paused (`docker pause`), unpaused later", pause_peer),
         "partition": Scenario("a peer cut off its network, reconnected later", partition_peer, victims=1, pages=True),
+        "trainer-sigstop": Scenario(
+            "a peer's trainer SIGSTOPped (its launcher and container stay up): a hang", stop_trainer, pages=True
+        ),
+        "out-of-memory": Scenario(
+            f"every worker over its memory (WORKER_MEMORY={OOM_MEMORY}, a 64M-parameter model under ddp)",
+            bad_setting,
+            expect=1,
+            says="was killed for memory",
+            env={"WORKER_MEMORY": OOM_MEMORY, "DDP_MODEL_KWARGS": OOM_MODEL},
+        ),
+        **sharded_scenarios(),
+    }
+
+
+def sharded_scenarios() -> dict[str, Scenario]:
+    """The drills of the ZeRO stages and of the recipe: the same faults, other kinds of run."""
+    zero2, zero3 = {"DDP_PARALLEL": "zero2"}, {"DDP_PARALLEL": "zero3"}
+    recipe = {"DDP_AUTOCAST": "bf16", "DDP_LR_SCHEDULE": "cosine", "DDP_WARMUP_STEPS": "5", "DDP_GRAD_CLIP_NORM": "1"}
+    return {
+        "zero2-kill": Scenario("a worker killed under parallel=zero2", kill_rank(1), env=zero2, victims=1, pages=True),
+        "zero3-kill": Scenario("a worker killed under parallel=zero3", kill_rank(1), env=zero3, victims=1, pages=True),
+        "bf16-kill": Scenario(
+            "a worker killed under bf16 autocast, a cosine schedule and clipping", kill_rank(1), env=recipe, victims=1
+        ),
+        "zero3-corrupt-shard": Scenario(
+            "the newest shard corrupted under parallel=zero3, rank 0 killed",
+            corrupt_newest(CORRUPT_NEWEST_SHARD),
+            expect=2,
+            says="digest",
+            env=zero3,
+            victims=1,
+        ),
+        "zero2-full-disk": Scenario(
+            "the checkpoint volume filled under parallel=zero2",
+            fill_disk,
+            expect=1,
+            says="could not take the checkpoint",
+            env=zero2,
+            small_disk=True,
+        ),
     }

@@ -44,6 +44,7 @@ import pytest
 
 from app.cluster.compose_env import FILE_ENV, with_env_file
 from app.net import free_port
+from bench.cluster.drill_faults import OOM_MEMORY, OOM_MODEL
 from tests.e2e.cluster_files import (
     COMPOSE,
     ROOT,
@@ -500,6 +501,8 @@ EVERY_SETTING = {
     "metrics_port": "9411",
     "metrics_linger_seconds": "0",
     "log_every": "1",
+    "flight_recorder_entries": "512",
+    "desync_check": "0",  # the default, set: it must still come from the environment
     "min_step_seconds": "0.001",
     "stop_timeout_seconds": "12",
     "inject_nan_at_step": "0",
@@ -645,6 +648,37 @@ def test_a_bad_value_from_a_plain_up_stops_each_worker_once_naming_the_setting(t
         assert len(errors) == 1 and BAD_LR in errors[0], text[-3000:]
         assert "joining a world" not in text and "Traceback" not in text, text[-3000:]
         assert "settings from env file" not in text, "a plain up reads no env file"
+
+
+@pytest.fixture(scope="module")
+def oom_run() -> dict:
+    # More than the containers hold (bench/cluster/drill_faults.py: OOM_MODEL in OOM_MEMORY), as a user would start it.
+    compose = small_project(
+        "oom", plain=True, WORKER_MEMORY=OOM_MEMORY, DDP_MODEL_KWARGS=OOM_MODEL, DDP_STEPS="5", DDP_MICRO_BATCH="64"
+    )
+    try:
+        compose("up", "-d", "--no-build", "--scale", "worker=2", "worker", timeout=180)
+        settled = wait_until_settled(compose, 2, 300)
+        return {"settled": settled, "logs": {s["Id"]: container_logs(s["Id"]) for s in settled}}
+    finally:
+        compose("down", "-v", "--remove-orphans", "--timeout", "20", timeout=180, check=False)
+        remove_image(compose.project)
+
+
+def test_a_worker_over_its_memory_ends_in_one_line_naming_the_limit_and_the_fix_with_no_restart(oom_run):
+    for s in oom_run["settled"]:
+        text = oom_run["logs"][s["Id"]]
+        assert (s["RestartCount"], s["State"]["ExitCode"]) == (0, 1), (s["RestartCount"], text[-3000:])
+        errors = [line for line in text.splitlines() if "ERROR" in line]
+        assert len(errors) == 1, text[-3000:]
+        limit = int(OOM_MEMORY.rstrip("m"))
+        assert re.search(
+            rf"rank \d \(this container, \w+\) was killed for memory: over its container's limit of {limit} MiB",
+            errors[0],
+        ), errors[0]
+        assert "parallel=zero2 or zero3" in errors[0] and "micro_batch than 64" in errors[0], errors[0]
+        assert errors[0].endswith(": exit 1") and "Traceback" not in text, text[-3000:]
+        assert "FINISHED" not in text
 
 
 # The first world waits for every replica's launcher (LAUNCH_PEERS), so the spare enters the redundancy list as the

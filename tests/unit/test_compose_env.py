@@ -6,6 +6,7 @@ file); here, what can be read without Docker."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -51,7 +52,8 @@ def test_a_plain_up_reads_no_env_file_and_make_up_names_its_own():
 
 
 def test_make_down_removes_the_env_file():
-    out = subprocess.run(["make", "-n", "down"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k not in (FILE_ENV, "MAKEFLAGS", "MAKELEVEL")}  # as a user runs it
+    out = subprocess.run(["make", "-n", "down"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "rm -f .cluster.env" in out.stdout.splitlines(), out.stdout
 

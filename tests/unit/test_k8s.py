@@ -41,6 +41,7 @@ import yaml
 from kubernetes.client import ApiClient
 from kubernetes_validate.utils import SchemaNotFoundError
 
+from app.exit_codes import BAD_CONFIG, OUT_OF_MEMORY
 from app.worker.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -552,7 +553,7 @@ def test_stops_spend_no_retry_budget_and_crashes_a_bounded_one(variant):
     by_action = {r["action"]: r["onExitCodes"] for r in rules if "onExitCodes" in r}
     for action, codes in by_action.items():
         assert codes["containerName"] == container(job)["name"] and codes["operator"] == "In", action
-    assert 2 in by_action["FailJob"]["values"]
+    assert {BAD_CONFIG, OUT_OF_MEMORY} <= set(by_action["FailJob"]["values"]), "no retry fixes these: fail at once"
     assert set(by_action["Ignore"]["values"]) == {EXIT_PEER, EXIT_STOPPED}, "a peer's failure, a requested stop"
     assert 1 not in by_action["Ignore"]["values"] and 137 not in by_action["Ignore"]["values"], "own failures count"
     assert spec["backoffLimit"] >= 2 * spec["completions"], "a crash costs every pod: allow more than one"
