@@ -119,8 +119,9 @@ CURATED_ARGS ?=      # e.g. CURATED_ARGS="--only ckpt-no-fsync --timeout 300"; -
 bench-report: venv ## rewrite the docs' generated tables from bench/results/*.json
 	$(PY) -m tools.report
 
-mutants: venv ## a seeded sample of generated mutants (cosmic-ray), each vs its file's tests, in a copy; score, survivors
-	$(PY) -m tools.mutation $(MUTANTS_ARGS)
+mutants: venv ## both measures of the tests, in a copy: a seeded sample of generated mutants, then the curated list
+	@status=0; $(PY) -m tools.mutation $(MUTANTS_ARGS) || status=1; \
+	  $(PY) -m tools.mutants $(CURATED_ARGS) || status=1; exit $$status
 
 mutants-curated: venv ## the hand-kept one-line bugs of tools/mutants.py, each vs the tests meant to catch it; score
 	$(PY) -m tools.mutants $(CURATED_ARGS)

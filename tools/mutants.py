@@ -536,6 +536,46 @@ MUTANTS: list[Mutant] = [
         "if not (i % self.log_every == 0 or i == self.steps):",
         T("tests/unit/test_progress.py"),
     ),
+    Mutant(
+        "data-every-epoch-the-same-order",
+        "every epoch deals the samples out in the first epoch's order (and drops the same tail every time)",
+        "app/worker/data.py",
+        "gen = torch.Generator().manual_seed(self.seed + epoch)",
+        "gen = torch.Generator().manual_seed(self.seed)",
+        T("tests/unit/test_data.py::test_an_epochs_short_tail_is_skipped_and_each_epoch_is_its_own_permutation"),
+    ),
+    Mutant(
+        "data-short-tail-trained",
+        "an epoch's tail shorter than one global batch is trained as a short step instead of skipped (drop_last)",
+        "app/worker/data.py",
+        "if self.consumed + self.global_batch > len(self._order):",
+        "if self.consumed >= len(self._order):",
+        T("tests/unit/test_data.py::test_an_epochs_short_tail_is_skipped_and_each_epoch_is_its_own_permutation"),
+    ),
+    Mutant(
+        "net-wait-tripled",
+        "wait_for_tcp (the launchers' wait for a store or a peer) waits three times the timeout it was given",
+        "app/net.py",
+        "deadline = time.monotonic() + timeout_s",
+        "deadline = time.monotonic() + 3 * timeout_s",
+        T("tests/unit/test_net.py"),
+    ),
+    Mutant(
+        "net-unresolved-name-is-a-crash",
+        "a name that does not resolve yet (a container still starting) ends the wait with a socket.gaierror",
+        "app/net.py",
+        "    except OSError as e:\n        return e.strerror or type(e).__name__",
+        "    except ConnectionRefusedError as e:\n        return e.strerror or type(e).__name__",
+        T("tests/unit/test_net.py"),
+    ),
+    Mutant(
+        "net-wait-returns-at-once",
+        "wait_for_tcp returns before anything listens: the launcher dials a store that is not there yet",
+        "app/net.py",
+        "        if why is None:\n            return",
+        "        if True:\n            return",
+        T("tests/unit/test_net.py"),
+    ),
 ]
 
 

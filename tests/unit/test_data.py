@@ -74,6 +74,20 @@ def test_an_epoch_covers_every_sample_exactly_once_when_the_batch_divides_the_da
     assert global_steps(ranks, 1) and [b.epoch for b in ranks] == [1] * world_size
 
 
+def test_an_epochs_short_tail_is_skipped_and_each_epoch_is_its_own_permutation():
+    # 1000 samples, 300 a step: each epoch trains on 900 of them (3 steps) and drops a tail of 100, as drop_last=True
+    # would; the next epoch draws a new order (seed + epoch), so over epochs every sample is seen.
+    ranks = world(300, 2)
+    steps = global_steps(ranks, 6)
+    first, second = steps[:3], steps[3:]
+    assert [b.epoch for b in ranks] == [1, 1]
+    for epoch in (first, second):
+        seen = [i for step in epoch for i in step]
+        assert len(seen) == len(set(seen)) == 900  # no sample twice in one epoch, the tail of 100 not trained on
+    assert first != second  # another order ...
+    assert set(range(1000)) - {i for s in first for i in s} != set(range(1000)) - {i for s in second for i in s}  # tail
+
+
 def test_the_synthetic_labels_use_every_class_of_the_model():
     from app.worker.models import MiniMLP
 
