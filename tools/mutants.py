@@ -576,6 +576,30 @@ MUTANTS: list[Mutant] = [
         "        if True:\n            return",
         T("tests/unit/test_net.py"),
     ),
+    Mutant(
+        "cli-quiet-ignored",
+        "every rank logs INFO, not only rank 0: N copies of every progress line in a cluster's logs",
+        "app/cli.py",
+        "level = logging.DEBUG if debug else logging.WARNING if quiet else logging.INFO",
+        "level = logging.DEBUG if debug else logging.INFO",
+        T("tests/unit/test_cli.py"),
+    ),
+    Mutant(
+        "cli-debug-still-filtered",
+        "LOGLEVEL=DEBUG still cuts torch's reports to one line: the debugging run hides what it was asked to show",
+        "app/cli.py",
+        "if line_filter is not None and not debug:",
+        "if line_filter is not None:",
+        T("tests/unit/test_cli.py"),
+    ),
+    Mutant(
+        "cli-routed-logger-printed-twice",
+        "torch's own loggers print through their handler and ours: every such line twice, in two formats",
+        "app/cli.py",
+        "routed.handlers, routed.propagate = [handler], False",
+        "routed.propagate = True",
+        T("tests/unit/test_cli.py"),
+    ),
 ]
 
 
