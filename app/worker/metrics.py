@@ -15,6 +15,11 @@ only for ``parallel=zero1|zero2|zero3`` (``enable_zero``): per step, seconds and
 all-gathers (stages 2-3; stage 1's all-reduce is ``ddp_allreduce_*``), and what this rank holds after the step:
 parameter, gradient and optimizer-state bytes.
 
+Throughput, MFU, memory and collective progress (``app.worker.throughput_metrics``, every rank):
+``ddp_samples_per_second``, ``ddp_tokens_per_second``, ``ddp_model_flops_per_second``, ``ddp_peak_flops_per_second``,
+``ddp_mfu_ratio``, ``ddp_memory_rss_bytes``, ``ddp_memory_peak_rss_bytes``, ``ddp_last_collective_sequence``, and
+``ddp_cuda_memory_allocated_bytes`` and ``ddp_cuda_memory_reserved_bytes`` (0 without a GPU).
+
 The communication numbers come from ``app.parallel.probes`` (one ``CommSample`` per step).
 
 Bus bandwidth follows nccl-tests: ``algbw = bytes / seconds``, ``busbw = algbw × 2(n−1)/n``, the per-link traffic
@@ -41,6 +46,7 @@ from prometheus_client import (
 )
 
 from app.parallel.probes import CommSample
+from app.worker.throughput_metrics import ThroughputSeries
 
 # Seconds. Steps of these models take ~1 ms (MiniMLP) to ~1 s (TinyTransformer on a busy CPU); a GPU step of a
 # real model is 10 ms to seconds. All-reduces of one bucket: ~50 µs on loopback up to seconds over a slow network.
@@ -141,6 +147,8 @@ class TrainMetrics:
         # Set on the rank that was itself told to stop (SIGTERM: `docker compose stop`, a scale-down, a pod deleted)
         # and kept up a few seconds for a scrape: its container then leaves on purpose, and DDPRankDown stays quiet.
         self.stop_requested = gauge("ddp_stop_requested", "1 once this rank was told to stop: a planned departure")
+        cuda = torch.device("cuda", local_rank) if torch.cuda.is_available() else None
+        self.throughput = ThroughputSeries(r, str(rank), cuda)  # samples/s, MFU, memory, last collective (its module)
         self.world.set(world_size)
         self.min_world.set(world_size)
         self.max_world.set(world_size)
@@ -191,6 +199,10 @@ class TrainMetrics:
         self.loss.set(loss)
         self.lr.set(lr)
         self.heartbeat.set(time.time())
+
+    def observe_throughput(self, **step) -> None:
+        """One step's rates (``ThroughputSeries.observe``): samples, tokens_per_sample, seconds, flops, device."""
+        self.throughput.observe(**step)
 
     def observe_progress(self, step: int, target: int) -> None:
         self.global_step.set(step)
@@ -358,6 +370,7 @@ class NoMetrics:
     def serve(self, port: int) -> None: ...
     def shutdown(self) -> None: ...
     def observe_step(self, **_) -> None: ...
+    def observe_throughput(self, **_) -> None: ...
     def observe_progress(self, step: int, target: int) -> None: ...
     def observe_checkpoint(self, step: int, seconds: float | None) -> None: ...
     def observe_stop_requested(self) -> None: ...

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from app.diagnostics.recorder import RECORDER, failure_reason
 from app.diagnostics.session import start_recording
+from app.diagnostics.throughput import StepFlops, tokens_per_sample
 from app.exit_codes import OK, PEER_STOPPED
 from app.parallel.accum import NonFiniteLossError
 from app.worker.checkpoint import Checkpointer
@@ -80,6 +81,7 @@ class Trainer:
         self.step_index = self.resumed.step if self.resumed else 0
         self._observe_start(world)
         self.control = StepControl(ctx, stop)
+        self.flops = StepFlops()
         self.progress = ProgressLog(cfg.steps, cfg.log_every, self.step_index + 1)
 
     def run(self) -> int:
@@ -115,7 +117,9 @@ class Trainer:
         drill = step_index == cfg.inject_nan_at_step and ctx.rank == ctx.world_size - 1
         t0 = time.perf_counter()
         try:
-            outcome = self.step.train_step(self.step.batches.next_micro_batches(), self.control, inject_nan=drill)
+            with self.flops.measure():  # (counts the first step's FLOPs only: ddp_mfu_ratio's numerator)
+                micro_batches = self.step.batches.next_micro_batches()
+                outcome = self.step.train_step(micro_batches, self.control, inject_nan=drill)
         except NonFiniteLossError:  # raised on every rank together, before any optimizer step
             raise TrainingDiverged(
                 f"loss became NaN/inf at step {step_index} on rank {self.control.bad_rank}; every rank stopped "
@@ -134,6 +138,14 @@ class Trainer:
             syncs=outcome.syncs,
             loss=outcome.loss,
             lr=outcome.lr,
+        )
+        tokens = tokens_per_sample(micro_batches[0][0]) if micro_batches else 1
+        self.metrics.observe_throughput(
+            samples=outcome.samples,
+            tokens_per_sample=tokens,
+            seconds=seconds,
+            flops=self.flops.per_step,
+            device=ctx.device,
         )
         self.metrics.observe_progress(step_index, cfg.steps)
         if self.resumed and self.resumed.wall_time and not self.progress.all:

@@ -101,6 +101,17 @@ CONTRACT_METRICS = {
     "ddp_world_generation",
     "ddp_reformation_seconds",
     "ddp_steps_redone_total",
+    # throughput, MFU, memory and collective progress (app/worker/throughput_metrics.py)
+    "ddp_samples_per_second",
+    "ddp_tokens_per_second",
+    "ddp_model_flops_per_second",
+    "ddp_peak_flops_per_second",
+    "ddp_mfu_ratio",
+    "ddp_memory_rss_bytes",
+    "ddp_memory_peak_rss_bytes",
+    "ddp_cuda_memory_allocated_bytes",
+    "ddp_cuda_memory_reserved_bytes",
+    "ddp_last_collective_sequence",
 }
 
 
