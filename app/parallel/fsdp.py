@@ -33,6 +33,7 @@ Try it: ``torchrun --standalone --nproc-per-node=2 -m app.demos.zero_demo --stag
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import torch
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from app.diagnostics import collectives as recorded
+from app.parallel import checksum
 from app.parallel.graph_walk import tensors_in  # every tensor in a forward output, as the reducer walks it
 from app.parallel.sharded_grad import FlatShard, broadcast_module_state
 
@@ -124,6 +126,7 @@ class FullyShardedDataParallel(nn.Module):
         for name, p in module.named_parameters(remove_duplicate=False):
             self._state_dict_names.setdefault(id(p), []).append(name)
         self._state_dict_keys = list(module.state_dict().keys())
+        self._parameter_order = list(module.parameters())  # the bare model's order, for parameter_checksum()
         self.comm_bytes = {"all_gather": 0, "reduce_scatter": 0}
         # Cumulative seconds this rank spent in each: the all-gathers are synchronous, the reduce-scatters async
         # (only the wait at the end of backward is counted).
@@ -251,6 +254,35 @@ class FullyShardedDataParallel(nn.Module):
             return {}
         values.update({k: v.detach().clone() for k, v in self.module.state_dict().items()})  # frozen, buffers
         return {k: values[k] for k in self._state_dict_keys}
+
+    @torch.no_grad()
+    def parameter_checksum(self) -> str:
+        """``app.parallel.checksum`` of the bare model, the same on every rank, without gathering the model whole.
+
+        Collective. The parameters are hashed in the bare model's order and dtype, as the whole model would be;
+        each unit is all-gathered when the walk first needs it and dropped after its last parameter, so a rank holds
+        about one unit at a time (``full_state_dict`` plus a broadcast held the whole model on every rank: the end
+        of a zero3 run peaked above its training).
+        """
+        where = {id(p): (u, i) for u in self.units for i, p in enumerate(u.flat_shard.params)}
+        left = {id(u): len(u.flat_shard.params) for u in self.units}
+        gathered: dict[int, torch.Tensor] = {}
+        h = hashlib.sha256()
+        for p in self._parameter_order:
+            if id(p) not in where:  # frozen: whole on every rank, as in the bare model
+                checksum.update(h, p)
+                continue
+            unit, i = where[id(p)]
+            s = unit.flat_shard
+            if id(unit) not in gathered:
+                gathered[id(unit)] = full = torch.empty(s.padded, dtype=torch.float32)
+                recorded.all_gather_into_tensor(full, unit.shard.detach(), f"FSDP unit {unit.name}", self.process_group)
+            full = gathered[id(unit)]
+            checksum.update(h, full[s.offsets[i] : s.offsets[i] + s.numels[i]].view(s.shapes[i]).to(p.dtype))
+            left[id(unit)] -= 1
+            if not left[id(unit)]:
+                del gathered[id(unit)]
+        return h.hexdigest()
 
 
 def resolve_units(module: nn.Module, units) -> dict[str, nn.Module]:

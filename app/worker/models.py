@@ -11,10 +11,10 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from torch import nn
+
+from app.parallel.checksum import tensors_checksum
 
 
 class MiniMLP(nn.Module):
@@ -92,10 +92,6 @@ def count_parameter_tensors(model: nn.Module) -> int:
 
 
 def parameter_checksum(model: nn.Module) -> str:
-    """sha256 (hex) over every parameter's bytes, in ``model.parameters()`` order: equal on two ranks means
-    bit-identical models. The trainer's FINISHED line shows the first 16 hex, the demo's table the first 12."""
-    h = hashlib.sha256()
-    for p in model.parameters():
-        # Raw bytes through a uint8 view: any dtype (bf16 has no numpy type), the same bytes as numpy's for fp32.
-        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    """sha256 (hex) over every parameter's bytes, in ``model.parameters()`` order (app/parallel/checksum.py): equal
+    on two ranks means bit-identical models. The trainer's FINISHED line shows the first 16 hex, the demo's 12."""
+    return tensors_checksum(model.parameters())

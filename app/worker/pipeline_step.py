@@ -36,6 +36,7 @@ from app.worker.checkpoint import CheckpointMismatch
 from app.worker.config import TrainConfig
 from app.worker.data import GlobalBatches
 from app.worker.dist import DistContext
+from app.worker.models import parameter_checksum
 from app.worker.steps import MicroBatches, StepOutcome
 from app.worker.workload import build_dataset, build_model
 
@@ -185,11 +186,11 @@ class PipelineStep:
     def before_save(self) -> None:
         self.gather()
 
-    def final_model(self) -> nn.Module:
-        # The merged whole model: the same on every rank, comparable with a parallel=ddp run's.
+    def final_checksum(self) -> str:
+        # The merged whole model's: the same on every rank, comparable with a parallel=ddp run's.
         whole = build_model(self.cfg)
         whole.load_state_dict(self.gather())
-        return whole
+        return parameter_checksum(whole)
 
     def gather(self) -> dict:
         """The merged whole model, on every rank; also stages it (and every stage's optimizer state) for a save.

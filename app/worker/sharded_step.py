@@ -31,7 +31,6 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from app.parallel.fsdp import FullyShardedDataParallel
@@ -41,7 +40,6 @@ from app.worker.checkpoint import ShardedState
 from app.worker.config import ConfigError, TrainConfig
 from app.worker.dist import DistContext
 from app.worker.steps import DDPStep, MicroBatches, StepOutcome
-from app.worker.workload import build_model
 
 
 def tensor_bytes(tensors) -> int:
@@ -185,13 +183,9 @@ class Zero3Step(ShardedStep):
         shards = list(self.wrapped.parameters())
         return tensor_bytes(shards), tensor_bytes(s.grad for s in shards), optimizer_state_bytes(self.optimizer)
 
-    def final_model(self) -> nn.Module:
-        # Collective: every unit gathered onto rank 0, then handed to every rank, so all print the same checksum.
-        state = [self.wrapped.full_state_dict()]  # every rank joins each unit's all-gather; {} but on rank 0
-        dist.broadcast_object_list(state, src=0)
-        whole = build_model(self.cfg)
-        whole.load_state_dict(state[0])
-        return whole
+    def final_checksum(self) -> str:
+        # Collective, one unit at a time: the whole model's checksum on every rank, without the whole model.
+        return self.wrapped.parameter_checksum()
 
 
 def resolve_fsdp_units(model: nn.Module, fsdp_units: str) -> list[type] | None:

@@ -11,8 +11,8 @@ work; each builds what it needs from ``(cfg, ctx, model, loss_fn)`` and exposes 
   None where the kind has none (only ``parallel=ddp`` runs the recipe of app.worker.recipe: autocast, GradScaler,
   clipping, schedule);
 - ``batches`` (this rank's share of each global batch), ``global_batch``, ``describe_batch()`` for the start line;
-- ``before_save()`` (collective: whatever must be gathered first) and ``final_model()`` (the module FINISHED
-  checksums, the same on every rank).
+- ``before_save()`` (collective: whatever must be gathered first) and ``final_checksum()`` (collective: the
+  FINISHED checksum of the whole model, the same on every rank, app.parallel.checksum).
 
 The kinds (``STEP_KINDS`` in app.worker.step_kinds, chosen by ``cfg.parallel`` in ``build_step``):
 
@@ -44,6 +44,7 @@ from app.worker.config import TrainConfig
 from app.worker.data import GlobalBatches
 from app.worker.dist import DistContext
 from app.worker.metrics import synchronize_for
+from app.worker.models import parameter_checksum
 from app.worker.recipe import LRSchedule, build_step_recipe
 from app.worker.workload import build_dataset
 
@@ -94,7 +95,7 @@ class TrainStep(Protocol):
 
     def before_save(self) -> None: ...
 
-    def final_model(self) -> nn.Module: ...
+    def final_checksum(self) -> str: ...
 
 
 def nan_loss(loss_fn: Callable) -> Callable:
@@ -190,8 +191,8 @@ class DDPStep:
     def before_save(self) -> None:
         pass  # every rank holds the whole model and its optimizer: nothing to gather
 
-    def final_model(self) -> nn.Module:
-        return self.model
+    def final_checksum(self) -> str:
+        return parameter_checksum(self.model)
 
 
 class DataParallelStep(DDPStep):

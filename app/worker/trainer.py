@@ -33,7 +33,6 @@ from app.worker.checkpoint import Checkpointer
 from app.worker.config import TrainConfig
 from app.worker.control import StepControl, StopSignal
 from app.worker.dist import DistContext, WorldEnv
-from app.worker.models import parameter_checksum
 from app.worker.progress import ProgressLog, StepRecord
 from app.worker.steps import TrainStep
 from app.worker.workload import model_name
@@ -214,7 +213,7 @@ class Trainer:
         )
 
     def _finished(self) -> None:
-        checksum = parameter_checksum(self.step.final_model())[:16]  # collective for a pipeline: before the write
+        checksum = self.step.final_checksum()[:16]  # collective for a pipeline and zero3: before the write
         # One write call for the whole line: torchrun runs workers unbuffered (-u), and print() would write the
         # text and the newline separately, letting two ranks' lines interleave on a shared stdout.
         sys.stdout.write(

@@ -41,16 +41,27 @@ CORRUPT_NEWEST_SHARD = CORRUPT_NEWEST.replace(
 FILL_DISK = "dd if=/dev/zero of=/checkpoints/.fill bs=1M 2>/dev/null; df -k /checkpoints | tail -1"
 # SIGSTOPs this container's trainer (the launcher's largest child; the launcher itself, its agent's heartbeat and the
 # container all stay up): a rank that stops making progress without dying, which no keep-alive notices.
-STOP_TRAINER = (
-    "import os, signal\n"
+FIND_TRAINER = (
+    "import os, signal, time\n"
     "def read(p, f): return open(f'/proc/{p}/{f}', 'rb').read()\n"
     "def parent(p): return int(read(p, 'stat').rsplit(b')', 1)[1].split()[1])\n"
     "pids = [int(p) for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()]\n"
     "launchers = {p for p in pids if b'app.cluster.launch' in read(p, 'cmdline') and parent(p) == 1}\n"
     "kids = [p for p in pids if parent(p) in launchers]\n"
     "trainer = max(kids, key=lambda p: int(read(p, 'statm').split()[1]))\n"
-    "os.kill(trainer, signal.SIGSTOP)\n"
-    "print(trainer)\n"
+)
+STOP_TRAINER = FIND_TRAINER + "os.kill(trainer, signal.SIGSTOP)\nprint(trainer)\n"
+# SIGKILLs this container's trainer the moment a shard's temporary file is on the volume (app.parallel.
+# sharded_checkpoint writes .shard-*.tmp.<pid>, then renames it): a worker lost in the middle of a sharded save.
+KILL_DURING_SHARD_WRITE = FIND_TRAINER + (
+    "deadline = time.time() + 300\n"
+    "while time.time() < deadline:\n"
+    "    writing = [n for n in os.listdir('/checkpoints') if n.startswith('.shard-') and '.tmp.' in n]\n"
+    "    if writing:\n"
+    "        os.kill(trainer, signal.SIGKILL)\n"
+    "        print(trainer, 'killed while writing', writing[0])\n"
+    "        break\n"
+    "    time.sleep(0.001)\n"
 )
 # A model whose training needs more than OOM_MEMORY (mini_mlp at hidden 8000: 64M parameters, ~1.3 GB of parameters,
 # gradients, buckets and AdamW state), while the launcher and an idle trainer fit.
@@ -121,6 +132,14 @@ def corrupt_newest(script: str = CORRUPT_NEWEST):
         d.notes["corrupted"] = docker("exec", survivor(d, victim), "python", "-c", script).strip()
 
     return inject
+
+
+def kill_during_shard_write(d: Drill) -> None:
+    d.start(at_step=d.args.at_step)
+    victim = next(c for c in d.containers() if c != d.rank_container(0))
+    d.notes["victim"], d.notes["victim_rank"] = inspect(victim)["name"], rank_of(d, victim)
+    d.notes["killed"] = docker("exec", victim, "python", "-c", KILL_DURING_SHARD_WRITE, timeout=330).strip()
+    d.fault()
 
 
 def stop_trainer(d: Drill) -> None:
@@ -264,6 +283,12 @@ def sharded_scenarios() -> dict[str, Scenario]:
         "zero3-kill": Scenario("a worker killed under parallel=zero3", kill_rank(1), env=zero3, victims=1, pages=True),
         "bf16-kill": Scenario(
             "a worker killed under bf16 autocast, a cosine schedule and clipping", kill_rank(1), env=recipe, victims=1
+        ),
+        "zero3-kill-while-saving": Scenario(
+            "a worker's trainer killed while a zero3 sharded checkpoint is being written",
+            kill_during_shard_write,
+            # Shards large enough that a save takes a while (mini_mlp at hidden 1536: 2.4M parameters).
+            env={**zero3, "DDP_MODEL_KWARGS": '{"hidden": 1536}'},
         ),
         "zero3-corrupt-shard": Scenario(
             "the newest shard corrupted under parallel=zero3, rank 0 killed",

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from app.parallel.ddp import DistributedDataParallel as DDP
 from app.parallel.fsdp import FullyShardedDataParallel
-from app.worker.models import Block, TinyTransformer
+from app.worker.models import Block, TinyTransformer, parameter_checksum
 from tests.integration.test_zero import (
     LR,
     PARAM_TOL,
@@ -24,6 +24,7 @@ from tests.integration.test_zero import (
     batch,
     build,
     train_stage,
+    wrap,
 )
 from tests.world import run_world
 
@@ -169,6 +170,29 @@ def test_transformer_with_tied_head_equals_ddp(by_class, expected_units):
     assert [n for n, _, _ in units] == expected_units
     assert all(shard == -(-total // 2) for _, total, shard in units)  # each rank keeps half of each unit
     assert loaded == ("<All keys matched successfully>", True, 0.0)
+
+
+def _checksums(rank: int, world: int, kind: str) -> tuple[str, str | None]:
+    """After one step: the sharded model's streamed checksum (every rank) and the gathered whole model's (rank 0)."""
+    model = build(kind) if kind != "transformer" else TinyTransformer(layers=2)
+    wrapped, opt = wrap(3, copy.deepcopy(model), units=[Block] if kind == "transformer" else None)
+    x = torch.randint(0, 64, (2, 16)) if kind == "transformer" else batch(0, PER_RANK)[0]
+    wrapped(x).float().pow(2).mean().backward()
+    opt.step()
+    state = wrapped.full_state_dict()
+    whole = None
+    if rank == 0:
+        model.load_state_dict(state)
+        whole = parameter_checksum(model)
+    return wrapped.parameter_checksum(), whole
+
+
+@pytest.mark.parametrize("kind", ["mlp", "tied", "frozen", "transformer"])
+def test_the_streamed_checksum_is_the_whole_models_on_every_rank(kind):
+    """FINISHED's checksum under zero3, one unit at a time: the bytes and order of the whole model's (tied weights
+    in the root unit, frozen ones never sharded, units the parameter order visits out of turn)."""
+    results = run_world(_checksums, 2, kind, timeout=300)
+    assert results[0][0] == results[1][0] == results[0][1], results
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -73,11 +73,11 @@ def test_a_step_taken_as_the_step_protocol_shows_it_trains_on_a_finite_loss():
 
     cfg = TrainConfig(steps=1, wrapper="none", metrics_port=0)
     step = build_step(cfg, DistContext(0, 0, 1, torch.device("cpu"), "gloo"), 1, NoMetrics())
-    before = [p.detach().clone() for p in step.final_model().parameters()]
+    before = [p.detach().clone() for p in step.model.parameters()]
     outcome = step.train_step(step.batches.next_micro_batches(), agree_nonfinite=lambda bad: bad)
     assert math.isfinite(outcome.loss) and not outcome.skipped and outcome.samples == cfg.micro_batch
-    assert all(torch.isfinite(p).all() for p in step.final_model().parameters())
-    assert any(not torch.equal(b, p) for b, p in zip(before, step.final_model().parameters()))
+    assert all(torch.isfinite(p).all() for p in step.model.parameters())
+    assert any(not torch.equal(b, p) for b, p in zip(before, step.model.parameters()))
 
 
 def test_a_zero_step_observed_before_any_stage_registered_exports_its_series_as_stage_0():
