@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from app.diagnostics import collectives as recorded
+
 # Optimizers that cannot step a subset of the parameters on its own: LBFGS re-evaluates the whole model through a
 # closure and keeps one flat history over *all* parameters, so 1/N of it is not a smaller LBFGS.
 _NOT_SHARDABLE = (torch.optim.LBFGS,)
@@ -153,7 +155,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 continue
             # One flat tensor per owner: N broadcasts per step instead of one per parameter (the latency floor).
             flat = torch.cat([p.reshape(-1) for p in params]) if r == self.rank else _empty_like_flat(params)
-            works.append(dist.broadcast(flat, src=self._owner_global_rank[r], group=self.process_group, async_op=True))
+            src, group = self._owner_global_rank[r], self.process_group
+            works.append(
+                recorded.broadcast(flat, f"ZeRO-1 parameters of rank {r}", src=src, group=group, async_op=True)
+            )
             flats.append((params, flat))
         for work, (params, flat) in zip(works, flats):
             work.wait()
