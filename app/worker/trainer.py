@@ -161,6 +161,13 @@ class Trainer:
         self.metrics.observe_checkpoint(self.step_index, written[1] if written else None)
         if written:
             log.info("checkpoint %s written in %.0f ms", written[0], written[1] * 1e3)
+        if written and written[1] > self.cfg.checkpoint_timeout_seconds:  # (the order: app.worker.config.timeouts)
+            log.warning(
+                "checkpoint write took %.1f s > checkpoint_timeout_seconds=%g: raise it, and stop_timeout_seconds "
+                "and collective_timeout_seconds above it, or a slow save will pass for a hung rank 0",
+                written[1],
+                self.cfg.checkpoint_timeout_seconds,
+            )
 
     # -- the edges of the run ---------------------------------------------------------------------------------------
     def _observe_start(self, world: WorldEnv) -> None:

@@ -27,6 +27,7 @@ from app.worker.config.checks import (
     check_workload,
     choice,
 )
+from app.worker.config.timeouts import check_trainer_timeouts
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 PARALLEL_CHOICES = ("ddp", "pipeline", "dp", "zero1", "zero2", "zero3")
@@ -141,6 +142,11 @@ class TrainConfig:
     checkpoint_dir: str = _doc('directory for checkpoints, shared by all ranks ("" = no checkpoints)', "")
     checkpoint_every: int = _doc("write a checkpoint every this many optimizer steps (and at the end)", 50)
     keep_checkpoints: int = _doc("checkpoints to keep (older ones are deleted)", 3)
+    checkpoint_timeout_seconds: float = _doc(
+        "the longest one checkpoint write may take, in seconds: shorter than stop_timeout_seconds and "
+        "collective_timeout_seconds (checked at start); a slower write is logged",
+        2.0,
+    )
     # -- observability --------------------------------------------------------------------------------------------
     metrics_port: int = _doc(
         "base port of the Prometheus /metrics endpoint; each process listens on "
@@ -213,9 +219,11 @@ class TrainConfig:
             "rendezvous_timeout_seconds",
             "collective_timeout_seconds",
             "stop_timeout_seconds",
+            "checkpoint_timeout_seconds",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")
+        check_trainer_timeouts(self)  # (app.worker.config.timeouts: the order that lets the right layer see a fault)
         for name in ("metrics_linger_seconds", "min_step_seconds"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
