@@ -11,6 +11,7 @@ read the ratios (each row against PyTorch's DDP, measured minutes apart at most)
 Variants (step time):
     no sync           no communication at all: the lower bound
     ours 25MB / 1MB   app.parallel.ddp with that bucket cap
+    ours 25MB no recorder   ... with the flight recorder off (app.diagnostics.recorder): its cost is the difference
     ours per-param    app.parallel.ddp with one bucket per parameter (every tensor pays the latency floor)
     torch 25MB        torch.nn.parallel.DistributedDataParallel (fp32 on the wire)
     lesson loop       after backward, all_reduce each p.grad in turn, then divide: no buckets, no overlap
@@ -43,6 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from app.diagnostics.recorder import RECORDER
 from app.parallel import wrap_model
 from app.parallel.comm_hooks import HOOKS
 from app.worker.dist import distributed, exit_process
@@ -53,6 +55,7 @@ from bench.provenance import describe_output, load_average, output_path, provena
 CONFIGS = {
     "no sync": None,
     "ours 25MB": ("ours", {"bucket_cap_mb": 25}, None),
+    "ours 25MB no recorder": ("ours", {"bucket_cap_mb": 25}, None),  # the flight recorder off: what it costs
     "ours 1MB": ("ours", {"bucket_cap_mb": 1}, None),
     "ours per-param": ("ours", {"bucket_cap_mb": 1e-9}, None),
     "torch 25MB": ("torch", {"bucket_cap_mb": 25}, None),
@@ -96,6 +99,16 @@ class Variant:
         self.world = dist.get_world_size()
 
     def step(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> float:
+        # The recorder is on for every other variant, as in training; off for this one step (its ring is kept).
+        capacity = RECORDER.capacity
+        if self.name == "ours 25MB no recorder":
+            RECORDER.capacity = 0
+        try:
+            return self._step(x, y, loss_fn)
+        finally:
+            RECORDER.capacity = capacity
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> float:
         self.opt.zero_grad(set_to_none=True)
         loss = loss_fn(self.model(x), y)
         loss.backward()
