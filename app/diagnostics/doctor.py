@@ -129,9 +129,7 @@ def hang_line(dumps: Dumps) -> str | None:
     if silent:
         parts.append(f"{ranks_text(silent)} left no dump (frozen or killed) and never completed {what}")
     if not parts:
-        return (
-            f"every rank entered {what} and none completed it in {_seconds(waited)}: the transport failed, not a rank"
-        )
+        return f"every rank entered {what} and none completed it in {_seconds(waited)}: the transport failed"
     return f"{'; '.join(parts)}; {ranks_text(waiting)} waited there {_seconds(waited)}"
 
 

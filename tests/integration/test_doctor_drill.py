@@ -58,7 +58,9 @@ def test_a_frozen_rank_is_named_with_the_collective_the_others_waited_in(tmp_pat
 
 
 def test_sigusr1_dumps_a_running_trainer_that_goes_on_training(tmp_path: Path):
-    procs = start_ranks(*worker_args("until_stopped", checkpoint_dir=tmp_path, desync_check=1), world_size=2)
+    # Paced, so the ring spans seconds: a collective left without its end would be in flight for long enough to show.
+    args = worker_args("until_stopped", checkpoint_dir=tmp_path, desync_check=1, min_step_seconds=0.04)
+    procs = start_ranks(*args, world_size=2)
     try:
         wait_for_log(procs[0], "step 50/")
         for p in procs:

@@ -111,3 +111,14 @@ def test_not_a_dump_and_no_dumps_are_one_line_each_exit_2(tmp_path: Path):
     assert doctor.returncode == 2 and doctor.stdout == "" and len(doctor.stderr.splitlines()) == 1, doctor.stderr
     assert "no rank-N.json dumps" in doctor.stderr
     assert summary_line(empty) is None
+
+
+def test_the_desync_fingerprint_tells_equal_sizes_issued_for_different_reasons_apart():
+    from app.diagnostics.desync import fingerprint
+
+    rec = FlightRecorder(capacity=4)
+    t = torch.zeros(8)
+    bucket, extra = rec.start("all_reduce", None, t, "DDP bucket 0"), rec.start("all_reduce", None, t, "drill: extra")
+    extra[0] = bucket[0]  # the same sequence number on two ranks
+    assert fingerprint(bucket, t) != fingerprint(extra, t)
+    assert fingerprint(bucket, t) == fingerprint(list(bucket), t.clone())
