@@ -178,8 +178,13 @@ class StepRecipe:
         norm = None
         if self.grad_clip_norm > 0:
             # The all-reduced gradient is the same on every rank, so every rank computes the same norm and clips
-            # alike. Non-finite (an fp16 overflow) gives a NaN norm; scaler.step skips that step anyway.
-            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), self.grad_clip_norm))
+            # alike; a wrapper whose gradients are sharded (ZeRO-2/3) clips by the norm over every rank's shards
+            # with its own clip_grad_norm_, as PyTorch's FSDP does. Non-finite (an fp16 overflow) gives a NaN
+            # norm; scaler.step skips that step anyway.
+            if sharded_clip := getattr(model, "clip_grad_norm_", None):
+                norm = float(sharded_clip(self.grad_clip_norm))
+            else:
+                norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), self.grad_clip_norm))
         if scaler is None:
             optimizer.step()
             return norm, False

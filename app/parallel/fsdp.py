@@ -43,7 +43,7 @@ from torch import nn
 from app.diagnostics import collectives as recorded
 from app.parallel import checksum
 from app.parallel.graph_walk import tensors_in  # every tensor in a forward output, as the reducer walks it
-from app.parallel.sharded_grad import FlatShard, broadcast_module_state
+from app.parallel.sharded_grad import FlatShard, broadcast_module_state, clip_sharded_grad_norm_
 
 
 class _Unit:
@@ -228,6 +228,11 @@ class FullyShardedDataParallel(nn.Module):
                 unit.shard.grad = chunk if unit.shard.grad is None else unit.shard.grad.add_(chunk)
         self.comm_seconds["reduce_scatter"] += time.perf_counter() - t0
         self._works = []
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the whole gradient's global norm to ``max_norm``, its shards on every rank alike (collective), as
+        PyTorch's ``FullyShardedDataParallel.clip_grad_norm_``; frozen parameters have no gradient to count."""
+        return clip_sharded_grad_norm_([u.shard for u in self.units], max_norm, self.process_group)
 
     # -- state ---------------------------------------------------------------------------------------------------
     def flat_shards(self) -> list[tuple[FlatShard, nn.Parameter]]:

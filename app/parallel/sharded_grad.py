@@ -46,6 +46,27 @@ from app.parallel.zero import refuse_unshardable
 DEFAULT_BUCKET_CAP_MB = 25
 
 
+@torch.no_grad()
+def clip_sharded_grad_norm_(shards: list[torch.Tensor], max_norm: float, process_group=None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for gradients cut into shards across ranks: the global L2 norm, from
+    every rank's sum of squares (one all-reduce), and every shard scaled by the same ``max_norm / norm`` (at most 1).
+
+    Each element of the model's gradient lies in exactly one rank's shard (the padding's are zeros), so the sum
+    over ranks is the whole gradient's. Returns the norm before clipping, the same on every rank; inf or NaN when
+    a gradient is (an fp16 overflow: the scaler then skips the step).
+    """
+    grads = [s.grad for s in shards if s.grad is not None]
+    squares = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        squares += g.double().pow(2).sum()
+    dist.all_reduce(squares, group=process_group)
+    norm = squares.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return norm.float()
+
+
 class FlatShard:
     """Parameters laid end to end (padded to a multiple of ``world_size``); this rank owns one equal chunk.
 
@@ -195,6 +216,10 @@ class ShardedGradDataParallel(nn.Module):
     def shard_parameters(self) -> list[nn.Parameter]:
         """This rank's chunk of every bucket: what the optimizer steps (``shard.grad`` holds the averaged chunk)."""
         return [b.shard for b in self._buckets]
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the whole gradient's global norm to ``max_norm``, its shards on every rank alike (collective)."""
+        return clip_sharded_grad_norm_(self.shard_parameters(), max_norm, self.process_group)
 
     def build_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **defaults) -> torch.optim.Optimizer:
         """``optimizer_class`` over this rank's shards, made to all-gather the parameters after every ``step()``."""

@@ -171,6 +171,11 @@ class Checkpointer:
         self._restore_rng(state["rng"], step)
         return self._resumed(state, step, path)
 
+    def _recipe_state(self) -> dict[str, Any]:
+        """The schedule's and the GradScaler's states, where the kind has them (small, JSON-able: the manifest)."""
+        pairs = (("lr_scheduler", self.lr_schedule), ("grad_scaler", self.grad_scaler))
+        return {key: stateful.state_dict() for key, stateful in pairs if stateful is not None}
+
     def _restore_recipe(self, state: dict[str, Any], step: int) -> None:
         if self.lr_schedule is not None:
             # The schedule is a function of the step index with the *configured* lr as its base (LRSchedule), so a
@@ -216,8 +221,9 @@ class Checkpointer:
             )
         for group in sharded.optimizer.param_groups:
             group["lr"] = self.lr  # the configured lr wins, as for a plain checkpoint
-        self.batches.load_state_dict(extra["data"])
         step = int(extra["step"])
+        self._restore_recipe(extra, step)
+        self.batches.load_state_dict(extra["data"])
         rng = {kind: [_decode_rng(s) for s in states] for kind, states in extra["rng"].items()}
         self._restore_rng(rng, step)
         return self._resumed(extra, step, d / MANIFEST)
@@ -294,9 +300,7 @@ class Checkpointer:
             "wall_time": time.time(),
             "global_batch": self.global_batch,
         }
-        for key, stateful in (("lr_scheduler", self.lr_schedule), ("grad_scaler", self.grad_scaler)):
-            if stateful is not None:
-                state[key] = stateful.state_dict()
+        state |= self._recipe_state()
         path = save_checkpoint(self.directory, state, keep=self.keep)
         return path, time.perf_counter() - t0
 
@@ -314,7 +318,7 @@ class Checkpointer:
             "generation": self.generation,
             "wall_time": time.time(),
             "global_batch": self.global_batch,
-        }
+        } | self._recipe_state()
         try:
             save_sharded(self.directory, sharded.model, sharded.optimizer, extra=extra)
         except ShardWriteError as e:  # on every rank together: the same one line as a plain checkpoint's

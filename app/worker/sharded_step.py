@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from app.parallel.fsdp import FullyShardedDataParallel
 from app.parallel.sharded_grad import ShardedGradDataParallel
@@ -39,6 +40,7 @@ from app.parallel.zero import ZeroRedundancyOptimizer
 from app.worker.checkpoint import ShardedState
 from app.worker.config import ConfigError, TrainConfig
 from app.worker.dist import DistContext
+from app.worker.recipe import LRSchedule
 from app.worker.steps import DDPStep, MicroBatches, StepOutcome
 
 
@@ -69,10 +71,15 @@ class ShardedStep(DDPStep):
         self, cfg: TrainConfig, ctx: DistContext, model: nn.Module, loss_fn: Callable, *, grad_accum_steps, metrics
     ):
         super().__init__(cfg, ctx, model, loss_fn, grad_accum_steps=grad_accum_steps)
-        # DDPStep built an AdamW over the bare parameters (it allocates no state before a step): replaced here.
+        # DDPStep built an AdamW over the bare parameters (it allocates no state before a step): replaced here,
+        # and the schedule with it. The recipe (autocast, clipping by the global norm, the schedule) is DDPStep's.
         self.optimizer = self.build_optimizer()
-        # No recipe here yet (the config refuses one): the lr stays the configured one, set again on resume.
-        self.lr_schedule = None
+        self.lr_schedule = LRSchedule(self.optimizer, cfg, self.global_batch)
+        if self.recipe.scaler is not None and self.stage >= 2:
+            # Sharded gradients: one rank's inf is in its shard only. ShardedGradScaler all-reduces what unscale_
+            # found, so every rank skips the same step (stage 1's gradients are whole and equal: GradScaler's own).
+            self.recipe = dataclasses.replace(self.recipe, scaler=ShardedGradScaler(ctx.device.type))
+            self.grad_scaler = self.recipe.scaler
         self.model_state = self.optimizer_state = ShardedState(self.wrapped, self.optimizer, cfg.parallel)
         self.metrics = metrics
         metrics.enable_zero(self.stage)

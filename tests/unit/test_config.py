@@ -103,7 +103,7 @@ def test_unknown_env_setting_is_an_error_with_the_nearest_name():
         ({"min_lr_ratio": 1.5}, "min_lr_ratio"),
         ({"grad_clip_norm": -1.0}, "grad_clip_norm"),
         ({"lr_reference_batch": -64}, "lr_reference_batch"),
-        ({"lr_schedule": "cosine", "parallel": "zero2"}, "lr_schedule"),
+        ({"lr_schedule": "cosine", "parallel": "pipeline"}, "lr_schedule"),
         ({"grad_clip_norm": 1.0, "parallel": "pipeline"}, "grad_clip_norm"),
         ({"min_step_seconds": -0.01}, "min_step_seconds"),
         ({"metrics_linger_seconds": -1.0}, "metrics_linger_seconds"),
@@ -129,11 +129,11 @@ BAD = {
     "bad yaml key": (["--config", "@bad.yaml"], {}, "unknown setting 'stpes'"),
     "wrapper none with 2 ranks": (["--wrapper", "none"], {"WORLD_SIZE": "2"}, "wrapper=none with world_size=2"),
     "unknown flag": (["--stpes", "5"], {}, "--stpes"),
-    "the recipe with a sharded kind": (
-        ["--autocast", "bf16", "--parallel", "zero3"],
+    "the recipe with a pipeline": (
+        ["--autocast", "bf16", "--parallel", "pipeline"],
         {},
-        "autocast=bf16: the recipe runs with parallel=ddp only (not yet in the zero3 step); unset it, or use "
-        "parallel=ddp",
+        "autocast=bf16: the recipe runs with parallel=ddp|zero1|zero2|zero3 (not yet in the pipeline step); unset "
+        "it, or use one of those",
     ),
     "unknown env setting": ([], {"DDP_STESP": "10"}, "DDP_STESP: no such setting (did you mean DDP_STEPS?)"),
     "env value of the wrong type": ([], {"DDP_LR": "abc"}, "lr='abc' (from env DDP_LR): must be a float"),

@@ -60,6 +60,10 @@ def check_workload(cfg) -> None:
         )
 
 
+# The step kinds that run the recipe (app.worker.steps.DDPStep and the ZeRO stages built on it).
+RECIPE_KINDS = ("ddp", "zero1", "zero2", "zero3")
+
+
 def check_recipe(cfg) -> None:
     choice("autocast", cfg.autocast, AUTOCAST_CHOICES)
     choice("lr_schedule", cfg.lr_schedule, LR_SCHEDULE_CHOICES)
@@ -76,10 +80,10 @@ def check_recipe(cfg) -> None:
     changed = [f"{k}={getattr(cfg, k)}" for k, v in RECIPE_DEFAULTS.items() if getattr(cfg, k) != v]
     if cfg.lr_reference_batch:
         changed.append(f"lr_reference_batch={cfg.lr_reference_batch}")
-    if changed and cfg.parallel != "ddp":
+    if changed and cfg.parallel not in RECIPE_KINDS:
         raise ConfigError(
-            f"{', '.join(changed)}: the recipe runs with parallel=ddp only (not yet in the {cfg.parallel} step); "
-            f"unset it, or use parallel=ddp"
+            f"{', '.join(changed)}: the recipe runs with parallel={'|'.join(RECIPE_KINDS)} (not yet in the "
+            f"{cfg.parallel} step); unset it, or use one of those"
         )
 
 

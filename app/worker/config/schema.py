@@ -89,10 +89,10 @@ class TrainConfig:
     min_lr_ratio: float = _doc("lr_schedule=cosine|linear: the last step's lr as a fraction of lr (0..1)", 0.0)
     lr_reference_batch: int = _doc("linear scaling rule: lr × global batch / this many samples (0 = lr as given)", 0)
     autocast: str = _doc(
-        "mixed precision for forward and loss: none | bf16 | fp16 (fp16 adds a GradScaler; parallel=ddp only)", "none"
+        "mixed precision of forward and loss: none | bf16 | fp16 (fp16 adds a GradScaler; not in a pipeline)", "none"
     )
     grad_clip_norm: float = _doc(
-        "clip the gradient's global L2 norm to this, after unscaling (0 = off; parallel=ddp only)", 0.0
+        "clip the gradient's global L2 norm to this, over every rank's shards under ZeRO (0 = off; not pipeline)", 0.0
     )
     dtype: str = _doc(
         "precision of parameters, gradients and inputs: float32 | float64 (parallel=ddp, zero1, zero2; float64 keeps "
