@@ -323,10 +323,11 @@ def install_agent(reporter: Reporter) -> None:
             result = super()._monitor_workers(worker_group)
             if result.is_failed():
                 reporter.workers_failed(result.failures)
-                if {f.exitcode for f in result.failures.values()} == {STORAGE_FAILED} or reporter.out_of_memory:
-                    # The checkpoint directory is full or not writable, or the trainer was killed for memory: a new
-                    # world would fail at the same save, or be killed again. No restart of the group (the agent
-                    # gives up: ChildFailedError).
+                codes = {f.exitcode for f in result.failures.values()}
+                if codes in ({STORAGE_FAILED}, {BAD_CONFIG}) or reporter.out_of_memory:
+                    # The checkpoint directory is full or not writable, the trainer refused its input (a checkpoint
+                    # of another kind, a shard that fails its digest), or it was killed for memory: a new world
+                    # would fail the same way. No restart of the group (the agent gives up: ChildFailedError).
                     self._remaining_restarts = 0
             reporter.succeeded = result.state.name == "SUCCEEDED"
             return result

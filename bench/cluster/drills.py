@@ -78,8 +78,9 @@ def judge(r: dict, s: Scenario, problem_lines: list[str], alerts: bool = True) -
     else:
         said = [m for m in problem_lines if s.says in m]
         replicas = {m.split(":", 1)[0] for m in said}
-        checks[f"each worker said `{s.says}`"] = len(replicas) >= len(rows)
-        checks[f"each ended with exit {s.expect}"] = all(c["exit_code"] == s.expect for c in rows)
+        judged = len(rows) - s.victims  # a container the fault killed says nothing and exits 137
+        checks[f"each worker said `{s.says}`"] = len(replicas) >= judged
+        checks[f"each ended with exit {s.expect}"] = sum(c["exit_code"] == s.expect for c in rows) >= judged
         checks["no FINISHED"] = r["finished"]["lines"] == 0
     checks[f"no container restarted more than {s.max_restarts}x"] = all(
         c["restart_count"] <= s.max_restarts for c in rows

@@ -65,13 +65,24 @@ def test_a_setting_the_launcher_checks_exits_two_in_one_line(args, says):
     assert len(errors) == 1 and says in errors[0], out.stderr[-3000:]
 
 
-def test_a_setting_only_the_trainer_can_check_still_exits_two():
-    # effective_batch < world size is known only once the world is: the trainers exit 2, and so must the launcher.
+def test_a_setting_only_the_trainer_can_check_still_exits_two_and_is_not_restarted():
+    # effective_batch < world size is known only once the world is: the trainers exit 2, and so must the launcher,
+    # without spending its restarts on a refusal that every restart would repeat (a checkpoint of another kind, a
+    # shard that fails its digest: the same path).
     out = launch(
-        "--standalone", "--nproc-per-node=2", "-m", "app.train", "--effective-batch", "1", "--metrics-port", "0"
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=2",
+        "-m",
+        "app.train",
+        "--effective-batch",
+        "1",
+        "--metrics-port",
+        "0",
     )
     assert out.returncode == 2, out.stderr[-3000:]
     assert "bad configuration" in out.stderr
+    assert "leaving the world to re-form it" not in out.stderr, out.stderr[-3000:]
     assert_no_traceback(out.stderr)
 
 
