@@ -131,6 +131,18 @@ MUTATIONS = {
     ),
     # Without the silent-target branch, a paused or hung worker (still discovered) never pages.
     "rank down blind to a hung worker": ("DDPRankDown", "max_over_time(up[1m])) == 0", "max_over_time(up[1m])) < 0"),
+    # Without the timed-out-scrapes branch, a SIGSTOPped trainer whose peers re-form with it never pages.
+    "rank down blind to a stopped trainer": (
+        "DDPRankDown",
+        "min_over_time(scrape_duration_seconds[20s])) >= 4",
+        "min_over_time(scrape_duration_seconds[20s])) >= 40",
+    ),
+    # Any failed scrape, not only a timed-out one: every survivor restarting its trainer (refused) would page.
+    "rank down for refused scrapes": (
+        "DDPRankDown",
+        "min_over_time(scrape_duration_seconds[20s])) >= 4",
+        "min_over_time(scrape_duration_seconds[20s])) >= 0",
+    ),
     # 90 s: a killed rank would page later than a minute.
     "rank down after 90 s": ("DDPRankDown", "for: 20s", "for: 90s"),
     # Any rank it ever held: a worker renumbered by a re-formation would page twice, once under a rank now another's.
@@ -210,11 +222,32 @@ def test_alert_unit_tests_can_fail(promtool, tmp_path, mutation):
     assert result.returncode != 0 and alert in result.stdout + result.stderr, result.stdout + result.stderr
 
 
+def test_the_hung_rank_threshold_is_a_timed_out_scrape_wherever_the_rules_run():
+    """A scrape that took >= the threshold timed out: it must sit below every scrape config's timeout (by default
+    its interval, capped at 10 s) and well above a refused connection's milliseconds."""
+    rules = yaml.safe_load((ROOT / "docker/prometheus/alerts.yml").read_text())
+    (expr,) = [r["expr"] for g in rules["groups"] for r in g["rules"] if r.get("alert") == "DDPRankDown"]
+    threshold = float(re.search(r"scrape_duration_seconds\[\w+\]\)\) >= ([\d.]+)", expr)[1])
+    config = yaml.safe_load((ROOT / "docker/prometheus/prometheus.yml").read_text())
+    podmonitor = yaml.safe_load((ROOT / "k8s/monitoring/podmonitor.yaml").read_text())
+    intervals = [config["global"]["scrape_interval"]] + [
+        e["interval"] for e in podmonitor["spec"]["podMetricsEndpoints"]
+    ]
+    for interval in intervals:
+        timeout = min(float(interval.rstrip("s")), 10.0)
+        assert 0.5 * timeout <= threshold < timeout, (interval, threshold)
+
+
 def test_scrape_config_and_rules_are_valid(promtool):
     result = _run(promtool, "check", "config", "prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout + result.stderr
-    assert "alerts.yml\n  SUCCESS: 7 rules found" in out and "recording.yml\n  SUCCESS: 8 rules found" in out, out
+    counts = {
+        name: sum(len(g["rules"]) for g in yaml.safe_load((ROOT / "docker/prometheus" / name).read_text())["groups"])
+        for name in ("alerts.yml", "recording.yml")
+    }
+    for name, count in counts.items():  # every rule of each file loaded: none lost to a syntax slip
+        assert f"{name}\n  SUCCESS: {count} rules found" in out, out
 
 
 def test_recording_unit_tests_pass(promtool):
