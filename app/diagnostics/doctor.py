@@ -39,7 +39,7 @@ def diagnose(dumps: Dumps) -> str:
     """The one-line diagnosis of ``dumps`` (see the module docstring for the order of the checks)."""
     if not dumps.by_rank:
         return "no readable dump: nothing to diagnose"
-    return desync_line(dumps) or hang_line(dumps) or straggler_line(dumps) or healthy_line(dumps)
+    return desync_line(dumps) or hang_line(dumps) or p2p_line(dumps) or straggler_line(dumps) or healthy_line(dumps)
 
 
 def summary_line(directory) -> str | None:
@@ -131,6 +131,28 @@ def hang_line(dumps: Dumps) -> str | None:
     if not parts:
         return f"every rank entered {what} and none completed it in {_seconds(waited)}: the transport failed"
     return f"{'; '.join(parts)}; {ranks_text(waiting)} waited there {_seconds(waited)}"
+
+
+def p2p_line(dumps: Dumps) -> str | None:
+    """The earliest send or recv in flight (pipeline stages), and whether its peer posted the other side."""
+    stuck = None
+    for rank, dump in dumps.by_rank.items():
+        for e in dump.entries:
+            late = e.get("peer") is not None and e["end"] is None and dump.time - e["start"] >= HANG_MIN_S
+            if late and (stuck is None or e["start"] < stuck[1]["start"]):
+                stuck = (rank, e)
+    if stuck is None:
+        return None
+    rank, e = stuck
+    peer, other = e["peer"], "send" if e["op"] == "recv" else "recv"
+    waited = _seconds(dumps.by_rank[rank].time - e["start"])
+    what = f"{e['op']} #{e['seq']} {'from' if e['op'] == 'recv' else 'to'} rank {peer} ({_what(e)})"
+    if peer not in dumps.by_rank:
+        return f"rank {peer} left no dump (frozen or killed); rank {rank} waited {waited} in {what}"
+    match = [x for x in dumps.by_rank[peer].entries if (x.get("peer"), x["op"], x["seq"]) == (rank, other, e["seq"])]
+    if not match:
+        return f"rank {peer} never posted its {other} #{e['seq']}; rank {rank} waited {waited} in {what}"
+    return f"rank {rank} waited {waited} in {what}; rank {peer} posted its {other} ({describe(match[0])})"
 
 
 def straggler_line(dumps: Dumps) -> str | None:

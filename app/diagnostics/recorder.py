@@ -9,7 +9,8 @@ One recorder per process (``RECORDER``). The call sites record explicitly, aroun
 
 An entry is a plain list ``[seq, op, group, bytes, dtype, source, start, end, peer]``: ``seq`` counts the
 collectives of its process group (a collective is matched by its position in that sequence on every rank, which is
-what the doctor lines up), point-to-point ops count per (group, peer) instead (``peer`` is the other rank). ``start``
+what the doctor lines up), point-to-point ops count per (group, peer, op) instead (``peer`` is the other rank: a
+rank's send #k to a peer is that peer's recv #k from it). ``start``
 and ``end`` are ``time.time()`` so that ranks on one machine (or NTP-synced ones) can be compared; ``end`` stays None
 while the op is in flight, which is what a dump taken during a hang shows. No tensor is kept or copied.
 
@@ -79,7 +80,7 @@ class FlightRecorder:
         if not self.capacity:
             return None
         label = self._labels.get(id(group)) or self._label(group)
-        key = label if peer is None else (label, peer)
+        key = label if peer is None else (label, peer, op)  # a send #k to a peer is its recv #k from us
         seq = self._seq.get(key, 0) + 1
         self._seq[key] = seq
         nbytes = tensor.numel() * tensor.element_size() if tensor is not None else 0

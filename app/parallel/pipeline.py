@@ -78,8 +78,36 @@ class TimedStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.compute_seconds = 0.0
         self.sent_bytes = 0
+        self._receiving: list = []  # flight recorder entries of receives not yet waited for (done by the next compute)
+        self._sending: list = []  # and of sends (waited for by the end of the schedule's step: sends_done)
+
+    def _record(self, ops: list[dist.P2POp], what: str, chunk: int) -> list[dist.P2POp]:
+        for op in ops:
+            recv = op.op in (dist.irecv, dist.recv)
+            source = f"pipeline stage {self.stage_index} {what} chunk {chunk}"
+            entry = recorded.start("recv" if recv else "send", op.group, op.tensor, source, peer=op.peer)
+            (self._receiving if recv else self._sending).append(entry)
+        return ops
+
+    def _received(self) -> None:
+        # A schedule computes a chunk only once it has waited for that chunk's receives.
+        for entry in self._receiving:
+            recorded.end(entry)
+        self._receiving = []
+
+    def sends_done(self) -> None:
+        for entry in self._sending:
+            recorded.end(entry)
+        self._sending = []
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._record(super().get_fwd_recv_ops(fwd_chunk_id), "activations in", fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._record(super().get_bwd_recv_ops(bwd_chunk_id), "gradients in", bwd_chunk_id)
 
     def forward_one_chunk(self, *args, **kwargs):
+        self._received()
         start = time.perf_counter()
         try:
             return super().forward_one_chunk(*args, **kwargs)
@@ -87,6 +115,7 @@ class TimedStage(PipelineStage):
             self.compute_seconds += time.perf_counter() - start
 
     def backward_one_chunk(self, *args, **kwargs):
+        self._received()
         start = time.perf_counter()
         try:
             return super().backward_one_chunk(*args, **kwargs)
@@ -96,12 +125,12 @@ class TimedStage(PipelineStage):
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_fwd_send_ops(fwd_chunk_id)
         self.sent_bytes += sum(op.tensor.nelement() * op.tensor.element_size() for op in ops)
-        return ops
+        return self._record(ops, "activations out", fwd_chunk_id)
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_bwd_send_ops(bwd_chunk_id)
         self.sent_bytes += sum(op.tensor.nelement() * op.tensor.element_size() for op in ops)
-        return ops
+        return self._record(ops, "gradients out", bwd_chunk_id)
 
     def forward_maybe_with_nosync(self, *args, **kwargs):
         if isinstance(self.submod, DistributedDataParallel):
@@ -174,6 +203,7 @@ class PipelineRunner:
             self.schedule.step(target=y, losses=losses, return_outputs=False)
         else:
             self.schedule.step(return_outputs=False)
+        self.stage.sends_done()  # (every schedule waits for its sends before its step returns)
         # The loss broadcast is part of the step: the last stage blocks in it while the others drain their backward.
         loss = self._share_loss(losses)
         wall = time.perf_counter() - start

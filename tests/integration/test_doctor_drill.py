@@ -81,3 +81,34 @@ def test_sigusr1_dumps_a_running_trainer_that_goes_on_training(tmp_path: Path):
     ops = {(e["op"], e["source"]) for d in dumps.by_rank.values() for e in d.entries}
     assert ("all_reduce", "DDP bucket 0") in ops and ("all_reduce", "step control (stop, NaN)") in ops, ops
     assert summary_line(tmp_path).startswith("doctor: no hang, desync or straggler in 2 of 2 ranks' dumps")
+
+
+def test_a_frozen_pipeline_stage_is_named_and_the_stage_waiting_on_it(tmp_path: Path):
+    """Stage 1 of a 2-stage pipeline frozen: stage 0 waits on it in a send of activations or a receive of gradients
+    (or in the step's loss broadcast or control all-reduce, had rank 1 frozen between them), times out and dumps; the
+    doctor names rank 1 and where rank 0 waited."""
+    args = worker_args(
+        "pipeline",
+        steps=100000,
+        checkpoint_every=100000,
+        checkpoint_dir=tmp_path,
+        collective_timeout_seconds=TIMEOUT_S,
+        rendezvous_timeout_seconds=120,
+    )
+    procs = start_ranks(*args, world_size=2)
+    try:
+        wait_for_log(procs[0], "step 20/")
+        procs[1].send_signal(signal.SIGSTOP)
+        procs[0].communicate(timeout=90)
+    finally:
+        kill(procs)
+    assert procs[0].returncode == 1
+    line = summary_line(tmp_path)
+    assert re.fullmatch(
+        r"doctor: rank 1 left no dump \(frozen or killed\)(; rank 0 waited [\d.]+ s in (send #\d+ to|recv #\d+ from) "
+        r"rank 1 \(pipeline stage 0 (activations out|gradients in) chunk \d, [^)]+\)"
+        r"| and never completed .*; rank 0 waited there [\d.]+ s)",
+        line,
+    ), line
+    p2p = [e for e in load(tmp_path).by_rank[0].entries if e["peer"] == 1]
+    assert {e["op"] for e in p2p} == {"send", "recv"} and all(e["end"] for e in p2p[:-4]), p2p[-6:]

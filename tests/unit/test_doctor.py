@@ -21,11 +21,13 @@ from tests.trainer_run import REPO
 
 def write_dumps(directory: Path, world_size: int = 2, steps: int = 5, world_id: str = "w1") -> None:
     """Real dumps of ``world_size`` recorders that each ran ``steps`` all-reduces to completion."""
-    for rank in range(world_size):
-        rec = FlightRecorder(capacity=64)
+    recorders = [FlightRecorder(capacity=64) for _ in range(world_size)]
+    for rank, rec in enumerate(recorders):
         rec.configure(rank=rank, world_size=world_size, dump_dir=directory, job="job", world_id=world_id)
-        for _ in range(steps):
+    for step in range(steps):  # each rank first in turn, as ranks arrive at a collective in no fixed order
+        for rec in recorders[step % world_size :] + recorders[: step % world_size]:
             rec.end(rec.start("all_reduce", None, torch.zeros(256), "DDP bucket 0"))
+    for rec in recorders:
         rec.dump("SIGUSR1")
 
 
