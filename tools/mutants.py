@@ -600,6 +600,15 @@ MUTANTS: list[Mutant] = [
         "routed.propagate = True",
         T("tests/unit/test_cli.py"),
     ),
+    Mutant(
+        "zero1-loaded-state-left-unplaced",
+        "ZeRO-1 keeps a loaded state's tensors as they came: another dtype stays, and steps write into the caller's "
+        "dict (the generated sample's survivor 23115c16eb)",
+        "app/parallel/zero.py",
+        "    if not isinstance(value, torch.Tensor):",
+        "    if not not isinstance(value, torch.Tensor):",
+        T("tests/integration/test_zero.py::test_zero1_loads_a_float64_state_into_float32_parameters_as_its_own_copy"),
+    ),
 ]
 
 

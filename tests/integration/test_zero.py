@@ -503,3 +503,50 @@ def test_zero1_steps_with_a_closure_and_with_more_ranks_than_parameters():
         assert r["drift"] <= PARAM_TOL, r
         for returned, before_the_step in r["losses"]:
             assert returned == pytest.approx(before_the_step, rel=1e-6), r  # the closure's loss, from this rank's data
+
+
+def zero1_loads_a_state_of_another_dtype(rank, world):
+    """A float64 run's consolidated state, loaded into a float32 ZeRO-1: each rank's part takes its parameters'
+    dtype (as torch.optim's load does) and is the optimizer's own, not the caller's dict, which later steps leave
+    as it was."""
+    torch.manual_seed(0)
+    model64 = UnevenChain().double()
+    ddp64 = DDP(model64)
+    opt64 = ZeroRedundancyOptimizer(ddp64.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+    x, y = batch(0, PER_RANK * world)
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    F.mse_loss(ddp64(x[mine].double()), y[mine, :5].double()).backward()
+    opt64.step()
+    opt64.consolidate_state_dict(to=0)
+    objs = [opt64.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(objs, src=0)
+    full = objs[0]
+    kept = copy.deepcopy(full)
+    model = copy.deepcopy(model64).float()
+    reference = copy.deepcopy(model)
+    ddp = DDP(model)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+    opt.load_state_dict(full)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    ref_opt.load_state_dict(copy.deepcopy(full))
+    dtypes = {v.dtype for s in opt.optim.state.values() for k, v in s.items() if k != "step"}
+    for step in range(1, 3):
+        x, y = batch(step, PER_RANK * world)
+        opt.zero_grad()
+        F.mse_loss(ddp(x[mine]), y[mine, :5]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        F.mse_loss(reference(x), y[:, :5]).backward()
+        ref_opt.step()
+    untouched = all(
+        torch.equal(full["state"][i][k], kept["state"][i][k]) for i in full["state"] for k in full["state"][i]
+    )
+    drift = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    return {"dtypes": sorted(map(str, dtypes)), "untouched": untouched, "drift": drift}
+
+
+def test_zero1_loads_a_float64_state_into_float32_parameters_as_its_own_copy():
+    for r in run_world(zero1_loads_a_state_of_another_dtype, 2, timeout=120):
+        assert r["dtypes"] in ([], ["torch.float32"]), r  # (a rank may own no state)
+        assert r["untouched"], r  # the loaded dict is not the optimizer's state: steps do not write into it
+        assert r["drift"] <= PARAM_TOL, r  # and it steps on as a plain AdamW loaded with the same state
