@@ -104,6 +104,7 @@ class Reporter:
         self.expected = 0  # the first world's size once every replica is ready (wait_for_peers); 0 = not known
         self.memory = OomWatch()
         self.out_of_memory: str | None = None  # the line of a trainer killed for memory (app.cluster.memory)
+        self.world_started = time.time()  # when this container's latest world formed (older dumps are not its)
 
     def state(self):
         """torch's private ``_RendezvousState`` (participants, wait and redundancy lists), or None."""
@@ -168,6 +169,7 @@ class Reporter:
 
     def world_formed(self, group) -> None:
         self.world += 1
+        self.world_started = time.time()
         state = self.state()
         if state is not None and not (state.complete and len(state.participants) == group.group_world_size):
             state = None  # the next round is already forming: its member list is not this world's
@@ -204,6 +206,25 @@ class Reporter:
             me = short(socket.gethostname())
             log.log(level, "rank %d (this container, %s) %s", rank, me, describe_exit(failure.exitcode))
         self.leave_reason = "its trainer stopped (above)"
+        if line := self.diagnosis():
+            log.warning("%s", line)
+
+    def diagnosis(self) -> str | None:
+        """The doctor's line (app.diagnostics.doctor) over the flight recorder's dumps that this world's failure
+        wrote to the shared checkpoint volume: which rank stopped, at which collective. None without fresh dumps."""
+        directory = getattr(self.config, "checkpoint_dir", "")
+        flight = os.path.join(directory, "flight") if directory else ""
+        try:
+            fresh = flight and any(
+                e.stat().st_mtime >= self.world_started for e in os.scandir(flight) if e.name.startswith("rank-")
+            )
+        except OSError:
+            fresh = False  # no dumps (no checkpoint_dir, recorder off, nothing failed in a collective)
+        if not fresh:
+            return None
+        from app.diagnostics.doctor import summary_line
+
+        return summary_line(flight)
 
     def leaving(self, remaining: int, budget: int) -> None:
         log.info("leaving the world to re-form it: %s; restarts left %d of %d", self.leave_reason, remaining, budget)

@@ -165,3 +165,30 @@ def test_replicas_checking_one_checkpoint_dir_at_once_do_not_trip_over_each_othe
         t.join(60)
     assert errors == []
     assert [p.name for p in tmp_path.iterdir()] == []  # every probe file removed
+
+
+def test_a_failed_world_is_told_by_the_doctors_line_from_its_own_dumps_only(tmp_path, caplog):
+    """The launcher's line after a trainer fails in a collective (app.cluster.elastic.Reporter.diagnosis): the
+    doctor over the dumps this world wrote to the checkpoint volume; dumps older than the world are not its own."""
+    import time
+
+    import torch
+
+    from app.diagnostics.recorder import FlightRecorder
+
+    reporter = Reporter(store=None, run_id="job", workers=None, config=SimpleNamespace(checkpoint_dir=str(tmp_path)))
+    reporter.world_started = time.time()
+    waiting = FlightRecorder(capacity=8)  # rank 0 waits in an all-reduce that rank 1 (stopped) never joins
+    waiting.configure(rank=0, world_size=2, dump_dir=tmp_path / "flight", job="job", world_id="w1")
+    waiting.start("all_reduce", None, torch.zeros(256), "DDP bucket 0")
+    time.sleep(1.1)  # in flight past the doctor's HANG_MIN_S
+    waiting.dump("collective timeout")
+    with caplog.at_level(logging.INFO, logger="app.cluster.launch"):
+        reporter.workers_failed({0: SimpleNamespace(exitcode=1)})
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("doctor: ")]
+    assert len(lines) == 1 and "rank 1 left no dump" in lines[0] and "all_reduce #1" in lines[0], caplog.text
+    caplog.clear()
+    reporter.world_started = time.time() + 5  # a later world: those dumps are an earlier failure's
+    with caplog.at_level(logging.INFO, logger="app.cluster.launch"):
+        reporter.workers_failed({0: SimpleNamespace(exitcode=1)})
+    assert "doctor:" not in caplog.text
