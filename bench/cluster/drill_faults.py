@@ -287,8 +287,11 @@ def sharded_scenarios() -> dict[str, Scenario]:
             victims=1,
             pages=True,
         ),
-        "bf16-kill": Scenario(
-            "a worker killed under bf16 autocast, a cosine schedule and clipping", kill_rank(1), env=recipe, victims=1
+        "zero3-bf16-kill": Scenario(
+            "a worker killed under parallel=zero3 with bf16 autocast, a cosine schedule and clipping",
+            kill_rank(1),
+            env={**zero3, **recipe},
+            victims=1,
         ),
         "zero3-kill-while-saving": Scenario(
             "a worker's trainer killed while a zero3 sharded checkpoint is being written",
