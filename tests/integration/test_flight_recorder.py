@@ -7,6 +7,8 @@ then reads the dumps from disk:
 - one rank issuing an extra collective: the doctor names the rank and both ops at the first sequence number where
   the ranks differ; with the desync check on, every rank stops there instead, with the same line;
 - one rank slowed 3x: the doctor names it as the straggler, and its worst collective;
+- one rank stuck in its own code before a collective, every rank sent SIGUSR1: the doctor names the rank that never
+  entered it, and how long the others waited there;
 - SIGUSR1 to a rank blocked inside a collective: it dumps at once, the collective shown in flight.
 
 The SIGSTOP drill runs the real trainer: tests/integration/test_doctor_drill.py.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -118,6 +121,37 @@ def test_a_slowed_rank_is_named_as_the_straggler(tmp_path: Path):
     assert line.startswith(f"doctor: rank {SLOW_RANK} is the straggler: last into "), line
     assert "the worst, all_reduce #" in line and "(DDP bucket 0" in line, line
     assert {d.header["reason"] for d in load(tmp_path).by_rank.values()} == {"SIGUSR1"}
+
+
+def _stuck_in_its_own_code(rank: int, world_size: int, dump_dir: str) -> None:
+    """Rank 1 stops in its own code before step 3's backward (a hung data loader, say) while the others wait in the
+    bucket's all-reduce; it then sends every rank SIGUSR1, as an operator would, and goes on once all have dumped."""
+    model, _ = _model_and_group(rank, world_size, dump_dir, False)
+    pids: list = [None] * world_size
+    dist.all_gather_object(pids, os.getpid())
+    for step in range(4):
+        loss = model(torch.randn(4, 8)).sum()
+        if step == 3 and rank == 1:
+            time.sleep(STUCK_S)
+            for pid in pids:
+                os.kill(pid, signal.SIGUSR1)
+            for r in range(world_size):
+                _wait_for(Path(dump_dir) / f"rank-{r}.json")
+        loss.backward()
+
+
+STUCK_S = 2.0
+
+
+def test_a_rank_stuck_before_a_collective_is_named_and_how_long_the_others_waited(tmp_path: Path):
+    run_world(_stuck_in_its_own_code, 3, str(tmp_path), timeout=120)
+    line = summary_line(tmp_path)
+    match = re.fullmatch(
+        r"doctor: rank 1 never entered all_reduce #4 \(DDP bucket 0, 2\.8 KiB float32\) \(its last: all_reduce #3, "
+        r"done, [\d.]+ s before its dump\); ranks 0, 2 waited there ([\d.]+) s",
+        line,
+    )
+    assert match and float(match[1]) >= STUCK_S - 0.5, line
 
 
 def _blocked_then_signalled(rank: int, world_size: int, dump_dir: str) -> dict:
