@@ -609,6 +609,15 @@ MUTANTS: list[Mutant] = [
         "    if not not isinstance(value, torch.Tensor):",
         T("tests/integration/test_zero.py::test_zero1_loads_a_float64_state_into_float32_parameters_as_its_own_copy"),
     ),
+    Mutant(
+        "reformation-gauge-set-every-step",
+        "after a resume, ddp_reformation_seconds is set at every step but the first: it ends as checkpoint-to-last-"
+        "step, not the re-formation's cost (the generated sample's survivor 940176538b)",
+        "app/worker/trainer.py",
+        "if self.resumed and self.resumed.wall_time and not self.progress.all:",
+        "if self.resumed and self.resumed.wall_time and self.progress.all:",
+        T("tests/integration/test_metrics.py::test_a_resumed_world_counts_its_generation_and_the_steps_it_redoes"),
+    ),
 ]
 
 

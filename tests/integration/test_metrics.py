@@ -293,13 +293,26 @@ def test_a_resumed_world_counts_its_generation_and_the_steps_it_redoes(tmp_path)
     crashed = start_ranks(*worker_args("nan_drill", steps=20, inject_nan_at_step=9, **common))
     err = "".join(err for _, err in finish(crashed, timeout=150))
     assert all(p.returncode != 0 for p in crashed) and "loss became NaN/inf at step 9" in err, err[-3000:]
-    values, err = scrape_at_the_end(free_port(2), steps=12, **common)
+    scraped_at = []
+    # Paced steps (7 after the resume, 1 s each): the new world's first step comes seconds before its last one.
+    values, err = scrape_at_the_end(
+        free_port(2),
+        read=lambda port: (scraped_at.append(time.time()), scrape(port))[1],
+        steps=12,
+        min_step_seconds=1.0,
+        **common,
+    )
     assert "resumed from" in err and "step-00000005.pt" in err, err[-3000:]
+    from app.worker.checkpoint_files import checkpoint_path, load_checkpoint
+
+    written = load_checkpoint(checkpoint_path(tmp_path, 5))["wall_time"]
     for rank, v in enumerate(values):
         r = f'{{rank="{rank}"}}'
         assert v[f"ddp_world_generation{r}"] == 2
         assert v[f"ddp_steps_redone_total{r}"] == 8 - 5
-        assert 0 < v[f"ddp_reformation_seconds{r}"] < 120
+        # From the checkpoint to the first step, not to a later one: at least the 6 paced steps after the first
+        # lie between it and the scrape (3 s of margin for a loaded machine).
+        assert 0 < v[f"ddp_reformation_seconds{r}"] < scraped_at[rank] - written - 3, (v, scraped_at, written)
         assert v[f"ddp_optimizer_steps_total{r}"] == 12 - 5
 
 
