@@ -23,7 +23,7 @@ from pathlib import Path
 from bench.cluster.chaos import RESUMED, STAMP, STEP, WORLD, Project, project_env
 
 FINISHED = re.compile(r"FINISHED rank=(\d+) world_size=(\d+) step=(\d+)")
-PROBLEM = re.compile(r" (ERROR|WARNING) ")
+PROBLEM = re.compile(r" (ERROR|WARNING) |config error: ")  # the trainer says its refusal bare, one line
 HERE = Path(__file__).resolve().parent
 OVERRIDE = HERE / "drills.compose.yaml"  # Prometheus on an ephemeral port of 127.0.0.1: beside other projects
 SMALL_DISK = HERE / "drills.small-disk.yaml"  # the checkpoint volume on a 16 MiB tmpfs: a disk that can fill
