@@ -20,12 +20,11 @@ module adds what a person reading ``docker compose ps`` and ``docker compose log
 - **One ending per job** (``app.cluster.job_state``, under ``LAUNCH_STATE_DIR``): a container started again (``up``,
   ``start``) finds its refusal recorded and exits 2 again in one line within a second (before importing torch),
   or finds its job finished and exits 0: it forms no new world and prints no second FINISHED.
-- **Checks before the agent starts**, each one line within a bounded time: the trainer's settings (app.worker.config),
-  ``WORKERS`` against the ``--nnodes`` range, the checkpoint directory taking a file and having room for one more
-  checkpoint, the rendezvous store answering (``LAUNCH_STORE_WAIT_SECONDS``).
-- **A storage fault or a kill for memory is not retried**: a trainer that could not write a checkpoint (exit 74,
-  ``STORAGE_FAILED``) or that the kernel killed over the container's memory limit (``app.cluster.memory``) would
-  fail the same way again: no restart, exit 1 in one line naming the cause and the fix.
+- **Checks before the agent starts**, each one line within a bounded time: the trainer's settings and the order of
+  its timeouts and ``--rdzv-conf``'s (app.worker.config), ``WORKERS`` against ``--nnodes``, the checkpoint directory
+  taking a file and room for one more checkpoint, the rendezvous store answering (``LAUNCH_STORE_WAIT_SECONDS``).
+- **A refusal, a storage fault or a kill for memory is not retried** (a trainer's exit 2, its exit 74, the kernel's
+  kill over the container's limit: ``app.cluster.memory``): it would fail the same way again. One line, the cause.
 - **One line per event** instead of torch's multi-line reports and tracebacks: this container joining a world
   (its rank, the members, which containers left or came since the last world), its trainer failing (rank, exit
   code or signal), leaving a world and why, the reason the launcher gives up. What it reads of torch's private
@@ -122,9 +121,11 @@ def check_trainer_config(args):
     if not runs_the_trainer(args):
         return None
     from app.worker.config import ConfigError, digest, load_config
+    from app.worker.config.timeouts import check_launch_timeouts
 
     try:
         resolved = load_config(list(args.training_script_args))
+        check_launch_timeouts(args.rdzv_conf, resolved.config.collective_timeout_seconds)
     except ConfigError as e:
         raise LaunchError(f"config error: {e}", BAD_CONFIG) from None
     # One line per container (rank 0's trainer logs the whole table): equal digests, equal settings everywhere.
@@ -336,6 +337,7 @@ def run_rejoining(args, reporter: Reporter, store: tuple[str, int] | None) -> No
     of two trained) tries again, as Docker's restart used to make it. At most ``--max-restarts`` times; a store that
     stays away for ``LAUNCH_STORE_LOST_SECONDS`` ends it (exit 1), as does the last join timeout.
     """
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.run import run
 
     fork_trainers(args)
@@ -343,7 +345,8 @@ def run_rejoining(args, reporter: Reporter, store: tuple[str, int] | None) -> No
         try:
             return run(args)
         except Exception as e:  # noqa: BLE001 - only a lost store is retried; the caller explains the rest
-            if not store or attempt == args.max_restarts or not (store_lost(e) or join_timed_out(e)):
+            retried = store_lost(e) or isinstance(e, RendezvousTimeoutError)  # a join that timed out: again
+            if not store or attempt == args.max_restarts or not retried:
                 raise
             log.warning(
                 "%s; waiting up to %g s for the store, then joining again (%d of %d)",
@@ -355,12 +358,6 @@ def run_rejoining(args, reporter: Reporter, store: tuple[str, int] | None) -> No
             wait_for_store(*store, STORE_LOST_SECONDS)
             reporter._read = reporter._client = None  # the old client talks to a store that is gone
             fresh_node_identity(reporter)  # the new store must not take this agent for its last incarnation
-
-
-def join_timed_out(e: Exception) -> bool:
-    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
-
-    return isinstance(e, RendezvousTimeoutError)
 
 
 def store_lost(e: Exception) -> bool:

@@ -497,6 +497,7 @@ EVERY_SETTING = {
     "collective_timeout_seconds": "45",
     "checkpoint_dir": "/checkpoints",
     "checkpoint_every": "3",
+    "checkpoint_timeout_seconds": "2.5",
     "keep_checkpoints": "2",
     "metrics_port": "9411",
     "metrics_linger_seconds": "0",

@@ -56,6 +56,11 @@ def test_a_finished_run_exits_zero():
     [
         (["--standalone", "--nproc-per-node=1", "-m", "app.train", "--lr", "-1"], "config error: lr=-1.0"),
         (["--nnodes=3:1", "--nproc-per-node=1", "-m", "app.train"], "--nnodes='3:1'"),
+        (  # the store would drop a silent agent only after its peers gave up on it
+            ["--standalone", "--nproc-per-node=1", "--rdzv-conf=keep_alive_interval=10,keep_alive_max_attempt=5"]
+            + ["-m", "app.train", "--collective-timeout-seconds", "30"],
+            "config error: keep_alive_interval x keep_alive_max_attempt=50",
+        ),
     ],
 )
 def test_a_setting_the_launcher_checks_exits_two_in_one_line(args, says):

@@ -179,7 +179,7 @@ def test_a_record_cut_short_or_not_json_reads_as_no_record(tmp_path):
 def test_only_a_lost_store_is_waited_for_not_an_ended_job_a_join_timeout_or_a_spare():
     """What the launcher retries after waiting for the store (app.cluster.launch.run_rejoining): a store that went
     away. A closed rendezvous (the job ended) or a spare at the end must end the container, and a join timeout has
-    its own retry (join_timed_out), without waiting for a store that is there."""
+    its own retry (a RendezvousTimeoutError), without waiting for a store that is there."""
     from torch.distributed.elastic.rendezvous.api import (
         RendezvousClosedError,
         RendezvousConnectionError,
