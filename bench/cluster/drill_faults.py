@@ -61,7 +61,7 @@ KILL_DURING_SHARD_WRITE = FIND_TRAINER + (
     "        os.kill(trainer, signal.SIGKILL)\n"
     "        print(trainer, 'killed while writing', writing[0])\n"
     "        break\n"
-    "    time.sleep(0.001)\n"
+    "    time.sleep(0)\n"  # no nap: on a loaded machine a 1 ms sleep oversleeps the whole write
 )
 # A model whose training needs more than OOM_MEMORY (mini_mlp at hidden 8000: 64M parameters, ~1.3 GB of parameters,
 # gradients, buckets and AdamW state), while the launcher and an idle trainer fit.
@@ -296,8 +296,9 @@ def sharded_scenarios() -> dict[str, Scenario]:
         "zero3-kill-while-saving": Scenario(
             "a worker's trainer killed while a zero3 sharded checkpoint is being written",
             kill_during_shard_write,
-            # Shards large enough that a save takes a while (mini_mlp at hidden 1536: 2.4M parameters).
-            env={**zero3, "DDP_MODEL_KWARGS": '{"hidden": 1536}'},
+            # Shards that take a while to write (mini_mlp at hidden 2048: 4.3M parameters, ~17 MB a shard) and short
+            # steps (a global batch of 96), so that a save comes every few seconds.
+            env={**zero3, "DDP_MODEL_KWARGS": '{"hidden": 2048}', "DDP_EFFECTIVE_BATCH": "96"},
         ),
         "zero3-corrupt-shard": Scenario(
             "the newest shard corrupted under parallel=zero3, rank 0 killed",
