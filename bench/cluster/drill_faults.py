@@ -283,7 +283,7 @@ def sharded_scenarios() -> dict[str, Scenario]:
         "zero3-kill": Scenario(
             "a worker killed under parallel=zero3",
             kill_rank(1),
-            env={**zero3, "DDP_STEPS": "500"},  # zero3's steps are slower: a run that pages still ends in --bound
+            env={**zero3, "DDP_STEPS": "300"},  # zero3's steps are slower: a run that pages still ends in --bound
             victims=1,
             pages=True,
         ),

@@ -80,7 +80,11 @@ def test_sigusr1_dumps_a_running_trainer_that_goes_on_training(tmp_path: Path):
     assert sorted(dumps.by_rank) == [0, 1] and not dumps.notes
     ops = {(e["op"], e["source"]) for d in dumps.by_rank.values() for e in d.entries}
     assert ("all_reduce", "DDP bucket 0") in ops and ("all_reduce", "step control (stop, NaN)") in ops, ops
-    assert summary_line(tmp_path).startswith("doctor: no hang, desync or straggler in 2 of 2 ranks' dumps")
+    # A healthy run caught mid-step is no hang and no desync. On a loaded machine (CI runs three test lanes on two
+    # cores) one rank can truly be late into most collectives: a straggler line is an honest reading there.
+    line = summary_line(tmp_path)
+    healthy = line.startswith("doctor: no hang, desync or straggler in 2 of 2 ranks' dumps")
+    assert healthy or " is the straggler: " in line, line
 
 
 def test_a_frozen_pipeline_stage_is_named_and_the_stage_waiting_on_it(tmp_path: Path):

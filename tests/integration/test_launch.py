@@ -216,7 +216,8 @@ def test_a_join_that_times_out_is_tried_again_within_the_budget_then_ends_in_one
     try:
         args = c10d_args(port, "--steps", "3")
         args[0] = "--nnodes=2"
-        args.insert(0, "--rdzv-conf=join_timeout=3,last_call_timeout=1")
+        # The store's heartbeat (1 s x 2) within the 3 s join timeout, as the launcher's timeout check asks.
+        args.insert(0, "--rdzv-conf=join_timeout=3,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2")
         args.insert(0, "--max-restarts=1")
         out = launch(*args)
     finally:
