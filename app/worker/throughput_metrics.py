@@ -15,6 +15,10 @@ from prometheus_client import CollectorRegistry, Gauge
 from app.diagnostics import throughput
 from app.diagnostics.recorder import RECORDER
 
+# Times a rank measures its matmul peak at most: once, then again when a step beats it (the first timing was slowed
+# by other processes). Bounded, since a model whose matmuls outrun the timed ones would otherwise re-time every step.
+PEAK_MEASUREMENTS = 3
+
 
 class ThroughputSeries:
     def __init__(self, registry: CollectorRegistry, rank: str, cuda: torch.device | None = None):
@@ -42,19 +46,24 @@ class ThroughputSeries:
             read = (lambda key=key: throughput.memory(cuda)[key]) if cuda is not None else (lambda: 0)
             gauge(name, f"CUDA memory {doc} on this rank's GPU (0 without one)").set_function(read)
         self._peak: float | None = None
+        self._peak_measurements = 0
 
     def observe(
         self, *, samples: int, tokens_per_sample: int, seconds: float, flops: int | None, device: torch.device
     ) -> None:
-        """One step's rates; the peak is measured on the first call with FLOPs (a fraction of a second, once)."""
+        """One step's rates. The peak is measured on the first call with FLOPs (a fraction of a second), and again,
+        a bounded number of times, when a step beats it: a peak timed while other processes held the cores is too
+        low, and MFU over it would read above 1."""
         if seconds <= 0:
             return
         self.samples.set(samples / seconds)
         self.tokens.set(samples * tokens_per_sample / seconds)
         if flops is None:
             return
-        if self._peak is None:
-            self._peak = throughput.measure_matmul_peak(device)
+        rate = flops / seconds
+        if self._peak is None or (rate > self._peak and self._peak_measurements < PEAK_MEASUREMENTS):
+            self._peak = max(self._peak or 0.0, throughput.measure_matmul_peak(device))
+            self._peak_measurements += 1
             self.peak.set(self._peak)
-        self.flops.set(flops / seconds)
-        self.mfu.set(flops / seconds / self._peak)
+        self.flops.set(rate)
+        self.mfu.set(rate / self._peak)

@@ -146,6 +146,19 @@ def metric_names(expr: str) -> set[str]:
     return {w for w in words if w not in _PROMQL_WORDS and not re.fullmatch(r"\d+[smhd]?", w)}
 
 
+# The series Prometheus writes itself for every scrape target, beside what the target exposes
+# (prometheus.io/docs/concepts/jobs_instances: "Automatically generated labels and time series").
+SCRAPE_SERIES = frozenset(
+    {
+        "up",
+        "scrape_duration_seconds",
+        "scrape_samples_scraped",
+        "scrape_samples_post_metric_relabeling",
+        "scrape_series_added",
+    }
+)
+
+
 def exported_metric_names() -> set[str]:
     """The sample names a worker really exposes (app.worker.metrics.TrainMetrics' registry), e.g. *_bucket, *_total."""
     from app.worker.metrics import TrainMetrics

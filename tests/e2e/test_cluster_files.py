@@ -20,6 +20,7 @@ from tests.e2e.cluster_files import (
     DATASOURCES,
     PIPELINE_ROW,
     ROOT,
+    SCRAPE_SERIES,
     ZERO_ROW,
     annotation_queries,
     compose_services,
@@ -31,7 +32,7 @@ from tests.e2e.cluster_files import (
 
 
 def test_every_panel_query_reads_only_metrics_the_worker_exports():
-    exported = exported_metric_names() | {"up"}  # `up`: Prometheus' own, one per scrape target
+    exported = exported_metric_names() | SCRAPE_SERIES
     recording = yaml.safe_load((ROOT / "docker/prometheus/recording.yml").read_text())["groups"]
     exported |= {r["record"] for g in recording for r in g["rules"]}  # their own inputs: test_prometheus_rules
     queries = panel_queries(pipeline=True, zero=True)
@@ -76,7 +77,7 @@ def test_dashboard_shows_the_elastic_world_and_annotates_its_changes():
 
 
 def test_every_alert_reads_only_metrics_the_worker_exports():
-    exported = exported_metric_names() | {"up"}
+    exported = exported_metric_names() | SCRAPE_SERIES
     rules = yaml.safe_load((ROOT / "docker/prometheus/alerts.yml").read_text())["groups"][0]["rules"]
     assert {r["alert"] for r in rules} >= {
         "DDPRankDown",
