@@ -68,6 +68,12 @@ KILL_DURING_SHARD_WRITE = FIND_TRAINER + (
 OOM_MEMORY, OOM_MODEL = "900m", '{"hidden": 8000}'
 
 
+# Each step takes at least this long (DDP_MIN_STEP_SECONDS) where a drill's verdict needs the run to outlast a deadline
+# (a page due within ALERT_WITHIN_S, the spare's refusal after its grace): counted in steps alone, the run's length
+# follows the machine's speed and load, and on an idle machine it ended before the deadline.
+PACED_STEP_SECONDS = 0.1
+
+
 @dataclass
 class Scenario:
     what: str  # the table's first column
@@ -252,7 +258,8 @@ def scenarios(workers: int) -> dict[str, Scenario]:
         "one-too-many": Scenario(
             f"{workers} containers, MAX_WORKERS={workers - 1}",
             one_too_many,
-            env={"MAX_WORKERS": str(workers - 1), "WORKERS": ""},
+            # Paced: the spare is refused after the launcher's 20 s grace, and an unpaced world could finish first.
+            env={"MAX_WORKERS": str(workers - 1), "WORKERS": "", "DDP_MIN_STEP_SECONDS": str(PACED_STEP_SECONDS)},
             victims=1,
             victim_exit=2,
         ),

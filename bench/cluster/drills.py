@@ -30,7 +30,7 @@ import sys
 import time
 
 from bench.cluster.chaos import Project, project_env
-from bench.cluster.drill_faults import Scenario, scenarios
+from bench.cluster.drill_faults import PACED_STEP_SECONDS, Scenario, scenarios
 from bench.cluster.drill_kit import Drill, message
 
 # Issue 23's bar: the page names the rank that is gone within a minute of the fault.
@@ -112,8 +112,11 @@ def alert_checks(r: dict, s: Scenario) -> dict[str, bool]:
 
 
 def drill_env(s: Scenario, args) -> dict[str, str]:
-    """The scenario's settings, and a longer run for one that must page (PAGE_STEPS_FACTOR)."""
+    """The scenario's settings, and a longer, paced run for one that must page (PAGE_STEPS_FACTOR, PACED_STEP_SECONDS):
+    counted in steps alone, a run on an idle machine finished 47-50 s after its fault, before the page was due."""
     longer = {"DDP_STEPS": str(args.steps * PAGE_STEPS_FACTOR)} if s.pages and args.alerts else {}
+    if s.pages and args.alerts:
+        longer["DDP_MIN_STEP_SECONDS"] = str(PACED_STEP_SECONDS)
     return {**longer, **s.env}
 
 
