@@ -37,6 +37,7 @@ import time
 
 from app.cli import setup_logging
 from app.exit_codes import BAD_CONFIG, FAILED, OK, STORAGE_FAILED
+from app.torch_patches import TorchChanged
 from app.worker.config import ConfigError, TrainConfig, WorldEnv, describe, load_config
 from app.worker.control import StopSignal  # torch-free: installed before the seconds-long torch import
 from app.worker.startup import StartupClock, defer_dynamo_import  # torch-free: it times the torch import
@@ -107,10 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     clock.mark("process group")
     # torch.optim's seconds-long import of torch._dynamo skipped (TRAINER_DEFER_DYNAMO=0: imported as torch does).
     # After the process group: init_process_group touches torch._dynamo whenever a module of that name is there.
-    defer_dynamo_import()
     try:
+        defer_dynamo_import()
         return train(cfg, resolved.sources, ctx, world, grad_accum_steps, stop, metrics, clock)
-    except (ConfigError, CheckpointMismatch) as e:
+    except (ConfigError, CheckpointMismatch, TorchChanged) as e:  # TorchChanged: a torch the stand-in does not know
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return BAD_CONFIG
     except TrainingDiverged as e:

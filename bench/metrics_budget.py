@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -38,18 +37,13 @@ from pathlib import Path
 
 import yaml
 
+from app.net import free_port
 from bench.provenance import describe_output, load_average, output_path, provenance
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = "metrics-budget.v1"
 RECORDING = REPO / "docker/prometheus/recording.yml"
 PER_TARGET = 5  # the series Prometheus itself adds for every scrape target (see the docstring)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> str:

@@ -51,6 +51,7 @@ import subprocess
 import sys
 import time
 
+from app.cli import first_line
 from bench.cluster.chaos import Project, project_env
 from bench.provenance import describe_output, load_average, write_result
 
@@ -170,7 +171,7 @@ def one_run(args, variant: str, index: int) -> dict:
         codes = [r["ExitCode"] for r in p.workers()]
         return {"variant": variant, "repeat": index, "up_returned_s": round(up_returned, 3), "exit_codes": codes, **run}
     except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:  # a run that failed is a result too
-        why = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        why = first_line(e)[:300]
         return {"variant": variant, "repeat": index, "failed": why, "after_s": round(time.time() - t_up, 1)}
     finally:
         p.down()

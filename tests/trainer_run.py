@@ -16,10 +16,8 @@ with a test's own settings added or overriding, and ``run_process`` / ``start_ra
     procs = start_ranks(*worker_args("until_stopped", checkpoint_dir=tmp_path))
     outs = finish(procs)          # every process's (stdout, stderr); whatever still runs is killed
 
-Ports (``free_port``) come from below the kernel's ephemeral range and are reserved across processes for a while:
-a port picked by ``bind(0)`` is free only "a moment ago", and with many tests (and other checkouts) running, the
-kernel hands the same range out for every outgoing connection (gloo's mesh, store clients) before the worker, still
-importing torch, binds it.
+Ports come from ``app.net.free_port``, re-exported here for the tests that import it from this module: below the
+kernel's ephemeral range and reserved across processes for a while (its docstring says why).
 """
 
 from __future__ import annotations
@@ -44,6 +42,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from app.net import free_port  # the project's one; the tests import it from here too
 
 REPO = Path(__file__).resolve().parents[1]
 # How long a run or a wait may take before it counts as a hang. Generous on purpose: it only turns a hang into a
@@ -123,74 +123,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-PORT_RESERVATIONS = Path(tempfile.gettempdir()) / "ddp-cluster-test-ports"
-_RESERVATION_S = 900  # a reserved port is not handed out again for this long (longer than any test)
-_LOWEST_PORT = 10000  # below: well-known services (Prometheus 9090, the metrics default 9400, ...)
-# Ports the project's own tools bind by default (bench-metrics 19700+, the rendezvous 29400, MASTER_PORT 29500):
-# a `make run` or a bench started beside the tests must not find its port taken by a test, nor the reverse.
-_PROJECT_PORTS = (range(19700, 19800), range(29400, 29600))
 OUTPUT_DIR: Callable[[], Path] | None = None  # set per test by tests/conftest.py: where keep_output writes
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def _reserve(port: int) -> bool:
-    """Claim ``port`` for this test run across processes (O_EXCL file); stale claims are taken over."""
-    PORT_RESERVATIONS.mkdir(exist_ok=True)
-    path = PORT_RESERVATIONS / str(port)
-    try:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        return True
-    except FileExistsError:
-        try:
-            if time.time() - path.stat().st_mtime > _RESERVATION_S:
-                path.touch()
-                return True
-        except OSError:
-            pass
-        return False
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("", port))  # every interface: the metrics server binds 0.0.0.0
-        except OSError:
-            return False
-    return True
-
-
-def free_port(count: int = 1) -> int:
-    """A port p such that p .. p+count-1 are free, reserved for this test (metrics use base port + local rank).
-
-    Chosen at random below the ephemeral range, where the kernel never assigns a port by itself, so nothing else
-    takes it in the seconds before the worker binds it; reserved in ``PORT_RESERVATIONS`` so that other test
-    processes (parallel runs, other checkouts) skip it.
-
-    Args:
-        count: how many consecutive ports.
-
-    Example::
-
-        port = free_port(2)  # ranks 0 and 1 serve /metrics on port and port + 1
-    """
-    low, _ = _ephemeral_range()
-    high = max(low - count, _LOWEST_PORT + 1000)
-    rng = random.Random()  # its own: a test that seeds `random` must not make every run pick the same ports
-    for _ in range(500):
-        base = rng.randrange(_LOWEST_PORT, high)
-        ports = range(base, base + count)
-        if any(p in r for p in ports for r in _PROJECT_PORTS):
-            continue
-        if all(_bindable(p) for p in ports) and all(_reserve(p) for p in ports):
-            return base
-    raise RuntimeError(f"no {count} consecutive free ports in {_LOWEST_PORT}..{high}")
 
 
 def keep_output(cmd, code, stdout: str, stderr: str, note: str = "") -> str:

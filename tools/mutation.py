@@ -242,7 +242,7 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     )
     p.add_argument("--jobs", type=int, default=1, help="mutants run at once, each in its own copy (default 1)")
     p.add_argument("--budget", type=float, default=0, help="minutes; mutants not started by then are not run")
-    p.add_argument("--target", type=float, default=0.85, help="score to reach for exit status 0 (default 0.85)")
+    p.add_argument("--target", type=float, default=0.90, help="score to reach for exit status 0 (default 0.90)")
     p.add_argument("--only", metavar="ID,ID", help="run only these mutants of the seed's sample (a triage check)")
     p.add_argument("--list", action="store_true", help="print the sample and each mutant's tests, run nothing")
     p.add_argument("--out", type=Path, default=None, help="JSON to write (default: bench/results/ at the defaults)")

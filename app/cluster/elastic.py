@@ -1,4 +1,4 @@
-"""The one home of torch's private elastic internals that the cluster's launcher relies on.
+"""What the cluster's launcher reads of torch's private elastic internals, and why it patches them.
 
 torchrun's public surface says nothing about who is in a world or why it re-forms; the launcher
 (``app.cluster.launch``) and the store (``app.cluster.rendezvous_store``) learn it here, from parts of
@@ -12,7 +12,9 @@ torchrun's public surface says nothing about who is in a world or why it re-form
   hooks, and the patches of the rendezvous handler (close only a finished job; join once every replica is ready);
 - ``fresh_node_identity``: a patch of the handler's node-id generator for containers that Docker restarts.
 
-When torch changes one of these, this file is the one to fix (tests/integration/test_launch.py runs them for real).
+The lines that write into torch (the agent class, the node id, the join hook) are ``app.torch_patches``'s, which
+checks torch's version first; the reads (the state, the agent's process context) are here. When torch changes one of
+these, those two files are the ones to fix (tests/unit/test_torch_patches.py, tests/integration/test_launch.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import signal
 import socket
 import time
 
+from app import torch_patches
 from app.cluster.memory import OomWatch, oom_line
 from app.exit_codes import BAD_CONFIG, FAILED, OK, PEER_STOPPED, STORAGE_FAILED
 
@@ -262,10 +265,8 @@ def fresh_node_identity(reporter: Reporter) -> None:
     state (a participant of a finished round), and wait for a round it is not part of until join_timeout. The local
     id counts rendezvous handlers within a process; starting it from the clock makes each incarnation distinct.
     """
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
-
     reporter.local_id = int(time.time() * 1000) % 2**31
-    DynamicRendezvousHandler._node_desc_generator._local_id = reporter.local_id
+    torch_patches.set_node_local_id(reporter.local_id)
 
 
 def complete_first_world_when_full(reporter: Reporter) -> None:
@@ -279,28 +280,22 @@ def complete_first_world_when_full(reporter: Reporter) -> None:
     with two while the other two, already joining, waited out join_timeout and exited 1. Later worlds (a container
     gone or come) keep torch's last call: there, the world may still be growing.
     """
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _DistributedRendezvousOpExecutor as Executor
 
-    add = Executor._add_to_participants
-
-    def add_then_maybe_complete(self) -> None:
-        add(self)
-        state = self._state
+    def maybe_complete(state, complete) -> None:
         if not (reporter.expected and reporter.world == 0 and reporter.first_of_job and not state.complete):
             return
         if len(state.participants) >= reporter.expected:
             log.debug("all %d expected replicas are in: forming the first world now", reporter.expected)
-            self._mark_rendezvous_complete()
+            complete()
         elif state.deadline is not None:  # the last call runs (MIN members are in): hold it for the rest
             held = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=FIRST_WORLD_HOLD_SECONDS)
             state.deadline = max(state.deadline, held)
 
-    Executor._add_to_participants = add_then_maybe_complete
+    torch_patches.after_joining_participants(maybe_complete)
 
 
 def install_agent(reporter: Reporter) -> None:
     """Make ``elastic_launch`` build torch's LocalElasticAgent with the reporting hooks below."""
-    import torch.distributed.launcher.api as launcher_api
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class ReportingAgent(LocalElasticAgent):
@@ -361,7 +356,7 @@ def install_agent(reporter: Reporter) -> None:
             super()._shutdown(death_sig, timeout)
             reporter.exit_codes = exit_codes(self._pcontext)
 
-    launcher_api.LocalElasticAgent = ReportingAgent  # launch_agent looks the class up by this name at each call
+    torch_patches.use_agent_class(ReportingAgent)
 
 
 def exit_codes(pcontext) -> dict[int, int | None]:

@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 
+from app import torch_patches
 from app.worker.control import stop_requested
 
 TRAINER = "app.train"
@@ -44,11 +45,8 @@ def fork_trainers(args, environ=os.environ) -> bool:
 
     if torch.version.cuda is not None or torch.version.hip is not None:
         return False
-    import torch.distributed.run as torchrun
-
-    # torchrun's config_from_args reads this name at each call: with --run-path, the entrypoint is
-    # run_script_path(training_script, *its arguments), called in the worker process.
-    torchrun.run_script_path = run_trainer
+    # With --run-path, torchrun's entrypoint is run_script_path(training_script, *its arguments), in the worker.
+    torch_patches.set_run_script_path(run_trainer)
     args.run_path, args.start_method = True, "fork"
     return True
 
@@ -65,9 +63,8 @@ def run_trainer(module: str, *argv: str) -> None:
     elastic = logging.getLogger("torch.distributed.elastic")
     elastic.handlers, elastic.propagate = [], True
     import torch
-    import torch.multiprocessing
 
-    torch.multiprocessing._set_thread_name(TRAINER)  # ps/top/pgrep name it app.train, not the agent's pt_elastic
+    torch_patches.set_thread_name(TRAINER)  # ps/top/pgrep name it app.train, not the agent's pt_elastic
     # A new interpreter's OpenMP reads OMP_NUM_THREADS when it loads; torchrun may have set it after this process's
     # parent loaded its own (one thread per rank where several share the machine).
     if (threads := os.environ.get("OMP_NUM_THREADS", "").strip()).isdigit():  # (not a nested list: "4,2")

@@ -49,6 +49,7 @@ from app.cli import first_line, setup_logging
 from app.cluster.forked_trainer import fork_trainers
 from app.cluster.memory import OomWatch, oom_line
 from app.exit_codes import BAD_CONFIG, FAILED, OK, OUT_OF_MEMORY, PEER_STOPPED, STOPPED_BY_SIGNAL
+from app.torch_patches import TorchChanged
 
 log = logging.getLogger("app.cluster.k8s_launch")
 
@@ -154,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
             return FAILED
     set_omp_threads(args.nproc_per_node)
-    fork_trainers(args)
+    try:
+        fork_trainers(args)
+    except TorchChanged as e:  # a torch its fork patch was not written for (app.torch_patches)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.code
     memory = OomWatch()
     try:
         run(args)

@@ -20,9 +20,10 @@ module adds what a person reading ``docker compose ps`` and ``docker compose log
 - **One ending per job** (``app.cluster.job_state``, under ``LAUNCH_STATE_DIR``): a container started again (``up``,
   ``start``) finds its refusal recorded and exits 2 again in one line within a second (before importing torch),
   or finds its job finished and exits 0: it forms no new world and prints no second FINISHED.
-- **Checks before the agent starts**, each one line within a bounded time: the trainer's settings and the order of
-  its timeouts and ``--rdzv-conf``'s (app.worker.config), ``WORKERS`` against ``--nnodes``, the checkpoint directory
-  taking a file and room for one more checkpoint, the rendezvous store answering (``LAUNCH_STORE_WAIT_SECONDS``).
+- **Checks before the agent starts**, each one line within a bounded time: the torch its patches were written for
+  (app.torch_patches), the trainer's settings and the order of its timeouts and ``--rdzv-conf``'s (app.worker.config),
+  ``WORKERS`` against ``--nnodes``, the checkpoint directory taking a file and room for one more checkpoint, the
+  rendezvous store answering (``LAUNCH_STORE_WAIT_SECONDS``).
 - **A refusal, a storage fault or a kill for memory is not retried** (a trainer's exit 2, its exit 74, the kernel's
   kill over the container's limit: ``app.cluster.memory``): it would fail the same way again. One line, the cause.
 - **One line per event** instead of torch's multi-line reports and tracebacks: this container joining a world
@@ -57,6 +58,7 @@ from app.cluster.forked_trainer import fork_trainers, runs_the_trainer
 from app.cluster.job_state import JobState, fingerprint
 from app.exit_codes import BAD_CONFIG, FAILED, OK, STORAGE_FAILED
 from app.net import TcpUnreachable, wait_for_tcp
+from app.torch_patches import TorchChanged, check_torch
 
 STORE_WAIT_SECONDS = float(os.environ.get("LAUNCH_STORE_WAIT_SECONDS", "30"))
 # A store lost mid-run (crashed and restarted, or this container cut off its network) is waited for this long before
@@ -285,6 +287,7 @@ def launch(argv: list[str] | None = None) -> int:
     if env_file := describe_env_file(os.environ):  # never read silently: which file, and what it carried
         log.info("%s", env_file)
     try:
+        check_torch()  # the version app.torch_patches was written for, before any patch below
         _, high = nnodes_range(args.nnodes)
         workers = expected_workers(high)
         config = check_trainer_config(args)
@@ -293,7 +296,7 @@ def launch(argv: list[str] | None = None) -> int:
         store = store_address(args)
         if store:
             wait_for_store(*store, STORE_WAIT_SECONDS)
-    except LaunchError as e:
+    except (LaunchError, TorchChanged) as e:
         log.error("%s", e)
         if e.code == BAD_CONFIG:
             job.refuse(str(e))

@@ -13,6 +13,9 @@ first; a hang hides any straggler):
   or killed rank cannot write one);
 - a straggler: one rank last into most collectives that every rank completed, with how late on average and its
   worst one;
+- a lost rank: no dump from it while the others dumped for a failure with nothing in flight (a rank killed between
+  collectives: its peers' next one failed at once), "rank 1 left no dump (killed or frozen); ranks 0, 2 stopped
+  (peer went away) after all_reduce #2698 (...), which completed";
 - else that nothing is wrong, up to which sequence number.
 
 ``summary_line(directory)`` is that line alone (None where there are no dumps), for a launcher's last line.
@@ -39,7 +42,14 @@ def diagnose(dumps: Dumps) -> str:
     """The one-line diagnosis of ``dumps`` (see the module docstring for the order of the checks)."""
     if not dumps.by_rank:
         return "no readable dump: nothing to diagnose"
-    return desync_line(dumps) or hang_line(dumps) or p2p_line(dumps) or straggler_line(dumps) or healthy_line(dumps)
+    return (
+        desync_line(dumps)
+        or hang_line(dumps)
+        or p2p_line(dumps)
+        or straggler_line(dumps)
+        or lost_line(dumps)
+        or healthy_line(dumps)
+    )
 
 
 def summary_line(directory) -> str | None:
@@ -187,6 +197,26 @@ def straggler_line(dumps: Dumps) -> str | None:
             f"{worst * 1e3:.0f} ms late"
         )
     return None
+
+
+# Dump reasons that say nothing went wrong: a rank without a dump beside them may simply not have been asked.
+UNFAILED_REASONS = ("SIGUSR1", "finished")
+
+
+def lost_line(dumps: Dumps) -> str | None:
+    """Ranks that left no dump while the others dumped for a failure, every collective done: a rank killed between
+    collectives (its peers' next one failed at once, so nothing was left in flight for the hang line to name)."""
+    missing = [r for r in range(dumps.world_size) if r not in dumps.by_rank]
+    reasons = sorted({d.header.get("reason", "?") for d in dumps.by_rank.values()} - set(UNFAILED_REASONS))
+    if not missing or not reasons:
+        return None
+    world = collectives(dumps).get("world", {})
+    last = max((seqs[max(seqs)] for seqs in world.values() if seqs), key=lambda e: e["seq"], default=None)
+    after = f" after {last['op']} #{last['seq']} ({_what(last)}), which completed" if last else ""
+    return (
+        f"{ranks_text(missing)} left no dump (killed or frozen); {ranks_text(sorted(dumps.by_rank))} stopped "
+        f"({', '.join(reasons)}){after}"
+    )
 
 
 def healthy_line(dumps: Dumps) -> str:

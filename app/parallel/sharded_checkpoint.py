@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from app.cli import first_line
 from app.parallel.fsdp import FullyShardedDataParallel
 from app.parallel.sharded_grad import ShardedGradDataParallel
 from app.parallel.zero import ZeroRedundancyOptimizer
@@ -272,7 +273,7 @@ def _agree(error: str | None, process_group) -> None:
     dist.all_gather_object(errors, error, group=process_group)
     first = next((e for e in errors if e), None)
     if first is not None:
-        raise CheckpointError(first.splitlines()[0])
+        raise CheckpointError(first_line(first))
 
 
 def _read_for_this_rank(directory: Path, model: nn.Module, optimizer):

@@ -188,8 +188,8 @@ def unusable_reason(e: Exception) -> str:
     reason = first_line(e)
     if reason.startswith("Weights only load failed"):
         # torch's text goes on to advise weights_only=False: never the advice for a file of unknown origin.
-        detail = str(e).partition("WeightsUnpickler error:")[2].strip().splitlines()
-        reason = "refused by the weights-only loader" + (f": {detail[0].split(' Please')[0]}" if detail else "")
+        detail = first_line(str(e).partition("WeightsUnpickler error:")[2])
+        reason = "refused by the weights-only loader" + (f": {detail.split(' Please')[0]}" if detail else "")
     return reason
 
 

@@ -12,11 +12,11 @@ the clock starts before the seconds-long ``import torch`` it measures.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import time
-import types
+
+from app import torch_patches
 
 
 def process_age_s() -> float | None:
@@ -61,48 +61,13 @@ class StartupClock:
 DEFER_DYNAMO_VARIABLE = "TRAINER_DEFER_DYNAMO"
 
 
-class _DeferredDynamo(types.ModuleType):
-    """Stands in for ``torch._dynamo`` until something needs more of it than torch.optim does.
-
-    torch.optim imports torch._dynamo (the compiler's front end) at its first optimizer and calls two things of it
-    on every step: ``disable(fn)`` (keep the compiler out of fn) and ``graph_break()`` (split a compiled graph here).
-    Without torch.compile nothing is compiled, so ``disable`` has nothing to keep out and there is no graph to
-    break: both are exactly no-ops then. Anything else (torch.compile, a submodule, any other name) imports the real
-    torch._dynamo in this stand-in's place, and from then on everything is torch's own.
-    """
-
-    def disable(self, fn=None, recursive=True, **kwargs):
-        return fn if fn is not None else (lambda f: f)
-
-    def graph_break(self, msg=""):
-        return None
-
-    def __getattr__(self, name: str):
-        if name.startswith("__") and name != "__path__":  # probes such as inspect's hasattr(m, "__file__")
-            raise AttributeError(name)
-        return getattr(_load_real_dynamo(), name)  # __path__ too: `import torch._dynamo.x` then finds the real one
-
-
-def _load_real_dynamo():
-    import torch
-
-    if isinstance(sys.modules.get("torch._dynamo"), _DeferredDynamo):
-        del sys.modules["torch._dynamo"]
-        vars(torch).pop("_dynamo", None)
-    real = importlib.import_module("torch._dynamo")
-    torch._dynamo = real
-    return real
-
-
 def defer_dynamo_import(environ=os.environ) -> bool:
-    """Put ``_DeferredDynamo`` in torch._dynamo's place unless ``TRAINER_DEFER_DYNAMO=0`` or something has imported
-    the real one already; True when it is in place. The import it saves is seconds of CPU per process that trains
-    (the start-up line's ``torch._dynamo import``), paid at once by every rank of a world on the same cores."""
+    """Put a stand-in in torch._dynamo's place unless ``TRAINER_DEFER_DYNAMO=0`` or something has imported the real
+    one already; True when it is in place. The import it saves is seconds of CPU per process that trains (the
+    start-up line's ``torch._dynamo import``), paid at once by every rank of a world on the same cores. Without
+    torch.compile, what torch.optim calls of torch._dynamo are no-ops, which the stand-in is; anything else brings
+    the real one (``app.torch_patches.DeferredDynamo``)."""
     if environ.get(DEFER_DYNAMO_VARIABLE, "1") == "0" or "torch._dynamo" in sys.modules:
         return False
-    import torch
-
-    stand_in = _DeferredDynamo("torch._dynamo")
-    sys.modules["torch._dynamo"] = stand_in
-    torch._dynamo = stand_in
+    torch_patches.defer_dynamo()
     return True

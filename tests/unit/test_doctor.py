@@ -19,7 +19,9 @@ from app.diagnostics.recorder import FlightRecorder
 from tests.trainer_run import REPO
 
 
-def write_dumps(directory: Path, world_size: int = 2, steps: int = 5, world_id: str = "w1") -> None:
+def write_dumps(
+    directory: Path, world_size: int = 2, steps: int = 5, world_id: str = "w1", reason: str = "SIGUSR1"
+) -> None:
     """Real dumps of ``world_size`` recorders that each ran ``steps`` all-reduces to completion."""
     recorders = [FlightRecorder(capacity=64) for _ in range(world_size)]
     for rank, rec in enumerate(recorders):
@@ -28,7 +30,7 @@ def write_dumps(directory: Path, world_size: int = 2, steps: int = 5, world_id: 
         for rec in recorders[step % world_size :] + recorders[: step % world_size]:
             rec.end(rec.start("all_reduce", None, torch.zeros(256), "DDP bucket 0"))
     for rec in recorders:
-        rec.dump("SIGUSR1")
+        rec.dump(reason)
 
 
 def test_the_ring_keeps_the_last_entries_and_counts_every_one():
@@ -68,6 +70,22 @@ def test_healthy_dumps_say_so_and_exit_0(tmp_path: Path, capsys):
         "doctor: no hang, desync or straggler in 2 of 2 ranks' dumps: every collective up to #5 completed\n"
     )
     assert "all_reduce #5 (DDP bucket 0, 1.0 KiB float32)" in out
+
+
+def test_a_rank_lost_between_collectives_is_named_when_the_others_dumped_for_a_failure(tmp_path: Path):
+    # A worker killed between two steps: the others' next collective fails at once ("peer went away"), so nothing is
+    # left in flight and every collective in the dumps completed; the rank without a dump is the one to look at.
+    write_dumps(tmp_path, world_size=3, reason="peer went away")
+    (tmp_path / "rank-1.json").unlink()
+    assert summary_line(tmp_path) == (
+        "doctor: rank 1 left no dump (killed or frozen); ranks 0, 2 stopped (peer went away) after all_reduce #5 "
+        "(DDP bucket 0, 1.0 KiB float32), which completed"
+    )
+    # Dumps on request (SIGUSR1) say nothing of a rank that was not asked for one.
+    asked = tmp_path / "asked"
+    write_dumps(asked, world_size=3)
+    (asked / "rank-1.json").unlink()
+    assert summary_line(asked).startswith("doctor: no hang, desync or straggler in 2 of 3 ranks' dumps")
 
 
 def test_a_truncated_dump_is_named_and_read_as_far_as_it_goes(tmp_path: Path, capsys):

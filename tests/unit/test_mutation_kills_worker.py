@@ -152,17 +152,15 @@ def test_a_plain_run_takes_a_free_port_and_a_given_one_is_kept(monkeypatch):
 
 
 def test_metrics_shutdown_closes_the_endpoint_and_is_harmless_when_nothing_was_served():
-    import socket
     import urllib.error
     import urllib.request
 
+    from app.net import free_port
     from app.worker.metrics import TrainMetrics
 
     metrics = TrainMetrics(rank=0, local_rank=0, world_size=1, node="n")
     metrics.shutdown()  # metrics_port=0 serves nothing: shutting down must not fail either
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     metrics.serve(port)
     assert b"ddp_" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
     metrics.shutdown()

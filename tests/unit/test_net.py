@@ -1,16 +1,17 @@
 """app.net on real loopback sockets: ``wait_for_tcp`` returns once something listens, gives up within its timeout
-with the last reason, and treats a name that does not resolve (a container not started yet) as unreachable."""
+with the last reason, and treats a name that does not resolve (a container not started yet) as unreachable;
+``free_port`` gives ports in a row that the kernel does not hand out, claimed for other processes."""
 
 from __future__ import annotations
 
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from app.net import TcpUnreachable, tcp_problem, wait_for_tcp
-from tests.trainer_run import free_port  # reserved across processes, below the ephemeral range (docs/development.md)
+from app.net import PORT_RESERVATIONS, TcpUnreachable, free_port, tcp_problem, wait_for_tcp
 
 
 def test_a_listener_that_comes_late_is_waited_for():
@@ -40,3 +41,13 @@ def test_nothing_there_ends_within_the_timeout_naming_the_address_and_the_reason
     assert 1.5 <= took < 4, took  # the whole timeout, and not much more: a poll and a lookup beyond it
     assert str(e.value).startswith(f"{host}:{port} unreachable for 1.5 s (")
     assert e.value.why == why or (why is None and e.value.why)  # a name that does not resolve: unreachable, why
+
+
+def test_free_ports_come_in_a_row_below_the_ephemeral_range_and_claimed_for_other_processes():
+    base = free_port(3)
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert base >= 10000 and base + 2 < ephemeral_low  # the kernel hands none of them out by itself
+    for port in range(base, base + 3):
+        with socket.socket() as s:
+            s.bind(("", port))  # free, on every interface (the metrics server binds 0.0.0.0)
+        assert (PORT_RESERVATIONS / str(port)).exists()  # another process's free_port skips it

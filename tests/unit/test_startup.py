@@ -33,11 +33,12 @@ opt.step()
 TRAIN = (
     """
 import json, sys, torch
-from app.worker.startup import defer_dynamo_import, _DeferredDynamo
+from app.torch_patches import DeferredDynamo
+from app.worker.startup import defer_dynamo_import
 deferred = defer_dynamo_import({} if sys.argv[1] == "unset" else {"TRAINER_DEFER_DYNAMO": sys.argv[1]})
 """
     + STEPS
-    + """stand_in = isinstance(sys.modules.get("torch._dynamo"), _DeferredDynamo)
+    + """stand_in = isinstance(sys.modules.get("torch._dynamo"), DeferredDynamo)
 import torch._dynamo.config
 print(json.dumps({
     "deferred": deferred,
