@@ -104,6 +104,10 @@ run: venv ## train WORKERS ranks under torchrun here: progress from rank 0, live
 	  --metrics-port $(strip $(METRICS_PORT)) $(if $(strip $(CHECKPOINT_DIR)),--checkpoint-dir $(strip $(CHECKPOINT_DIR))) \
 	  $(RUN_ARGS)
 
+.PHONY: bench-activation-checkpointing
+bench-activation-checkpointing: venv ## peak RSS and step time, activation_checkpointing off/units/every:2 (1 rank); JSON in bench/results/
+	$(PY) -m bench.activation_checkpointing
+
 bench-metrics: venv ## step time with Prometheus metrics on vs off (2 ranks, interleaved); JSON in bench/results/
 	$(PY) -m bench.metrics_overhead
 

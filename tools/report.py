@@ -12,8 +12,8 @@ bench's checks on docs/accumulation.md). Prose outside the blocks is written by 
 
 This module is the mechanism (find the blocks, render, rewrite or check); the renderers live by area in
 ``tools/renderers/`` (``ddp``, ``accum``, ``pipeline``, ``metrics``, ``cluster``, ``mutants``, ``sharding``,
-``corpus``, ``startup``), and the scaling page's in ``bench/scaling_fit.py`` beside the model it renders. A new one: a
-function ``doc -> lines`` (the provenance line is added here) and one line in ``RENDERERS``.
+``corpus``, ``startup``, ``training``), and the scaling page's in ``bench/scaling_fit.py`` beside the model it
+renders. A new one: a function ``doc -> lines`` (the provenance line is added here) and one line in ``RENDERERS``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from tools.renderers.mutants import render_mutants, render_mutation
 from tools.renderers.pipeline import render_pipeline_bubble
 from tools.renderers.sharding import render_zero
 from tools.renderers.startup import render_startup
+from tools.renderers.training import render_activation_checkpointing
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -74,6 +75,7 @@ RENDERERS = {
     "zero": render_zero,
     "corpus-curve": render_corpus_curve,
     "startup": render_startup,
+    "activation-checkpointing": render_activation_checkpointing,
 }
 
 

@@ -98,7 +98,8 @@ def oom_line(rank: int, container: str, state: CgroupMemory, config=None) -> str
             fixes.append(kind)
     else:
         fixes += ["a smaller micro_batch with more grad_accum_steps", "parallel=zero2 or zero3"]
-    fixes.append("activation checkpointing in the model (torch.utils.checkpoint)")
+    if config is None or config.activation_checkpointing == "off":
+        fixes.append("activation_checkpointing=units (recomputes each block's activations in backward)")
     return (
         f"rank {rank} (this container, {container}) was killed for memory: over {limit}{peak}, and a restart "
         f"would be killed again, so none follows; fix: {', '.join(fixes[:-1])}, or {fixes[-1]}"

@@ -178,6 +178,10 @@ class FullyShardedDataParallel(nn.Module):
         return output
 
     def _after_unit_forward(self, unit: _Unit, output) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            # A forward inside backward: an activation checkpoint recomputing this unit, whose backward is about
+            # to read the parameters; they stay whole until its reduce-scatter frees them.
+            return
         unit.free()  # reshard after forward: the point of stage 3
         tensors = [t for t in tensors_in(output) if t.requires_grad]
         if tensors:

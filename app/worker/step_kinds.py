@@ -8,14 +8,18 @@ neither the pipelining engine nor the sharding code.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
+from app.parallel.activation_checkpointing import checkpoint_modules
 from app.worker.config import TrainConfig
 from app.worker.dist import DistContext
 from app.worker.steps import DataParallelStep, DDPStep, TrainStep
-from app.worker.workload import build_loss, build_model
+from app.worker.workload import build_loss, build_model, checkpointed_units
+
+log = logging.getLogger("app.train")
 
 
 def _pipeline_step(*args, **kwargs):
@@ -46,9 +50,19 @@ def build_step(cfg: TrainConfig, ctx: DistContext, grad_accum_steps: int, metric
     ``cfg.seed`` (the same on every rank).
 
     Every kind is called alike: ``kind(cfg, ctx, model, loss_fn, grad_accum_steps=..., metrics=...)``;
-    ``metrics`` serves the kinds that report series of their own (the pipeline's ``ddp_pipeline_*``).
+    ``metrics`` serves the kinds that report series of their own (the pipeline's ``ddp_pipeline_*``). Then the
+    modules ``activation_checkpointing`` names recompute their forward in backward, whatever the kind.
     """
     torch.manual_seed(cfg.seed)  # identical parameters on every rank, before any wrapper broadcasts them
     model = build_model(cfg)
     kind = STEP_KINDS[cfg.parallel]
-    return kind(cfg, ctx, model, build_loss(cfg), grad_accum_steps=grad_accum_steps, metrics=metrics)
+    step = kind(cfg, ctx, model, build_loss(cfg), grad_accum_steps=grad_accum_steps, metrics=metrics)
+    # After the kind: every wrapper and pipeline stage holds these very modules, and zero3 has already found its
+    # units by class (a checkpointed module's class is a subclass of its own: app.parallel.activation_checkpointing).
+    units = checkpointed_units(cfg, model)
+    if units:
+        checkpoint_modules(units.values())
+        log.info(
+            "activation checkpointing (%s): %d modules, %s", cfg.activation_checkpointing, len(units), ", ".join(units)
+        )
+    return step

@@ -25,10 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from app.parallel.activation_checkpointing import candidate_units, every_nth
 from app.specs import DATA_SPECS, LOSS_SPECS, MODEL_DATA, MODEL_LOSS, MODEL_SPECS, SpecError, build, builtin_name
 from app.specs import build_loss as build_loss_spec
 from app.specs import build_model as build_model_spec
 from app.worker.config import ConfigError, TrainConfig
+from app.worker.config.checks import activation_checkpointing_every
 from app.worker.data import Dataset
 
 _DATASETS: dict[str, Any] = {}  # data spec + kwargs (JSON) -> the data set built for it in this process
@@ -53,6 +55,34 @@ def data_spec(cfg: TrainConfig) -> tuple[str, dict[str, Any]]:
 def build_model(cfg: TrainConfig) -> nn.Module:
     """The model ``cfg.model`` names, built with ``model_kwargs`` (seed the RNG first for equal ranks)."""
     return _as_config_error("model", lambda: build_model_spec(cfg.model, cfg.model_kwargs))
+
+
+def checkpointed_units(cfg: TrainConfig, model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: module}`` that ``activation_checkpointing`` names in ``model`` (``{}``: off); ConfigError if none."""
+    every = activation_checkpointing_every(cfg.activation_checkpointing)
+    if not every:
+        return {}
+    classes = [n.strip() for n in cfg.activation_checkpointing_units.split(",") if n.strip()]
+    try:
+        units = candidate_units(model, classes)
+    except ValueError as e:
+        if classes:
+            raise ConfigError(
+                f"activation_checkpointing_units={cfg.activation_checkpointing_units!r}: {e}; name those, or leave "
+                f"it empty"
+            ) from None
+        raise ConfigError(
+            f"activation_checkpointing={cfg.activation_checkpointing}: {e}; name its block classes in "
+            f"activation_checkpointing_units, or set activation_checkpointing=off"
+        ) from None
+    chosen = every_nth(units, every)
+    if not chosen:
+        raise ConfigError(
+            f"activation_checkpointing={cfg.activation_checkpointing}: {type(model).__name__} has {len(units)} "
+            f"units ({next(iter(units))} .. {list(units)[-1]}), so every {every}th names none; choose "
+            f"N <= {len(units)}, or units"
+        )
+    return chosen
 
 
 def build_loss(cfg: TrainConfig):
@@ -90,6 +120,7 @@ def _as_data_set(data: Any, spec: str):
 def check_workload(cfg: TrainConfig, world_size: int, grad_accum_steps: int) -> None:
     """Build and try the model, loss and data on two samples; ConfigError (one line) on the first problem."""
     model = build_model(cfg).to(getattr(torch, cfg.dtype))  # the cheap ones first: a bad spec fails before any read
+    checkpointed_units(cfg, model)
     loss_fn = build_loss(cfg)
     data, spec = build_dataset(cfg), data_spec(cfg)[0]
     shares = cfg.pipeline_layout(world_size)[1] if cfg.parallel == "pipeline" else world_size

@@ -489,6 +489,8 @@ EVERY_SETTING = {
     "bucket_cap_mb": "1.5",
     "parallel": "ddp",
     "fsdp_units": "",  # set and empty: it is for parallel=zero3 only, and ddp must still see it from the environment
+    "activation_checkpointing": "every:2",
+    "activation_checkpointing_units": "Linear",  # mini_mlp's 3: every second is net.2
     "pipeline_stages": "0",
     "pipeline_microbatches": "2",
     "pipeline_schedule": "1f1b",

@@ -55,7 +55,7 @@ def test_only_kills_since_the_last_look_count(tmp_path):
 
 
 def test_the_line_names_rank_limit_peak_and_fixes_by_the_kind_that_runs():
-    config = SimpleNamespace(micro_batch=32, parallel="ddp")
+    config = SimpleNamespace(micro_batch=32, parallel="ddp", activation_checkpointing="off")
     line = oom_line(2, "a1b2c3d4e5f6", CgroupMemory(1300 * MIB, 1299 * MIB, 1), config)
     assert line.startswith("rank 2 (this container, a1b2c3d4e5f6) was killed for memory: over its container's limit")
     for part in (
@@ -64,16 +64,22 @@ def test_the_line_names_rank_limit_peak_and_fixes_by_the_kind_that_runs():
         "WORKER_MEMORY",
         "smaller micro_batch than 32",
         "parallel=zero2 or zero3",
+        "activation_checkpointing=units",
     ):
         assert part in line, (part, line)
     assert "\n" not in line
-    zero3 = oom_line(0, "c", CgroupMemory(None, None, 1), SimpleNamespace(micro_batch=8, parallel="zero3"))
-    assert "parallel=zero" not in zero3 and "the machine's memory" in zero3  # nothing lighter to suggest
+    config = SimpleNamespace(micro_batch=8, parallel="zero3", activation_checkpointing="units")
+    zero3 = oom_line(0, "c", CgroupMemory(None, None, 1), config)
+    assert "the machine's memory" in zero3
+    assert "parallel=zero" not in zero3 and "activation_checkpointing" not in zero3  # nothing lighter to suggest
 
 
 def test_a_kill_for_memory_ends_the_launch_in_one_line_and_no_restart(tmp_path, caplog):
     reporter = Reporter(
-        store=None, run_id="job", workers=None, config=SimpleNamespace(micro_batch=16, parallel="zero1")
+        store=None,
+        run_id="job",
+        workers=None,
+        config=SimpleNamespace(micro_batch=16, parallel="zero1", activation_checkpointing="off"),
     )
     reporter.memory = OomWatch(v2(tmp_path, kills=0))
     v2(tmp_path, kills=1)

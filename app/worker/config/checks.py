@@ -111,3 +111,25 @@ def check_pipeline(cfg) -> None:
         )
     if cfg.inject_nan_at_step:
         raise ConfigError("inject_nan_at_step: the NaN drill runs with parallel=ddp only; set it to 0")
+
+
+def activation_checkpointing_every(value: str) -> int:
+    """``activation_checkpointing`` as a step over the units: 0 off, 1 each unit, N every N-th; ConfigError else."""
+    if value in ("off", "units"):
+        return {"off": 0, "units": 1}[value]
+    head, _, n = value.partition(":")
+    if head != "every" or not n.isdigit() or int(n) < 1:
+        raise ConfigError(
+            f"activation_checkpointing={value!r}: must be off | units | every:N with N an integer >= 1 (every:2: "
+            f"every second unit)"
+        )
+    return int(n)
+
+
+def check_activation_checkpointing(cfg) -> None:
+    """The setting's form; whether it names modules of the model is app.worker.workload's check (it builds it)."""
+    if not activation_checkpointing_every(cfg.activation_checkpointing) and cfg.activation_checkpointing_units:
+        raise ConfigError(
+            f"activation_checkpointing_units={cfg.activation_checkpointing_units!r} is for activation "
+            f"checkpointing, which is off: set activation_checkpointing=units (or every:N), or unset it"
+        )

@@ -22,6 +22,7 @@ from app.worker.config.checks import (
     PIPELINE_MAX_STAGES,
     ConfigError,
     at_least,
+    check_activation_checkpointing,
     check_pipeline,
     check_recipe,
     check_workload,
@@ -120,6 +121,17 @@ class TrainConfig:
     fsdp_units: str = _doc(
         'parallel=zero3: comma list of module class names to shard as units ("" = each child of the root)', ""
     )
+    activation_checkpointing: str = _doc(
+        "recompute activations in backward instead of keeping them: off | units (each unit) | every:N (every N-th "
+        "unit); a unit keeps only its input (non-reentrant torch.utils.checkpoint; docs/training.md)",
+        "off",
+    )
+    activation_checkpointing_units: str = _doc(
+        'activation_checkpointing: comma list of module class names whose instances are the units ("" = the '
+        "items of the nn.ModuleList/nn.Sequential holding the most parameters: tiny_transformer's blocks, an MLP's "
+        "layers)",
+        "",
+    )
     pipeline_stages: int = _doc(
         "parallel=pipeline: stages per pipeline (0 = world size); the world holds world_size / stages replicas", 0
     )
@@ -196,6 +208,7 @@ class TrainConfig:
             raise ConfigError(
                 f"fsdp_units={self.fsdp_units!r} is for parallel=zero3 only: unset it for {self.parallel}"
             )
+        check_activation_checkpointing(self)
         at_least("pipeline_stages", self.pipeline_stages, 0)
         at_least("pipeline_microbatches", self.pipeline_microbatches, 1)
         if self.parallel == "pipeline":
