@@ -11,15 +11,19 @@ and ``K`` bytes of optimizer state per parameter (AdamW: two fp32 moments, 8; SG
     ddp     Ψ·(p + p + K)            zero2   Ψ·(p + (p + K)/N)
     zero1   Ψ·(p + p + K/N)          zero3   Ψ·(p + p + K)/N
 
-What the step adds (``in flight``): ddp's reducer copies the gradient into its buckets (Ψ·p more: ``parallel=ddp``
-does not make ``p.grad`` a view of them); zero1 broadcasts two owners' flats at a time (2·Ψ·p/N); zero2 keeps up
-to three buckets' flat gradients (the one filling, two reduce-scattering: 3 × ``bucket_cap_mb``); zero3 gathers one
-unit (the ``largest unit``, its parameters) and keeps its flat gradient and one more in flight (3 × that unit).
-``activations``: measured here, one forward and backward of one micro-batch on the CPU (the bytes autograd saves
-for backward, each storage once, and the output). ``base``: the idle worker's peak (torch, gloo, threads, the data),
-measured by ``python -m bench.memory_bench`` (``bench/results/memory.json``) or given with ``--base``. Every kind
-also builds the whole model once (the worker builds it, then shards it): ``construction`` = base + Ψ·p, and the
-peak is the larger of the two. docs/sharding.md compares these predictions with measured peaks.
+What the step adds (``in flight``): ddp's reducer fills one bucket at a time (``bucket_cap_mb``); zero1
+broadcasts two owners' flats at a time (2·Ψ·p/N); zero2 keeps up to three buckets' flat gradients (the one filling,
+two reduce-scattering: 3 × ``bucket_cap_mb``); zero3 gathers one unit (the ``largest unit``, its parameters) and
+keeps its flat gradient and one more in flight (3 × that unit). ``activations``: measured here, one forward and
+backward of one micro-batch on the CPU (the bytes autograd saves for backward, each storage once, and the output).
+``base``: the idle worker's peak (torch, gloo, threads, the data), measured by ``python -m bench.memory_bench``
+(``bench/results/memory.json``) or given with ``--base``. Every kind also builds the whole model once (the worker
+builds it, then shards it): ``construction`` = base + Ψ·p; the peak of a fresh start is the larger of the two.
+
+A *resume* peaks in the load instead: a sharded rank holds one checkpoint file (its shard of parameters and state)
+and the buffers it fills (as much again) beside its parameters (and zero1's gradient buckets): held + 2·(p + K)Ψ/N.
+ddp's rank holds the model, the loaded file (parameters and state) and one more copy of the parameters: a term
+read off the measurements (base + 3Ψ·p + Ψ·K), not derived.
 
 A bad spec or memory string is one line on stderr and exit code 2.
 """
@@ -116,9 +120,17 @@ class Prediction:
     def construction(self) -> int:
         return self.base + self.whole_model
 
+    resume_held: int = 0  # what a resuming rank holds beside the file it loads and the buffers it fills
+
     @property
     def peak(self) -> int:
+        """A fresh start's peak: the larger of construction and training."""
         return max(self.base + self.training, self.construction)
+
+    @property
+    def resume_peak(self) -> int:
+        """A resume's peak: the load, or training after it."""
+        return max(self.peak, self.base + self.resume_held)
 
     @property
     def peak_phase(self) -> str:
@@ -139,12 +151,19 @@ def predict(
     whole = facts.psi * param_bytes
     unit = -(-facts.largest_unit // world_size) * world_size * param_bytes if kind == "zero3" else 0
     in_flight = {
-        "ddp": whole,
+        "ddp": min(int(bucket_cap_mb * MIB), whole),
         "zero1": 2 * -(-whole // world_size),
         "zero2": min(3 * int(bucket_cap_mb * MIB), whole),
         "zero3": 3 * unit,
     }[kind]
-    return Prediction(kind, world_size, p, g, k, unit, in_flight, facts.activation_bytes, base, whole)
+    shard = -(-(whole + facts.psi * optimizer_bytes) // world_size)  # a rank's file: its parameters' and state's share
+    resume_held = {
+        "ddp": 3 * whole + k,
+        "zero1": p + g + 2 * shard,
+        "zero2": p + 2 * shard,
+        "zero3": p + 2 * shard,
+    }[kind]
+    return Prediction(kind, world_size, p, g, k, unit, in_flight, facts.activation_bytes, base, whole, resume_held)
 
 
 def measured_base(results: Path = RESULTS) -> dict[tuple[str, int], int]:
@@ -240,16 +259,16 @@ def render(predictions: list[Prediction], facts: ModelFacts, memory: int | None)
         f"Ψ = {facts.psi:,} parameters; activations of one micro-batch {facts.activation_bytes / MIB:.1f} MiB "
         "(measured); MiB per rank"
     )
-    cols = "kind   N  params   grads  optim  unit  in flight  activ   base  predicted  peak in"
+    cols = "kind   N  params   grads  optim  unit  in flight  activ   base  predicted  peak in       resume"
     lines = [head, cols + (f"       fits {memory / MIB:.0f} MiB" if memory else "")]
     for r in predictions:
         line = (
             f"{r.kind:<6}{r.world_size:>2} {r.params / MIB:7.0f} {r.grads / MIB:7.0f} {r.optimizer / MIB:6.0f} "
             f"{r.largest_unit / MIB:5.0f} {r.in_flight / MIB:10.0f} {r.activations / MIB:6.0f} {r.base / MIB:6.0f} "
-            f"{r.peak / MIB:10.0f}  {r.peak_phase:<12}"
+            f"{r.peak / MIB:10.0f}  {r.peak_phase:<12} {r.resume_peak / MIB:7.0f}"
         )
-        if memory:
-            line += "  FITS" if r.peak <= memory else "  DOES NOT FIT"
+        if memory:  # judged on the resume: a job that cannot resume after a failure does not fit
+            line += "  FITS" if r.resume_peak <= memory else "  DOES NOT FIT"
         lines.append(line)
     return lines
 
@@ -276,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         for kind in KINDS
     ]
     if args.json:
-        rows = [{**vars(r), "peak": r.peak, "peak_phase": r.peak_phase} for r in predictions]
+        rows = [
+            {**vars(r), "peak": r.peak, "peak_phase": r.peak_phase, "resume_peak": r.resume_peak} for r in predictions
+        ]
         print(json.dumps({"psi": facts.psi, "predictions": rows}, indent=1))
     else:
         print("\n".join(render(predictions, facts, memory)))

@@ -106,7 +106,7 @@ def measure(kind: str, world: int, args, psi: int, facts, tmp: Path) -> dict:
     formula = state_bytes(kind, psi, world)
     row["formula_bytes"] = formula
     plan = predict(kind, world, facts, base["peak_bytes"])  # app.plan's prediction, with the base measured here
-    row["predicted"] = {**vars(plan), "peak": plan.peak, "peak_phase": plan.peak_phase}
+    row["predicted"] = {**vars(plan), "peak": plan.peak, "peak_phase": plan.peak_phase, "resume_peak": plan.resume_peak}
     row["expected_bytes"] = formula + base["peak_bytes"]
     for run in ("fresh", "resume"):
         if run in row:
@@ -130,8 +130,7 @@ def print_table(results: dict, psi: int) -> None:
             )
             if res:
                 line += f" {res['peak_bytes'] / MIB:7.0f} {res['vs_expected']:5.2f}  {res['peak_phase']:<16}"
-            worst = max(f["peak_bytes"], res["peak_bytes"] if res else 0)
-            line += f" {r['predicted']['peak'] / MIB:7.0f} {r['predicted']['peak'] / worst:5.2f}"
+            line += f" {r['predicted']['peak'] / MIB:7.0f} {r['predicted']['peak'] / f['peak_bytes']:5.2f}"
             print(line)
 
 
@@ -178,7 +177,13 @@ def main(argv=None) -> int:
         "optimizer": "adamw",
         "dtype": "float32",
     }
-    path, _ = write_result(parser, args, "memory", {"model": model, "tolerance": TOLERANCE, "results": results}, before)
+    path, _ = write_result(
+        parser,
+        args,
+        "memory",
+        {"model": model, "facts": vars(facts), "tolerance": TOLERANCE, "results": results},
+        before,
+    )
     print(describe_output(path))
     return 0
 

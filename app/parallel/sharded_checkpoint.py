@@ -18,9 +18,8 @@ each rank reads the pieces overlapping what it now holds, from whichever of the 
 time: no rank ever holds more than a few shards' worth of state).
 
 Every file is written atomically (temporary file, fsync, rename) and the manifest only after every shard is on disk,
-so a crash mid-save leaves either the old manifest (whose digests then reject the new files) or the new one.
-Anything wrong on load raises ``CheckpointError`` with one line naming the file or parameter (the worker turns it
-into exit code 2).
+so a crash mid-save leaves either the old manifest (whose digests then reject the new files) or the new one. Nothing
+is copied to save it, nor held twice to load it. Anything wrong on load raises a one-line ``CheckpointError``.
 
     save_sharded(directory, model, optimizer, extra={"step": step})   # on every rank, collectively
     extra = load_sharded(directory, model, optimizer)                  # on every rank, any world size
@@ -129,26 +128,22 @@ class _Hashing:
     """A file that hashes what is written through it: the shard's digest without its bytes held in memory."""
 
     def __init__(self, f):
-        self.f, self.sha256 = f, hashlib.sha256()
+        self.f, self.sha256, self.flush = f, hashlib.sha256(), f.flush
 
     def write(self, data) -> int:
         self.sha256.update(data)
         return self.f.write(data)
 
-    def flush(self) -> None:
-        self.f.flush()
-
 
 def _save_hashed(obj, f) -> str:
     """``torch.save(obj)`` into ``f``; the sha256 of what was written."""
-    hashing = _Hashing(f)
-    torch.save(obj, hashing)
+    torch.save(obj, hashing := _Hashing(f))
     return hashing.sha256.hexdigest()
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
-    """``t`` flat, in a storage of its own size: ``torch.save`` writes a view's *whole* storage (stage 2's shard is
-    a view of its whole bucket), while views of a compact tensor share its one storage, written once."""
+    """``t`` flat, in a storage of its own size: ``torch.save`` writes a view's *whole* storage (stage 2's shard is a
+    view of its bucket), and views of a compact tensor share its one storage, written once."""
     t = t.detach().reshape(-1)
     whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
     return t if whole else t.clone()
@@ -160,9 +155,7 @@ def save_sharded(directory, model: nn.Module, optimizer, extra: dict | None = No
     stage = stage_of(model, optimizer)
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     entries, state = _entries(model, optimizer, stage)
-    # [Note: no copy of the state to save it] A piece is a view, not a copy: the shard's pieces share its storage,
-    # written once, so a save costs this rank no second copy of its state (nor a third as bytes in memory: the file
-    # is written, and hashed, as torch.save produces it).
+    # Pieces are views sharing the shard's storage, written once: a save costs no copy of the state (_compact).
     pieces = {}
     for key, values, slices in entries:
         values = _compact(values)
