@@ -53,6 +53,15 @@ CHECK_ARGS ?=           # any other flags of app.check, e.g. "--ranks 4 --accum 
 check: venv ## does MODEL_SPEC train the same on N CPU ranks as on one process? table, diagnosis (docs/check.md)
 	$(PY) -m app.check $(strip $(MODEL_SPEC)) $(CHECK_ARGS)
 
+# `make plan MODEL_SPEC=mypkg.models:build PLAN_ARGS="--world 2,4,8 --memory 2g"`: which kinds fit, before launch.
+PLAN_ARGS ?= --world 2,4  # any other flags of app.plan, e.g. "--memory 1300m --micro-batch 16"; python -m app.plan --help
+.PHONY: plan bench-memory
+plan: venv ## predicted peak memory per rank of ddp and ZeRO 1-3 for MODEL_SPEC, per world size; FITS (docs/sharding.md)
+	$(PY) -m app.plan $(strip $(MODEL_SPEC)) $(PLAN_ARGS)
+
+bench-memory: venv ## each kind's peak RSS per rank of the real worker and its phase, worlds 2 and 4; JSON in bench/results/
+	$(PY) -m bench.memory_bench
+
 test: venv ## the test suite: unit, integration (real gloo ranks, Prometheus), e2e (Docker: one-line skip until make docker-setup)
 	$(PY) -m pytest -n $(strip $(TEST_WORKERS)) --dist loadgroup $(PYTEST_ARGS)
 

@@ -38,6 +38,7 @@ import time
 from app.cli import setup_logging
 from app.exit_codes import BAD_CONFIG, FAILED, OK, STORAGE_FAILED
 from app.torch_patches import TorchChanged
+from app.worker.allocator import return_freed_memory_to_the_os, trim  # torch-free, like the two below
 from app.worker.config import ConfigError, TrainConfig, WorldEnv, describe, load_config
 from app.worker.control import StopSignal  # torch-free: installed before the seconds-long torch import
 from app.worker.startup import StartupClock, defer_dynamo_import  # torch-free: it times the torch import
@@ -48,6 +49,8 @@ log = logging.getLogger("app.train")
 def main(argv: list[str] | None = None) -> int:
     """Config, signals, metrics endpoint, process group (set up and torn down as a pair), the loop; the exit code."""
     clock = StartupClock()  # rank 0 logs where the start-up went, before the first step (bench/startup.py reads it)
+    # Before any tensor: freed pages go back to the OS, a rank's peak is what it holds (app.worker.allocator).
+    return_freed_memory_to_the_os()
     stop = StopSignal()
     stop.install()
     # torchrun's variables, read once: the config checks, the metrics and the process group all use this.
@@ -181,6 +184,7 @@ def train(
     clock.mark("torch._dynamo import")
     # The one place the kinds differ (ddp | pipeline | dp): the step object the one Trainer is handed.
     step = build_step(cfg, ctx, grad_accum_steps, metrics)
+    trim()  # the whole model a sharded kind built and cut into shards: its freed pages back before training
     clock.mark("model build")  # the second build of the model (the first was check_workload's) and its wrapper
     trainer = Trainer(cfg, ctx, world, stop, metrics, step=step)  # finds and loads the newest checkpoint
     clock.mark("checkpoint probe")

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
 import gc
 import json
 import random
@@ -47,6 +46,7 @@ from torch import nn
 from app.diagnostics.recorder import RECORDER
 from app.parallel import wrap_model
 from app.parallel.comm_hooks import HOOKS
+from app.worker.allocator import return_freed_memory_to_the_os, trim
 from app.worker.dist import distributed, exit_process
 from app.worker.models import DeepMLP, TinyTransformer, count_parameter_tensors
 from bench.provenance import describe_output, load_average, output_path, provenance
@@ -216,14 +216,10 @@ def _reset_peak_rss() -> bool:
 
 
 def _return_freed_memory_to_the_os() -> None:
-    """Make RSS follow tensor allocations: glibc otherwise raises its mmap threshold after the first large free and
-    keeps later freed blocks in its heap, so a second variant would reuse the first's pages and show no growth."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD, fixed: large tensors get their own pages, freed at once
-    libc.malloc_trim(0)
+    """Make RSS follow tensor allocations (app.worker.allocator, as the worker does): a second variant must not
+    reuse the first's freed pages and show no growth."""
+    return_freed_memory_to_the_os(128 * 1024)
+    trim()
 
 
 def measure_memory(workload, batch: int, steps: int = 3) -> dict[str, dict]:

@@ -33,7 +33,7 @@ from tools.renderers.ddp import render_ddp_bench, render_ddp_profile
 from tools.renderers.metrics import render_metrics_budget, render_metrics_overhead
 from tools.renderers.mutants import render_mutants, render_mutation
 from tools.renderers.pipeline import render_pipeline_bubble
-from tools.renderers.sharding import render_zero
+from tools.renderers.sharding import render_memory, render_zero
 from tools.renderers.startup import render_startup
 from tools.renderers.training import render_activation_checkpointing
 
@@ -73,6 +73,7 @@ RENDERERS = {
     "metrics-budget": render_metrics_budget,
     "scaling": render_scaling,
     "zero": render_zero,
+    "memory": render_memory,
     "corpus-curve": render_corpus_curve,
     "startup": render_startup,
     "activation-checkpointing": render_activation_checkpointing,

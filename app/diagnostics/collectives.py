@@ -36,6 +36,9 @@ class RecordedWork:
     def get_future(self):
         return self.work.get_future()
 
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
 
 def _finish(work, entry, async_op: bool):
     if async_op:

@@ -7,6 +7,7 @@ as one flat fp32 shard per rank. A unit exists whole only while it computes:
     forward:   pre-hook: all_gather(unit) ─► unit.forward ─► post-hook: free the gathered copy
     backward:  the unit's output gradient arrives ─► all_gather(unit) again ─► unit's backward ─► every
                parameter's gradient in ─► reduce_scatter(SUM) the flat gradient (async) ─► free the gathered copy
+               (the flat gradient goes when its reduce-scatter is done: at most two in flight, ``InFlight``)
     end:       wait, divide by N, add into shard.grad; the optimizer steps the shards (its state is 1/N too)
 
 *Free* means: the gathered buffer's storage is resized to 0 bytes; every parameter is a view of that buffer, and
@@ -43,7 +44,7 @@ from torch import nn
 from app.diagnostics import collectives as recorded
 from app.parallel import checksum
 from app.parallel.graph_walk import tensors_in  # every tensor in a forward output, as the reducer walks it
-from app.parallel.sharded_grad import FlatShard, broadcast_module_state, clip_sharded_grad_norm_
+from app.parallel.sharded_grad import FlatShard, InFlight, broadcast_module_state, clip_sharded_grad_norm_
 
 
 class _Unit:
@@ -89,9 +90,10 @@ class _Unit:
         source, group = f"FSDP unit {self.name}", self.fsdp.process_group
         work = recorded.reduce_scatter_tensor(chunk, self.grad, source, dist.ReduceOp.SUM, group, True)
         self.fsdp.comm_bytes["reduce_scatter"] += self.grad.numel() * self.grad.element_size()
-        self.fsdp._works.append((self, work, chunk))
-        self.grad = None
+        self.grad = None  # the work holds the whole unit's gradient until it is done: InFlight drops it then
         self.free()
+        self.fsdp.reduce_scatters.add(work, chunk)
+        self.fsdp.reduce_scattered.append(self)
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -131,7 +133,8 @@ class FullyShardedDataParallel(nn.Module):
         # Cumulative seconds this rank spent in each: the all-gathers are synchronous, the reduce-scatters async
         # (only the wait at the end of backward is counted).
         self.comm_seconds = {"all_gather": 0.0, "reduce_scatter": 0.0}
-        self._works: list = []
+        self.reduce_scatters = InFlight()  # this backward's, with the units they belong to, in launch order
+        self.reduce_scattered: list[_Unit] = []
         self._callback_queued = False
         assignment = assign_parameters(module, unit_modules)
         self.units: list[_Unit] = []
@@ -193,7 +196,7 @@ class FullyShardedDataParallel(nn.Module):
         if self._callback_queued:
             return
         self._callback_queued = True
-        self._works = []
+        self.reduce_scatters, self.reduce_scattered = InFlight(), []
         for unit in self.units:
             unit.pending = len(unit.flat_shard.params)
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
@@ -223,15 +226,13 @@ class FullyShardedDataParallel(nn.Module):
                 f"in this backward; the ranks would hang waiting for their reduce-scatter. Make the loss depend "
                 f"on every trainable parameter, or freeze the unused ones before wrapping"
             )
-        t0 = time.perf_counter()
         with torch.no_grad():
-            for unit, work, chunk in self._works:
-                work.wait()
+            for unit, chunk in zip(self.reduce_scattered, self.reduce_scatters.results()):
                 # SUM / N in fp32: the shard is fp32, and so the mean is taken after the (possibly bf16) transfer.
                 chunk = chunk.float().div_(self.world_size)
                 unit.shard.grad = chunk if unit.shard.grad is None else unit.shard.grad.add_(chunk)
-        self.comm_seconds["reduce_scatter"] += time.perf_counter() - t0
-        self._works = []
+        self.comm_seconds["reduce_scatter"] += self.reduce_scatters.seconds
+        self.reduce_scatters, self.reduce_scattered = InFlight(), []
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the whole gradient's global norm to ``max_norm``, its shards on every rank alike (collective), as

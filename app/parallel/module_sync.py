@@ -9,23 +9,37 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+BROADCAST_CAP_BYTES = 25 * 2**20  # a flat broadcast's size, as DDP's default bucket
 
-def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group) -> None:
-    """Broadcast ``tensors`` from global rank ``src`` in place, one collective per (device, dtype).
 
-    One flat broadcast instead of one per tensor, for the same reason buckets exist.
+def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group, cap_bytes: int = BROADCAST_CAP_BYTES) -> None:
+    """Broadcast ``tensors`` from global rank ``src`` in place, one collective per run of same-kind tensors.
+
+    Flat broadcasts instead of one per tensor, for the same reason buckets exist; each flat holds consecutive
+    tensors of one (device, dtype) up to ``cap_bytes`` (a bigger tensor goes alone), so the copy it costs is one
+    chunk, never the whole model: a ZeRO rank that holds 1/N of the state must not hold two models to agree on one.
     """
-    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    chunks: list[list[torch.Tensor]] = []
+    open_chunks: dict[tuple, tuple[list[torch.Tensor], list[int]]] = {}  # kind -> (its open chunk, [its bytes])
     for t in tensors:
-        by_kind.setdefault((t.device, t.dtype), []).append(t)
-    for same_kind in by_kind.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in same_kind])
+        kind = (t.device, t.dtype)
+        chunk, size = open_chunks.get(kind, (None, [0]))
+        nbytes = t.numel() * t.element_size()
+        if chunk is None or size[0] + nbytes > cap_bytes:
+            chunk, size = [], [0]
+            chunks.append(chunk)
+            open_chunks[kind] = (chunk, size)
+        chunk.append(t)
+        size[0] += nbytes
+    for chunk in chunks:
+        flat = torch.cat([t.detach().reshape(-1) for t in chunk])
         dist.broadcast(flat, src=src, group=group)
         offset = 0
         with torch.no_grad():
-            for t in same_kind:
+            for t in chunk:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
+        del flat  # before the next chunk's: one chunk's copy at a time
 
 
 def device_of(d) -> torch.device:

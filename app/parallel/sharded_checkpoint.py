@@ -18,9 +18,8 @@ each rank reads the pieces overlapping what it now holds, from whichever of the 
 time: no rank ever holds more than a few shards' worth of state).
 
 Every file is written atomically (temporary file, fsync, rename) and the manifest only after every shard is on disk,
-so a crash mid-save leaves either the old manifest (whose digests then reject the new files) or the new one.
-Anything wrong on load raises ``CheckpointError`` with one line naming the file or parameter (the worker turns it
-into exit code 2).
+so a crash mid-save leaves either the old manifest (whose digests then reject the new files) or the new one. Nothing
+is copied to save it, nor held twice to load it. Anything wrong on load raises a one-line ``CheckpointError``.
 
     save_sharded(directory, model, optimizer, extra={"step": step})   # on every rank, collectively
     extra = load_sharded(directory, model, optimizer)                  # on every rank, any world size
@@ -30,7 +29,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import io
 import json
 import os
 from pathlib import Path
@@ -112,16 +110,44 @@ def _sharded_names(model: nn.Module, optimizer, stage: int) -> set[str]:
     return {n for n, p in _bare(model).named_parameters(remove_duplicate=False) if id(p) in ids}
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _atomic_write(path: Path, write):
+    """``write(file)`` into a temporary file beside ``path``, fsync, rename: ``path`` is whole or absent. Returns
+    what ``write`` returned."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            result = write(f)
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it visible: a crash never leaves half a file
         os.replace(tmp, path)
+        return result
     finally:
         tmp.unlink(missing_ok=True)  # a full disk keeps no half-written file
+
+
+class _Hashing:
+    """A file that hashes what is written through it: the shard's digest without its bytes held in memory."""
+
+    def __init__(self, f):
+        self.f, self.sha256, self.flush = f, hashlib.sha256(), f.flush
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        return self.f.write(data)
+
+
+def _save_hashed(obj, f) -> str:
+    """``torch.save(obj)`` into ``f``; the sha256 of what was written."""
+    torch.save(obj, hashing := _Hashing(f))
+    return hashing.sha256.hexdigest()
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flat, in a storage of its own size: ``torch.save`` writes a view's *whole* storage (stage 2's shard is a
+    view of its bucket), and views of a compact tensor share its one storage, written once."""
+    t = t.detach().reshape(-1)
+    whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole else t.clone()
 
 
 def save_sharded(directory, model: nn.Module, optimizer, extra: dict | None = None, process_group=None) -> None:
@@ -130,27 +156,26 @@ def save_sharded(directory, model: nn.Module, optimizer, extra: dict | None = No
     stage = stage_of(model, optimizer)
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     entries, state = _entries(model, optimizer, stage)
+    # Pieces are views sharing the shard's storage, written once: a save costs no copy of the state (_compact).
     pieces = {}
     for key, values, slices in entries:
-        st = state.get(key, {})
+        values = _compact(values)
+        tensors_of, scalars = {}, {}
+        for k, v in state.get(key, {}).items():
+            if isinstance(v, torch.Tensor) and v.numel() == values.numel() and v.dim() > 0:
+                tensors_of[k] = _compact(v)
+            else:
+                scalars[k] = v
         for name, _shape, lo, hi, off in slices:
-            tensors = {"param": values[off : off + hi - lo].clone()}
-            scalars = {}
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and v.numel() == values.numel() and v.dim() > 0:
-                    tensors[k] = v.reshape(-1)[off : off + hi - lo].clone()
-                else:
-                    scalars[k] = v
-            pieces[name] = {"lo": lo, "hi": hi, "tensors": tensors, "scalars": scalars}
+            tensors = {"param": values[off : off + hi - lo]}
+            tensors |= {k: v[off : off + hi - lo] for k, v in tensors_of.items()}
+            pieces[name] = {"lo": lo, "hi": hi, "tensors": tensors, "scalars": dict(scalars)}
     payload = {"pieces": pieces}
     if rank == 0:  # buffers and frozen parameters: the same on every rank, stored once
         sharded = _sharded_names(model, optimizer, stage)
         payload["replicated"] = {
             k: v.detach().clone() for k, v in _bare(model).state_dict().items() if k not in sharded
         }
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    data = buffer.getvalue()
     # A fresh name per save: the files of the checkpoint the current manifest describes are never overwritten,
     # so until the new manifest replaces it, the old checkpoint stays whole.
     token = [os.urandom(4).hex() if rank == 0 else None]
@@ -160,8 +185,8 @@ def save_sharded(directory, model: nn.Module, optimizer, extra: dict | None = No
     name = f"shard-{rank:05d}-of-{world:05d}-{token[0]}.pt"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        _atomic_write(directory / name, data)
-        mine = {"rank": rank, "file": name, "sha256": hashlib.sha256(data).hexdigest()}
+        digest = _atomic_write(directory / name, lambda f: _save_hashed(payload, f))
+        mine = {"rank": rank, "file": name, "sha256": digest}
         mine["pieces"] = {n: [p["lo"], p["hi"]] for n, p in pieces.items()}
     except OSError as e:
         mine = (f"{directory / name} (rank {rank})", _why(e))
@@ -193,7 +218,8 @@ def _write_manifest(directory: Path, model, optimizer, stage: int, world: int, e
         "shards": shards,
     }
     try:
-        _atomic_write(directory / MANIFEST, json.dumps(manifest, indent=1, default=str).encode())
+        text = json.dumps(manifest, indent=1, default=str).encode()
+        _atomic_write(directory / MANIFEST, lambda f: f.write(text))
     except OSError as e:
         return f"{directory / MANIFEST} (rank 0)", _why(e)
     listed = {s["file"] for s in shards}
@@ -232,17 +258,21 @@ def read_manifest(directory) -> dict:
 
 def _read_shard(directory: Path, shard: dict) -> dict:
     path = directory / shard["file"]
+    sha256 = hashlib.sha256()
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:  # hashed in blocks, then loaded: the file's bytes are never held whole as well
+            while block := f.read(1 << 20):
+                sha256.update(block)
     except OSError as e:
         raise CheckpointError(f"{path}: listed in the manifest but unreadable ({e.strerror})") from None
-    digest = hashlib.sha256(data).hexdigest()
+    digest = sha256.hexdigest()
     if digest != shard["sha256"]:
         raise CheckpointError(
             f"{path}: sha256 {digest[:12]}... does not match the manifest's {shard['sha256'][:12]}...: the file "
             f"changed after the manifest was written (an interrupted save?); use another checkpoint"
         )
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    # Read a second time, from the page cache: shard names are fresh per save, no save rewrites a file in place.
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def load_sharded(directory, model: nn.Module, optimizer, process_group=None) -> dict:
@@ -303,6 +333,7 @@ def _read_for_this_rank(directory: Path, model: nn.Module, optimizer):
             replicated = payload.get("replicated", {})
         for name in overlaps:
             filled[name] += _copy_piece(payload["pieces"][name], needed[name], where[name], buffers, scalars)
+        del payload  # before the next file is read: one file's tensors at a time
     for name, (lo, hi) in needed.items():
         if filled[name] != hi - lo:
             raise CheckpointError(
@@ -349,7 +380,7 @@ def _install(entries, state, buffers, scalars) -> None:
         for (key, values, _), buf, sc in zip(entries, buffers, scalars):
             values.copy_(buf.pop("param"))
             if buf or sc:
-                state[key] = {**sc, **{k: v.view_as(key).clone() for k, v in buf.items()}}
+                state[key] = {**sc, **{k: v.view_as(key) for k, v in buf.items()}}  # buffers of our own: no copy
 
 
 def _load_replicated(model: nn.Module, optimizer, stage: int, replicated: dict) -> None:

@@ -8,7 +8,8 @@ an all-reduce's first half, and each rank ends up holding only the summed gradie
        bucket's parameters are laid end to end in one flat buffer, padded to a multiple of N, and ``p.data``
        becomes a view of it. Rank r owns chunk r of every bucket: its *shard*, what its optimizer steps;
     2. as backward produces each gradient, a hook copies it into the bucket's flat gradient and frees ``p.grad``;
-       a full bucket is reduce-scattered (SUM) *asynchronously* while backward goes on;
+       a full bucket is reduce-scattered (SUM) *asynchronously* while backward goes on, and its flat gradient
+       freed as soon as that is done (at most two in flight: ``InFlight``);
     3. when backward ends, each rank waits and keeps its chunk, divided by N: ``shard.grad``. The flat gradient
        is freed: between steps a rank holds 1/N of the gradients;
     4. the optimizer steps the shards (its state is 1/N, as in stage 1); then every bucket is all-gathered back
@@ -65,6 +66,43 @@ def clip_sharded_grad_norm_(shards: list[torch.Tensor], max_norm: float, process
     for g in grads:
         g.mul_(coef.to(g.dtype))
     return norm.float()
+
+
+class InFlight:
+    """Asynchronous reduce-scatters in launch order, at most ``limit`` of them alive: their inputs are big.
+
+    A gloo work keeps its input (a whole bucket's or unit's flat gradient) until the work object is dropped, so
+    works kept until the end of backward would hold the whole model's gradient there, the very memory stage 2
+    exists to save. Each launch drops the works that are done and waits for the oldest beyond ``limit``; only the
+    outputs (this rank's chunks) are kept for ``results()``.
+    """
+
+    def __init__(self, limit: int = 2):
+        self.limit = limit
+        self.seconds = 0.0  # waited for, here and in results(): the exposed part of the communication
+        self._items: list[list] = []  # [work or None once done, output]
+
+    def add(self, work, output: torch.Tensor) -> None:
+        self._items.append([work, output])
+        live = [item for item in self._items if item[0] is not None]
+        for n, item in enumerate(live):
+            if len(live) - n > self.limit or item[0].is_completed():
+                self._finish(item)
+
+    def _finish(self, item: list) -> None:
+        t0 = time.perf_counter()
+        item[0].wait()
+        item[0] = None  # the work, and with it its input, is gone
+        self.seconds += time.perf_counter() - t0
+
+    def results(self) -> list[torch.Tensor]:
+        """Wait for every work still alive; the outputs in launch order. Empties the list."""
+        for item in self._items:
+            if item[0] is not None:
+                self._finish(item)
+        outputs = [output for _, output in self._items]
+        self._items = []
+        return outputs
 
 
 class FlatShard:
@@ -186,7 +224,7 @@ class ShardedGradDataParallel(nn.Module):
         # Cumulative seconds this rank waited on each: the reduce-scatters run during backward, so only the wait at
         # its end is counted; the all-gather after the step is waited for whole.
         self.comm_seconds = {"reduce_scatter": 0.0, "all_gather": 0.0}
-        self._works: list = []
+        self._works = InFlight()
         self._next_bucket = 0
         self._callback_queued = False
 
@@ -249,7 +287,7 @@ class ShardedGradDataParallel(nn.Module):
             # First hook of this backward: autograd calls _finalize_backward once the whole pass is done.
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
-            self._next_bucket, self._works = 0, []
+            self._next_bucket, self._works = 0, InFlight()
             for b in self._buckets:
                 b.pending = len(b.flat_shard.params)
         index, pos = self._slot[id(param)]
@@ -266,8 +304,9 @@ class ShardedGradDataParallel(nn.Module):
             chunk = torch.empty(b.flat_shard.shard_numel, dtype=b.grad.dtype, device=b.grad.device)
             source = f"ZeRO bucket {self._next_bucket}"
             work = recorded.reduce_scatter_tensor(chunk, b.grad, source, dist.ReduceOp.SUM, self.process_group, True)
-            self._works.append((work, chunk))
+            b.grad = None  # the work holds the flat gradient until it is done: InFlight drops it then
             self.comm_bytes["reduce_scatter"] += b.nbytes
+            self._works.add(work, chunk)
             self._next_bucket += 1
 
     def _finalize_backward(self) -> None:
@@ -279,15 +318,13 @@ class ShardedGradDataParallel(nn.Module):
                 f"{', '.join(missing)}; every rank would wait for their buckets. Make the loss depend on them, "
                 f"or freeze them (requires_grad=False) before wrapping"
             )
-        t0 = time.perf_counter()
         with torch.no_grad():
-            for b, (work, chunk) in zip(self._buckets, self._works):
-                work.wait()
+            for b, chunk in zip(self._buckets, self._works.results()):
                 chunk.div_(self.world_size)  # SUM / N: the mean over ranks, as DDP's average
-                b.grad = None  # free the flat gradient: this rank keeps only its chunk
                 # Two synchronised backwards without zero_grad add up, as p.grad does in plain PyTorch.
                 b.shard.grad = chunk if b.shard.grad is None else b.shard.grad.add_(chunk)
-        self.comm_seconds["reduce_scatter"] += time.perf_counter() - t0
+        self.comm_seconds["reduce_scatter"] += self._works.seconds
+        self._works = InFlight()
 
     # -- what this rank holds (bench, checkpoint) ----------------------------------------------------------------
     def flat_shards(self) -> list[tuple[FlatShard, nn.Parameter]]:

@@ -147,8 +147,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return loss
 
     def _broadcast_partitions(self) -> None:
-        """Every rank sends its updated parameters and receives the others': one flat broadcast per owner."""
-        works, flats = [], []
+        """Every rank sends its updated parameters and receives the others': one flat broadcast per owner.
+
+        At most two owners' flats are alive at once (each is 1/N of the model): launching all N and waiting at the
+        end would hold a second copy of the whole model on every rank.
+        """
+        pending: list[tuple] = []
         for r in range(self.world_size):
             params = [p for ps in self._partition[r] for p in ps]
             if not params:
@@ -156,16 +160,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             # One flat tensor per owner: N broadcasts per step instead of one per parameter (the latency floor).
             flat = torch.cat([p.reshape(-1) for p in params]) if r == self.rank else _empty_like_flat(params)
             src, group = self._owner_global_rank[r], self.process_group
-            works.append(
-                recorded.broadcast(flat, f"ZeRO-1 parameters of rank {r}", src=src, group=group, async_op=True)
-            )
-            flats.append((params, flat))
-        for work, (params, flat) in zip(works, flats):
-            work.wait()
-            offset = 0
-            for p in params:
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            work = recorded.broadcast(flat, f"ZeRO-1 parameters of rank {r}", src=src, group=group, async_op=True)
+            pending.append((work, params, flat))
+            if len(pending) > 1:
+                _unflatten(*pending.pop(0))
+        for item in pending:
+            _unflatten(*item)
 
     # -- what this rank holds (the bench and the sharded checkpoint read these) ---------------------------------
     def owned_parameters(self) -> list[torch.Tensor]:
@@ -225,6 +225,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 self.optim.state[p] = {k: _to_like(v, p) for k, v in saved.items()}
         for group, local in zip(self.param_groups, self.optim.param_groups):
             local.update({k: v for k, v in group.items() if k != "params"})
+
+
+def _unflatten(work, params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Wait for one owner's broadcast and copy it into its parameters (its flat is dropped by the caller)."""
+    work.wait()
+    offset = 0
+    for p in params:
+        p.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
 
 
 def _empty_like_flat(params: list[torch.Tensor]) -> torch.Tensor:

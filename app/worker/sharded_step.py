@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from app.parallel import wrap_model
 from app.parallel.fsdp import FullyShardedDataParallel
 from app.parallel.sharded_grad import ShardedGradDataParallel
 from app.parallel.zero import ZeroRedundancyOptimizer
@@ -88,6 +89,11 @@ class ShardedStep(DDPStep):
     def build_optimizer(self) -> torch.optim.Optimizer:
         raise NotImplementedError
 
+    def before_save(self) -> None:
+        # The last step's gradients are used by nothing (every step starts with zero_grad): dropped before the
+        # save, whose pieces take their place, so a save adds nothing to the step's peak.
+        self.optimizer.zero_grad(set_to_none=True)
+
     def memory_bytes(self) -> tuple[int, int, int]:
         """``(parameters, gradients, optimizer state)`` bytes this rank holds after a step."""
         raise NotImplementedError
@@ -129,6 +135,11 @@ class Zero1Step(ShardedStep):
     """``parallel=zero1``: the model whole on every rank, gradients all-reduced, AdamW's state 1/N per rank."""
 
     stage = 1
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        # The gradient lives in DDP's buckets alone (p.grad a view of them), not once there and again in p.grad:
+        # stage 1 keeps a whole gradient per rank, not two (PyTorch's ZeRO examples set it for the same reason).
+        return wrap_model(model, self.cfg.wrapper, bucket_cap_mb=self.cfg.bucket_cap_mb, gradient_as_bucket_view=True)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         return ZeroRedundancyOptimizer(self.model.parameters(), optimizer_class=torch.optim.AdamW, lr=self.cfg.lr)

@@ -129,3 +129,45 @@ def _zero_claims(results: dict) -> list[tuple[str, str, str, bool | None]]:
             )
         )
     return rows
+
+
+def render_memory(doc: dict) -> list[str]:
+    """``bench/results/memory.json`` (``python -m bench.memory_bench``): each kind's peak per rank, where it came,
+    against formula + base and against ``python -m app.plan``'s prediction."""
+    m, tol = doc["model"], doc["tolerance"]
+    lines = [
+        f"`python -m bench.memory_bench`: the worker (`torchrun -m app.train`) on `{m['spec']}` "
+        f"(width {m['width']}, depth {m['depth']}: Ψ = {m['psi']:,} parameters), AdamW, fp32, 3 steps and one save "
+        "(*fresh*), then one more step from that checkpoint (*resume*). Peak = the heaviest trainer rank's VmHWM, "
+        "MiB; *phase* = where it reached it; base = the same worker and kind with a tiny model; formula = "
+        "`app.plan.state_bytes`; *planned* = `python -m app.plan`'s prediction.",
+        "",
+        "| N | kind | formula | base | formula + base | fresh peak | × | phase | resume peak | × | phase "
+        "| planned fresh, resume | planned ÷ measured |",
+        "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---|---:|---:|",
+    ]
+    within, total = 0, 0
+    for world, rows in doc["results"].items():
+        for kind, r in rows.items():
+            f, res, planned = r["fresh"], r["resume"], r["predicted"]
+            ratios = [planned["peak"] / f["peak_bytes"], planned["resume_peak"] / res["peak_bytes"]]
+            within += sum(abs(x - 1) <= tol for x in ratios)
+            total += 2
+            lines.append(
+                f"| {world} | {kind} | {r['formula_bytes'] / MIB:.0f} | {r['base']['peak_bytes'] / MIB:.0f} "
+                f"| {r['expected_bytes'] / MIB:.0f} | {f['peak_bytes'] / MIB:.0f} | {f['vs_expected']:.2f} "
+                f"| {f['peak_phase']} | {res['peak_bytes'] / MIB:.0f} | {res['vs_expected']:.2f} | {res['peak_phase']} "
+                f"| {planned['peak'] / MIB:.0f}, {planned['resume_peak'] / MIB:.0f} "
+                f"| {ratios[0]:.2f}, {ratios[1]:.2f} |"
+            )
+    held = sum(
+        abs(r[run]["vs_expected"] - 1) <= tol
+        for rows in doc["results"].values()
+        for r in rows.values()
+        for run in ("fresh", "resume")
+    )
+    return lines + [
+        "",
+        f"Within {tol:.0%} of formula + base: {held} of {total} peaks; planned within {tol:.0%} of measured: "
+        f"{within} of {total}.",
+    ]
