@@ -301,8 +301,7 @@ def _agree(error: str | None, process_group) -> None:
     """Raise ``CheckpointError`` on every rank if any rank failed (the lowest rank's message)."""
     errors = [None] * dist.get_world_size(process_group)
     dist.all_gather_object(errors, error, group=process_group)
-    first = next((e for e in errors if e), None)
-    if first is not None:
+    if (first := next((e for e in errors if e), None)) is not None:
         raise CheckpointError(first_line(first))
 
 
