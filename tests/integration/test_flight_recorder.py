@@ -19,6 +19,7 @@ The SIGSTOP drill runs the real trainer: tests/integration/test_doctor_drill.py.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import re
 import signal
@@ -162,8 +163,15 @@ def _blocked_then_signalled(rank: int, world_size: int, dump_dir: str) -> dict:
     pids: list = [None] * world_size
     dist.all_gather_object(pids, os.getpid())
     if rank == 1:
-        os.kill(pids[0], signal.SIGUSR1)
-        _wait_for(Path(dump_dir) / "rank-0.json")
+        # Signalled until its dump shows it inside the all-reduce: a signal can reach rank 0 on its way there.
+        path = Path(dump_dir) / "rank-0.json"
+        for _ in range(100):
+            os.kill(pids[0], signal.SIGUSR1)
+            _wait_for(path)
+            if json.loads(path.read_text())["entries"]:
+                break
+            path.unlink()
+            time.sleep(0.05)
     recorded.all_reduce(torch.ones(4), "test: blocked", group=group)
     return {}
 
