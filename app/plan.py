@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app import exit_codes
+from app.cli import OneLineParser, first_line
 
 KINDS = ("ddp", "zero1", "zero2", "zero3")
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}  # state per fp32 parameter (SGD: its momentum buffer)
@@ -201,7 +202,7 @@ def model_facts(spec: str, model_kwargs: dict, data: str | None, data_kwargs: di
             x, y, _ = synthetic_data(model, micro_batch, seed=0)
         loss_fn = build_loss(loss, {})
     except (SpecError, InputError) as e:
-        raise PlanError(str(e).splitlines()[0]) from None
+        raise PlanError(first_line(e)) from None
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -222,13 +223,8 @@ def model_facts(spec: str, model_kwargs: dict, data: str | None, data_kwargs: di
     return ModelFacts(psi=psi, largest_unit=largest, activation_bytes=activations)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage block
-        self.exit(exit_codes.BAD_CONFIG, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m app.plan", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m app.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="package.module:callable returning an nn.Module, or a built-in model name")
     p.add_argument("--model-kwargs", default="{}", help="keyword arguments for the model, JSON")
     p.add_argument("--data", help="data spec for the micro-batch (default: an input inferred from the model)")

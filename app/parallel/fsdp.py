@@ -92,8 +92,7 @@ class _Unit:
         self.fsdp.comm_bytes["reduce_scatter"] += self.grad.numel() * self.grad.element_size()
         self.grad = None  # the work holds the whole unit's gradient until it is done: InFlight drops it then
         self.free()
-        self.fsdp.reduce_scatters.add(work, chunk)
-        self.fsdp.reduce_scattered.append(self)
+        self.fsdp.reduce_scatters.add(work, (self, chunk))
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -133,8 +132,7 @@ class FullyShardedDataParallel(nn.Module):
         # Cumulative seconds this rank spent in each: the all-gathers are synchronous, the reduce-scatters async
         # (only the wait at the end of backward is counted).
         self.comm_seconds = {"all_gather": 0.0, "reduce_scatter": 0.0}
-        self.reduce_scatters = InFlight()  # this backward's, with the units they belong to, in launch order
-        self.reduce_scattered: list[_Unit] = []
+        self.reduce_scatters = InFlight()  # this backward's, each with its unit, in launch order
         self._callback_queued = False
         assignment = assign_parameters(module, unit_modules)
         self.units: list[_Unit] = []
@@ -196,7 +194,7 @@ class FullyShardedDataParallel(nn.Module):
         if self._callback_queued:
             return
         self._callback_queued = True
-        self.reduce_scatters, self.reduce_scattered = InFlight(), []
+        self.reduce_scatters = InFlight()
         for unit in self.units:
             unit.pending = len(unit.flat_shard.params)
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
@@ -227,12 +225,12 @@ class FullyShardedDataParallel(nn.Module):
                 f"on every trainable parameter, or freeze the unused ones before wrapping"
             )
         with torch.no_grad():
-            for unit, chunk in zip(self.reduce_scattered, self.reduce_scatters.results()):
+            for unit, chunk in self.reduce_scatters.results():
                 # SUM / N in fp32: the shard is fp32, and so the mean is taken after the (possibly bf16) transfer.
                 chunk = chunk.float().div_(self.world_size)
                 unit.shard.grad = chunk if unit.shard.grad is None else unit.shard.grad.add_(chunk)
         self.comm_seconds["reduce_scatter"] += self.reduce_scatters.seconds
-        self.reduce_scatters, self.reduce_scattered = InFlight(), []
+        self.reduce_scatters = InFlight()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the whole gradient's global norm to ``max_norm``, its shards on every rank alike (collective), as

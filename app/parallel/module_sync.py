@@ -20,17 +20,17 @@ def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group, cap_bytes:
     chunk, never the whole model: a ZeRO rank that holds 1/N of the state must not hold two models to agree on one.
     """
     chunks: list[list[torch.Tensor]] = []
-    open_chunks: dict[tuple, tuple[list[torch.Tensor], list[int]]] = {}  # kind -> (its open chunk, [its bytes])
+    sizes: list[int] = []  # each chunk's bytes
+    open_chunk: dict[tuple, int] = {}  # (device, dtype) -> the index of its chunk still being filled
     for t in tensors:
-        kind = (t.device, t.dtype)
-        chunk, size = open_chunks.get(kind, (None, [0]))
-        nbytes = t.numel() * t.element_size()
-        if chunk is None or size[0] + nbytes > cap_bytes:
-            chunk, size = [], [0]
-            chunks.append(chunk)
-            open_chunks[kind] = (chunk, size)
-        chunk.append(t)
-        size[0] += nbytes
+        kind, nbytes = (t.device, t.dtype), t.numel() * t.element_size()
+        i = open_chunk.get(kind)
+        if i is None or sizes[i] + nbytes > cap_bytes:
+            i = open_chunk[kind] = len(chunks)
+            chunks.append([])
+            sizes.append(0)
+        chunks[i].append(t)
+        sizes[i] += nbytes
     for chunk in chunks:
         flat = torch.cat([t.detach().reshape(-1) for t in chunk])
         dist.broadcast(flat, src=src, group=group)

@@ -73,17 +73,17 @@ class InFlight:
 
     A gloo work keeps its input (a whole bucket's or unit's flat gradient) until the work object is dropped, so
     works kept until the end of backward would hold the whole model's gradient there, the very memory stage 2
-    exists to save. Each launch drops the works that are done and waits for the oldest beyond ``limit``; only the
-    outputs (this rank's chunks) are kept for ``results()``.
+    exists to save. Each launch drops the works that are done and waits for the oldest beyond ``limit``; only what
+    each was added with (this rank's chunk, with whatever the caller pairs it with) is kept for ``results()``.
     """
 
     def __init__(self, limit: int = 2):
         self.limit = limit
         self.seconds = 0.0  # waited for, here and in results(): the exposed part of the communication
-        self._items: list[list] = []  # [work or None once done, output]
+        self._items: list[list] = []  # [work or None once done, result]
 
-    def add(self, work, output: torch.Tensor) -> None:
-        self._items.append([work, output])
+    def add(self, work, result) -> None:
+        self._items.append([work, result])
         live = [item for item in self._items if item[0] is not None]
         for n, item in enumerate(live):
             if len(live) - n > self.limit or item[0].is_completed():
@@ -95,14 +95,14 @@ class InFlight:
         item[0] = None  # the work, and with it its input, is gone
         self.seconds += time.perf_counter() - t0
 
-    def results(self) -> list[torch.Tensor]:
-        """Wait for every work still alive; the outputs in launch order. Empties the list."""
+    def results(self) -> list:
+        """Wait for every work still alive; what each was added with, in launch order. Empties the list."""
         for item in self._items:
             if item[0] is not None:
                 self._finish(item)
-        outputs = [output for _, output in self._items]
+        results = [result for _, result in self._items]
         self._items = []
-        return outputs
+        return results
 
 
 class FlatShard:

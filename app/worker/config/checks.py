@@ -115,8 +115,8 @@ def check_pipeline(cfg) -> None:
 
 def activation_checkpointing_every(value: str) -> int:
     """``activation_checkpointing`` as a step over the units: 0 off, 1 each unit, N every N-th; ConfigError else."""
-    if value in ("off", "units"):
-        return {"off": 0, "units": 1}[value]
+    if (named := {"off": 0, "units": 1}.get(value)) is not None:
+        return named
     head, _, n = value.partition(":")
     if head != "every" or not n.isdigit() or int(n) < 1:
         raise ConfigError(
