@@ -1,4 +1,4 @@
-"""The worker's ZeRO step kinds (``--parallel zero1|zero2|zero3``, app.worker.sharded_step), run for real.
+"""The worker's ZeRO step kinds (``--parallel zero1|zero2|zero3``, app.worker.steps.zero), run for real.
 
 - Each stage trains like ``parallel=ddp``: the same 8 steps of a global batch of 50 on 2 ranks; every rank prints
   the same FINISHED checksum, and the final parameters (read back from the sharded checkpoint's files) agree with a
@@ -31,8 +31,8 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from app.parallel.sharded_checkpoint import MANIFEST
-from app.worker.checkpoint_files import checkpoint_path, load_checkpoint
+from app.parallel.zero.checkpoint import MANIFEST
+from app.worker.checkpoint.files import checkpoint_path, load_checkpoint
 from app.worker.config import ConfigError, TrainConfig
 from app.worker.metrics import TrainMetrics
 from app.worker.models import MiniMLP
@@ -240,7 +240,7 @@ def test_zero2_metrics_after_a_short_run():
 
 def _zero_gauges_after_a_step(rank: int, world: int, parallel: str) -> dict:
     from app.worker.dist import DistContext
-    from app.worker.step_kinds import build_step
+    from app.worker.steps import build_step
 
     cfg = TrainConfig(parallel=parallel, micro_batch=4, metrics_port=0)
     metrics = TrainMetrics(rank=rank, local_rank=rank, world_size=world, node=str(rank))

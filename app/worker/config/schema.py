@@ -32,7 +32,7 @@ from app.worker.config.timeouts import check_trainer_timeouts
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 PARALLEL_CHOICES = ("ddp", "pipeline", "dp", "zero1", "zero2", "zero3")
-ZERO_KINDS = ("zero1", "zero2", "zero3")  # the sharded step kinds (app.worker.sharded_step)
+ZERO_KINDS = ("zero1", "zero2", "zero3")  # the sharded step kinds (app.worker.steps.zero)
 SCHEDULE_CHOICES = ("gpipe", "1f1b")
 DTYPE_CHOICES = ("float32", "float64")
 # The recipe's settings (app.worker.recipe) and their defaults: what a kind other than ddp must leave alone.
@@ -109,13 +109,14 @@ class TrainConfig:
     seq_len: int = _doc("tokens per sequence of the built-in data set (tiny_transformer, data unset only)", 32)
     # -- distribution ---------------------------------------------------------------------------------------------
     wrapper: str = _doc(
-        "data-parallel wrapper: ours (app.parallel.ddp) | torch (PyTorch's DDP) | none (world size 1 only)", "ours"
+        "data-parallel wrapper: ours (app.parallel.ddp) | torch (PyTorch's DDP) | none (world size 1 only)",
+        "ours",
     )
     bucket_cap_mb: float = _doc("DDP bucket size in MiB", 25.0)
     parallel: str = _doc(
         "how the ranks share the work: ddp (data parallel) | pipeline (one model stage per rank, "
-        "app.worker.pipeline_step) | dp (nn.DataParallel: one process, >= 2 GPUs) | zero1 (optimizer state "
-        "sharded) | zero2 (+ gradients) | zero3 (+ parameters: FSDP, CPU only); zero*: app.worker.sharded_step",
+        "app.worker.steps.pipeline) | dp (nn.DataParallel: one process, >= 2 GPUs) | zero1 (optimizer state "
+        "sharded) | zero2 (+ gradients) | zero3 (+ parameters: FSDP, CPU only); zero*: app.worker.steps.zero",
         "ddp",
     )
     fsdp_units: str = _doc(

@@ -1,13 +1,13 @@
 """The ``Checkpointer``: resume, cadence, every rank's RNG state, the save on rank 0 (the file format is
-app.worker.checkpoint_files).
+app.worker.checkpoint.files).
 
 ``Checkpointer`` is what the training loop talks to: it resumes every rank from the newest valid file (rank 0
 decides), says when a save is due (``should_save``), gathers every rank's RNG state and writes on rank 0. Loading
 maps every tensor to the CPU and lets ``load_state_dict`` place it: the model's tensors are copied onto the model's
 device, while AdamW's ``step`` counters stay on the CPU where AdamW keeps them (on a GPU they would cost host syncs).
 
-The ZeRO step kinds (``parallel=zero1|zero2|zero3``, app.worker.sharded_step) hand over a ``ShardedState`` instead:
-their checkpoint is ``app.parallel.sharded_checkpoint``'s, one shard per rank and ``manifest.json`` in
+The ZeRO step kinds (``parallel=zero1|zero2|zero3``, app.worker.steps.zero) hand over a ``ShardedState`` instead:
+their checkpoint is ``app.parallel.zero.checkpoint``'s, one shard per rank and ``manifest.json`` in
 ``checkpoint_dir`` (replaced whole by each save: one checkpoint, not ``keep``), the step, the sampler position, the
 RNG states, generation, wall time and global batch in the manifest's ``extra``. It resumes on any world size (the
 shards are cut again); a checkpoint of another stage or kind, or shards that do not match the manifest, is a
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from app.parallel.sharded_checkpoint import MANIFEST, CheckpointError, ShardWriteError, load_sharded, save_sharded
-from app.worker.checkpoint_files import (
+from app.parallel.zero.checkpoint import MANIFEST, CheckpointError, ShardWriteError, load_sharded, save_sharded
+from app.worker.checkpoint.files import (
     checkpoint_path,
     list_checkpoints,
     load_checkpoint,

@@ -19,7 +19,7 @@ is reported with a warning naming it, renamed to ``step-XXXXXXXX.pt.corrupt`` (k
 as a checkpoint) and the next older one is tried. Pruning keeps the newest ``keep`` checkpoints up to and including
 the one just written and never deletes anything newer: a torn file with a higher step never pushes a good one out.
 
-The ``Checkpointer`` (app.worker.checkpoint) is what the training loop uses; this module is the file format:
+The ``Checkpointer`` (``checkpointer.py``) is what the training loop uses; this module is the file format:
 writing, listing, loading, validating and pruning ``step-*.pt`` files.
 """
 

@@ -38,9 +38,9 @@ import torch.distributed as dist
 from torch import nn
 
 from app.cli import first_line
-from app.parallel.fsdp import FullyShardedDataParallel
-from app.parallel.sharded_grad import ShardedGradDataParallel
-from app.parallel.zero import ZeroRedundancyOptimizer
+from app.parallel.zero.stage1 import ZeroRedundancyOptimizer
+from app.parallel.zero.stage2 import ShardedGradDataParallel
+from app.parallel.zero.stage3 import FullyShardedDataParallel
 
 FORMAT = "ddp-cluster.sharded-checkpoint.v1"
 MANIFEST = "manifest.json"
@@ -395,6 +395,6 @@ def _resync(model: nn.Module, optimizer, stage: int) -> None:
     """Each rank loaded what it steps; bring the replicated copies up to date (stage 3 has none)."""
     if stage == 1:
         with torch.no_grad():
-            optimizer._broadcast_partitions()
+            optimizer.broadcast_partitions()
     elif stage == 2:
         model.gather_parameters()
