@@ -17,9 +17,10 @@ named by the bare model's parameter names, so the layout on load need not match 
 each rank reads the pieces overlapping what it now holds, from whichever of the 4 files have them (one file at a
 time: no rank ever holds more than a few shards' worth of state).
 
-Every file is written atomically (temporary file, fsync, rename) and the manifest only after every shard is on disk,
-so a crash mid-save leaves either the old manifest (whose digests then reject the new files) or the new one. Nothing
-is copied to save it, nor held twice to load it. Anything wrong on load raises a one-line ``CheckpointError``.
+Every file is written atomically (app.files: temporary file, fsync, rename, directory fsync) and the manifest only
+after every shard is on disk, so a crash mid-save leaves either the old manifest (whose digests then reject the new
+files) or the new one. Nothing is copied to save it, nor held twice to load it. Anything wrong on load raises a
+one-line ``CheckpointError``.
 
     save_sharded(directory, model, optimizer, extra={"step": step})   # on every rank, collectively
     extra = load_sharded(directory, model, optimizer)                  # on every rank, any world size
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from app.cli import first_line
+from app.files import write_atomically
 from app.parallel.zero.stage1 import ZeroRedundancyOptimizer
 from app.parallel.zero.stage2 import ShardedGradDataParallel
 from app.parallel.zero.stage3 import FullyShardedDataParallel
@@ -110,21 +112,6 @@ def _sharded_names(model: nn.Module, optimizer, stage: int) -> set[str]:
     return {n for n, p in _bare(model).named_parameters(remove_duplicate=False) if id(p) in ids}
 
 
-def _atomic_write(path: Path, write):
-    """``write(file)`` into a temporary file beside ``path``, fsync, rename: ``path`` is whole or absent. Returns
-    what ``write`` returned."""
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            result = write(f)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename makes it visible: a crash never leaves half a file
-        os.replace(tmp, path)
-        return result
-    finally:
-        tmp.unlink(missing_ok=True)  # a full disk keeps no half-written file
-
-
 class _Hashing:
     """A file that hashes what is written through it: the shard's digest without its bytes held in memory."""
 
@@ -185,7 +172,7 @@ def save_sharded(directory, model: nn.Module, optimizer, extra: dict | None = No
     name = f"shard-{rank:05d}-of-{world:05d}-{token[0]}.pt"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        digest = _atomic_write(directory / name, lambda f: _save_hashed(payload, f))
+        digest = write_atomically(directory / name, lambda f: _save_hashed(payload, f))
         mine = {"rank": rank, "file": name, "sha256": digest}
         mine["pieces"] = {n: [p["lo"], p["hi"]] for n, p in pieces.items()}
     except OSError as e:
@@ -219,7 +206,7 @@ def _write_manifest(directory: Path, model, optimizer, stage: int, world: int, e
     }
     try:
         text = json.dumps(manifest, indent=1, default=str).encode()
-        _atomic_write(directory / MANIFEST, lambda f: f.write(text))
+        write_atomically(directory / MANIFEST, lambda f: f.write(text))
     except OSError as e:
         return f"{directory / MANIFEST} (rank 0)", _why(e)
     listed = {s["file"] for s in shards}
