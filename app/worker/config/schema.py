@@ -70,6 +70,11 @@ class TrainConfig:
         "",
     )
     loss_kwargs: dict[str, Any] = _doc("keyword arguments for the loss (mapping; JSON in env/flag)", {})
+    init_from: str = _doc(
+        "start from these weights: a state_dict .pt or .safetensors file, or a checkpoint_dir of any kind "
+        '(ignored when checkpoint_dir holds a checkpoint to resume; "" = the model\'s own initialisation)',
+        "",
+    )
     steps: int = _doc("optimizer steps in the whole run (a resumed run continues up to this step)", 200)
     micro_batch: int = _doc("samples per forward/backward on one rank", 32)
     grad_accum_steps: int | None = _doc(
