@@ -72,6 +72,25 @@ def build_parser() -> argparse.ArgumentParser:
         "difference from float32 rounding that AdamW amplified",
     )
     p.add_argument("--find-unused-parameters", action="store_true", help="pass find_unused_parameters=True to DDP")
+    p.add_argument(
+        "--parallel",
+        choices=["ddp", "zero1", "zero2", "zero3"],
+        default="ddp",
+        help="how the ranks share the state, as the worker's parallel setting (default ddp); zero2/zero3 are our "
+        "wrappers only, zero1 is our ZeRO-1 optimizer under --wrapper's DDP",
+    )
+    p.add_argument(
+        "--autocast",
+        choices=["none", "bf16", "fp16"],
+        default="none",
+        help="the recipe's autocast (fp16: a GradScaler)",
+    )
+    p.add_argument("--grad-clip-norm", type=float, default=0.0, help="clip the global gradient norm to this (0: off)")
+    p.add_argument(
+        "--lr-schedule", choices=["constant", "cosine", "linear"], default="constant", help="default constant"
+    )
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps of the schedule (default 0)")
+    p.add_argument("--min-lr-ratio", type=float, default=0.0, help="where cosine/linear decay ends, x lr (default 0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model's start and the synthetic data")
     p.add_argument("--timeout", type=float, default=600, help="seconds before the ranks count as hung (default 600)")
     return p
@@ -81,13 +100,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The flags, checked: a bad one exits 2 with one line naming it (``_Parser.error``)."""
     p = build_parser()
     args = p.parse_args(argv)
-    for name, low in (("ranks", 1), ("accum", 1), ("micro_batch", 1), ("steps", 1)):
+    for name, low in (("ranks", 1), ("accum", 1), ("micro_batch", 1), ("steps", 1), ("warmup_steps", 0)):
         if getattr(args, name) < low:
             p.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     if args.tolerance is None:
-        args.tolerance = DEFAULT_TOLERANCE[args.dtype]
+        args.tolerance = DEFAULT_TOLERANCE[args.dtype if args.autocast == "none" else args.autocast]
     if not (args.lr > 0 and args.tolerance >= 0 and args.timeout > 0):
         p.error("--lr and --timeout must be > 0, --tolerance >= 0")
+    if args.grad_clip_norm < 0 or not 0 <= args.min_lr_ratio <= 1:
+        p.error("--grad-clip-norm must be >= 0 and --min-lr-ratio within [0, 1]")
+    if args.autocast != "none" and args.dtype != "float32":
+        p.error(f"--autocast {args.autocast} runs on float32 parameters: drop --dtype {args.dtype}")
+    if args.find_unused_parameters and args.parallel in ("zero2", "zero3"):
+        p.error(f"--find-unused-parameters is for a DDP wrapper (ddp, zero1); --parallel {args.parallel} has none")
+    if args.parallel == "zero3" and args.dtype != "float32":
+        p.error("--parallel zero3 keeps float32 master shards: drop --dtype float64, or use --parallel zero2")
     for flag in ("model_kwargs", "data_kwargs", "loss_kwargs"):
         try:
             value = json.loads(getattr(args, flag))
@@ -116,7 +143,7 @@ def prepare(args: argparse.Namespace):
     import torch
 
     from app.check.inputs import build_data, build_loss, check_loss, synthetic_data
-    from app.check.runs import Setup
+    from app.check.runs import Recipe, Setup
     from app.specs import build_model, expand
 
     torch.set_num_threads(1)  # as every rank: the same kernels, and several processes share the cores
@@ -138,7 +165,8 @@ def prepare(args: argparse.Namespace):
         model_spec=model_spec, model_kwargs=args.model_kwargs, loss_spec=args.loss, loss_kwargs=args.loss_kwargs,
         inputs=inputs, targets=targets, initial_state=model.state_dict(), world_size=args.ranks, accum=args.accum,
         micro_batch=args.micro_batch, steps=args.steps, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
-        eval_mode=args.eval, dtype=args.dtype, wrapper_kwargs=kwargs,
+        eval_mode=args.eval, dtype=args.dtype, wrapper_kwargs=kwargs, parallel=args.parallel,
+        recipe=Recipe(args.autocast, args.grad_clip_norm, args.lr_schedule, args.warmup_steps, args.min_lr_ratio),
     )  # fmt: skip
     return setup, model, note
 
@@ -149,6 +177,8 @@ def run(args: argparse.Namespace, setup, model, data_note: str) -> int:
     from app.demos.world import spawn_world
 
     wrappers = ["ours", "torch"] if args.wrapper == "both" else [args.wrapper]
+    if args.parallel in ("zero2", "zero3"):
+        wrappers = ["ours"]  # our ZeRO-2/ZeRO-3 wrappers: there is no DDP wrapper to choose
     g = setup.global_batch
     print(f"model {setup.model_spec} {json.dumps(setup.model_kwargs)}; data {data_note}")
     print(
@@ -157,11 +187,14 @@ def run(args: argparse.Namespace, setup, model, data_note: str) -> int:
         f"{'eval' if args.eval else 'train'} mode, {args.dtype}, tolerance {args.tolerance:.0e}",
         flush=True,
     )
+    print(f"parallel {args.parallel}; recipe: {_describe_recipe(setup.recipe)}", flush=True)
     reference = run_reference(setup)
     obs = observe(setup, model, reference)
     verdicts = {}
     for wrapper in wrappers:
-        print(f"\n{WRAPPER_NAMES[wrapper]} DDP{' (find_unused_parameters=True)' if setup.wrapper_kwargs else ''}")
+        print(
+            f"\n{_side_name(args.parallel, wrapper)}{' (find_unused_parameters=True)' if setup.wrapper_kwargs else ''}"
+        )
         try:
             results = spawn_world(rank_main, args.ranks, setup, [wrapper], timeout=args.timeout)
         except Exception as e:  # a rank raised or hung: the verdict is FAIL, the probes may say why
@@ -172,8 +205,27 @@ def run(args: argparse.Namespace, setup, model, data_note: str) -> int:
         verdicts[wrapper] = _report(wrapper, comp, obs, model, args)
     ok = all(v == "equal" for v in verdicts.values())
     summary = "; ".join(f"{w}: {v}" for w, v in verdicts.items())
-    print(f"\n{'PASS' if ok else 'FAIL'}: {args.ranks} ranks vs one process, {args.steps} steps ({summary})")
+    print(
+        f"\n{'PASS' if ok else 'FAIL'}: {args.ranks} ranks ({args.parallel}) vs one process, {args.steps} steps "
+        f"({summary})"
+    )
     return exit_codes.OK if ok else exit_codes.FAILED
+
+
+def _side_name(parallel: str, wrapper: str) -> str:
+    if parallel in ("zero2", "zero3"):
+        return f"ours ZeRO-{parallel[-1]} (app.parallel.zero)"
+    ddp = f"{WRAPPER_NAMES[wrapper]} DDP"
+    return ddp if parallel == "ddp" else f"our ZeRO-1 optimizer under {ddp}"
+
+
+def _describe_recipe(recipe) -> str:
+    parts = [f"autocast {recipe.autocast}" + (" + GradScaler" if recipe.autocast == "fp16" else "")]
+    parts.append(f"clip {recipe.grad_clip_norm:g}" if recipe.grad_clip_norm else "no clipping")
+    schedule = (
+        recipe.lr_schedule if not recipe.warmup_steps else f"{recipe.warmup_steps} warm-up + {recipe.lr_schedule}"
+    )
+    return ", ".join([*parts, f"lr schedule {schedule}"])
 
 
 def _print_table(comp) -> None:
@@ -202,7 +254,7 @@ def _report(wrapper: str, comp, obs, model, args) -> str:
     if comp.ranks_differ:
         firsts = ", ".join(f"{n} (step {s})" for n, s in list(comp.ranks_differ.items())[:6])
         print(f"  differ across ranks: {firsts}")
-    _print_causes(likely_causes(obs, comp, model, args.optimizer))
+    _print_causes(likely_causes(obs, comp, model, args.optimizer, args.parallel))
     return "differs"
 
 
@@ -210,7 +262,7 @@ def _report_crash(wrapper: str, error: Exception, obs, model, args) -> str:
     from app.check.diagnose import likely_causes
 
     print(f"FAIL ({wrapper}): the ranks stopped: {_exception_line(error)}")
-    _print_causes(likely_causes(obs, None, model, args.optimizer))
+    _print_causes(likely_causes(obs, None, model, args.optimizer, args.parallel))
     return "stopped"
 
 

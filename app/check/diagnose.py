@@ -37,7 +37,9 @@ class Comparison:
 
     @property
     def ok(self) -> bool:
-        return not (self.diverged or self.ranks_differ)
+        # Buffers that differ across ranks (BatchNorm's running stats without SyncBatchNorm) are a difference too,
+        # whatever the tolerance: under autocast one as wide as BatchNorm's effect on the parameters.
+        return not (self.diverged or self.ranks_differ or self.buffers_differ)
 
 
 def compare(reference: list[StepRecord], ranks: list[list[StepRecord]], tolerance: float) -> Comparison:
@@ -119,7 +121,9 @@ def _names(d: dict, limit: int = 4) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def likely_causes(obs: Observations, comp: Comparison | None, model: nn.Module, optimizer: str) -> list[str]:
+def likely_causes(
+    obs: Observations, comp: Comparison | None, model: nn.Module, optimizer: str, parallel: str = "ddp"
+) -> list[str]:
     """Advice lines, most specific first; empty when nothing observed explains a difference."""
     causes = []
     if obs.created_in_forward:
@@ -132,8 +136,13 @@ def likely_causes(obs: Observations, comp: Comparison | None, model: nn.Module, 
         name, (step, rank) = next(iter(obs.no_grad.items()))
         causes.append(
             f"parameters without a gradient: {_names(obs.no_grad)} (first: {name}, step {step}, rank {rank}'s "
-            f"micro-batch); DDP waits for every parameter's gradient -> pass find_unused_parameters=True "
-            f"(--find-unused-parameters here), or remove them from the model"
+            + (
+                "micro-batch); DDP waits for every parameter's gradient -> pass find_unused_parameters=True "
+                "(--find-unused-parameters here), or remove them from the model"
+                if parallel in ("ddp", "zero1")
+                else f"micro-batch); {parallel} reduce-scatters every parameter's gradient and has no "
+                "find_unused_parameters -> remove them from the model or freeze them (requires_grad=False)"
+            )
         )
     if obs.rerun_first_step is not None:
         causes.append(

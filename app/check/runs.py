@@ -12,18 +12,54 @@ and (rank 0 and the reference) the parameters themselves, so the parent compares
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.optim.lr_scheduler import LambdaLR
 
 from app.check.inputs import build_loss
 from app.parallel import wrap_model
+from app.parallel.accum import StepRecipe, accumulation_step
+from app.parallel.zero import FullyShardedDataParallel, ShardedGradDataParallel, ZeroRedundancyOptimizer
 from app.specs import build_model
 from app.worker.models import parameter_checksum
+from app.worker.recipe import AUTOCAST_DTYPES, lr_factor
+
+KINDS = ("ddp", "zero1", "zero2", "zero3")  # what --parallel chooses; zero2/zero3 are our wrappers only
+
+
+@dataclass
+class Recipe:
+    """The worker's recipe, on both sides alike: autocast, clipping by the global norm, a warm-up + decay schedule."""
+
+    autocast: str = "none"  # none | bf16 | fp16 (fp16: a GradScaler, sharded for zero2/zero3)
+    grad_clip_norm: float = 0.0
+    lr_schedule: str = "constant"  # constant | cosine | linear
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+    def step_recipe(self, sharded_grads: bool, world_size: int = 1) -> StepRecipe:
+        """``world_size``: the reference's N, whose loss (a mean over all N x K x micro_batch samples) gives each
+        sample 1/N of the weight a rank's does: its GradScaler starts N times higher, so both sides backward the same
+        fp16 magnitudes and skip the same steps (the unscaled gradients are the same)."""
+        scaler = None
+        if self.autocast == "fp16":
+            init_scale = 2.0**16 * world_size  # GradScaler's default initial scale, x N for the reference
+            scaler = ShardedGradScaler("cpu", init_scale) if sharded_grads else torch.amp.GradScaler("cpu", init_scale)
+        return StepRecipe(AUTOCAST_DTYPES[self.autocast], scaler, self.grad_clip_norm)
+
+    def schedule(self, optimizer: torch.optim.Optimizer, steps: int) -> LambdaLR:
+        def factor(step: int) -> float:
+            return lr_factor(
+                step, schedule=self.lr_schedule, steps=steps, warmup_steps=self.warmup_steps,
+                min_lr_ratio=self.min_lr_ratio,
+            )  # fmt: skip
+
+        return LambdaLR(optimizer, factor)
 
 
 @dataclass
@@ -47,6 +83,8 @@ class Setup:
     eval_mode: bool
     dtype: str = "float32"  # of the parameters and of floating-point data
     wrapper_kwargs: dict = field(default_factory=dict)
+    parallel: str = "ddp"  # ddp | zero1 | zero2 | zero3: how the ranks share the state (KINDS)
+    recipe: Recipe = field(default_factory=lambda: Recipe())
 
     @property
     def global_batch(self) -> int:
@@ -72,41 +110,77 @@ def micro_batches(setup: Setup, step: int, rank: int) -> list[tuple[torch.Tensor
     return [(setup.inputs[a:b], setup.targets[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
+def optimizer_class(setup: Setup) -> type[torch.optim.Optimizer]:
+    return torch.optim.SGD if setup.optimizer == "sgd" else torch.optim.AdamW
+
+
 def build_optimizer(setup: Setup, params) -> torch.optim.Optimizer:
-    if setup.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=setup.lr)
-    return torch.optim.AdamW(params, lr=setup.lr)
+    return optimizer_class(setup)(params, lr=setup.lr)
 
 
-def train_step(ddp: nn.Module, opt, micro: list, loss_fn, sync_context=None) -> float:
-    """One optimizer step over ``micro``: the loss divided by K, gradients synced only by the last backward."""
-    opt.zero_grad(set_to_none=True)
-    total = 0.0
-    for i, (x, y) in enumerate(micro):
-        # no_sync() on all but the last micro-batch; the forward runs inside it, as DDP decides there.
-        last = i == len(micro) - 1
-        with contextlib.nullcontext() if last or sync_context is None else sync_context():
-            loss = loss_fn(ddp(x), y) / len(micro)
-            loss.backward()
-        total += loss.item()
-    opt.step()
-    return total
+def wrap_kind(setup: Setup, model: nn.Module, wrapper: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``model`` wrapped as ``setup.parallel`` shares it over the ranks, and the optimizer that kind steps with."""
+    if setup.parallel == "zero2":
+        wrapped = ShardedGradDataParallel(model)
+        return wrapped, wrapped.build_optimizer(optimizer_class(setup), lr=setup.lr)
+    if setup.parallel == "zero3":
+        wrapped = FullyShardedDataParallel(model)
+        return wrapped, build_optimizer(setup, wrapped.parameters())  # the fp32 shards
+    wrapped = wrap_model(model, wrapper, **setup.wrapper_kwargs)
+    if setup.parallel == "zero1":
+        return wrapped, ZeroRedundancyOptimizer(
+            wrapped.parameters(), optimizer_class=optimizer_class(setup), lr=setup.lr
+        )
+    return wrapped, build_optimizer(setup, wrapped.parameters())
+
+
+def train_step(model: nn.Module, opt, micro: list, loss_fn, recipe: StepRecipe, schedule: LambdaLR) -> float:
+    """One optimizer step over ``micro`` as the worker takes it (``accumulation_step``: no_sync() on all but the
+    last micro-batch, each loss weighted by its share, the recipe), then the schedule's step; the mean loss."""
+    result = accumulation_step(model, opt, micro, loss_fn, check_finite=False, recipe=recipe)
+    schedule.step()
+    return result.loss
 
 
 def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
-def _record(model: nn.Module, loss: float, keep: bool) -> StepRecord:
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+def _record(model: nn.Module, loss: float, keep: bool, state: dict | None = None, names=None) -> StepRecord:
+    """What a side holds after a step. ``state``: the whole model's state dict where ``model`` holds a shard, and
+    ``names`` its parameter names, read before the wrapper took the parameters over."""
+    if state is None:
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+        digest = parameter_checksum(model)[:12]
+    else:
+        params = {n: state[n] for n in names}
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}  # this rank's own: never sharded
+        digest = parameter_checksum_of(params)
     return StepRecord(
         loss=loss,
-        digest=parameter_checksum(model)[:12],
+        digest=digest,
         param_digests={n: _digest(t) for n, t in params.items()},
         buffer_digests={n: _digest(t) for n, t in buffers.items()},
         params=params if keep else None,
     )
+
+
+def parameter_checksum_of(params: dict[str, torch.Tensor]) -> str:
+    """``parameter_checksum``'s first 12 hex of parameters given by name, in that order (a gathered ZeRO-3 model)."""
+    holder = nn.Module()
+    for i, t in enumerate(params.values()):
+        holder.register_parameter(f"p{i}", nn.Parameter(t, requires_grad=False))
+    return parameter_checksum(holder)[:12]
+
+
+def _gathered_state(wrapped: nn.Module) -> dict | None:
+    """ZeRO-3: the whole model's state on every rank (gathered on rank 0, then broadcast: small models only)."""
+    if not isinstance(wrapped, FullyShardedDataParallel):
+        return None
+    box = [wrapped.full_state_dict()]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def fresh_model(setup: Setup, seed: int, load: bool) -> nn.Module:
@@ -130,12 +204,14 @@ def _probe_shards(model: nn.Module, setup: Setup, step: int, loss_fn) -> tuple[l
     micro-batch leaves without a gradient (what DDP without ``find_unused_parameters`` cannot sync)."""
     probe = copy.deepcopy(model)
     shard_losses, no_grad = [], {}
+    recipe = setup.recipe.step_recipe(sharded_grads=False)  # the ranks' forward, its rounding included
     for rank in range(setup.world_size):
         total = 0.0
         for x, y in micro_batches(setup, step, rank):
             probe.zero_grad(set_to_none=True)
             torch.manual_seed(_step_seed(setup, step, rank))
-            loss = loss_fn(probe(x), y)
+            with recipe.autocast("cpu"):
+                loss = loss_fn(probe(x), y)
             loss.backward()
             total += loss.item() / setup.accum
             for name, p in probe.named_parameters():
@@ -145,18 +221,25 @@ def _probe_shards(model: nn.Module, setup: Setup, step: int, loss_fn) -> tuple[l
     return shard_losses, no_grad
 
 
+def reference_batch(setup: Setup, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What one process trains on at ``step``: the whole global batch, in one forward."""
+    g = setup.global_batch
+    return [(setup.inputs[step * g : (step + 1) * g], setup.targets[step * g : (step + 1) * g])]
+
+
 def run_reference(setup: Setup, probe: bool = True) -> list[StepRecord]:
     """One process, the whole global batch per step, from ``setup.initial_state``."""
     model = fresh_model(setup, setup.seed, load=True)
     loss_fn = build_loss(setup.loss_spec, setup.loss_kwargs)
     opt = build_optimizer(setup, model.parameters())
+    recipe = setup.recipe.step_recipe(sharded_grads=False, world_size=setup.world_size)
+    schedule = setup.recipe.schedule(opt, setup.steps)
     records = []
     for step in range(setup.steps):
         shard_losses, no_grad = _probe_shards(model, setup, step, loss_fn) if probe else (None, None)
-        g = setup.global_batch
-        batch = [(setup.inputs[step * g : (step + 1) * g], setup.targets[step * g : (step + 1) * g])]
+        batch = reference_batch(setup, step)
         torch.manual_seed(_step_seed(setup, step, 0))
-        record = _record(model, train_step(model, opt, batch, loss_fn), keep=True)
+        record = _record(model, train_step(model, opt, batch, loss_fn, recipe, schedule), keep=True)
         record.shard_losses, record.no_grad = shard_losses, no_grad
         record.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         records.append(record)
@@ -169,13 +252,15 @@ def rank_main(rank: int, world_size: int, setup: Setup, wrappers: list[str]) -> 
     for wrapper in wrappers:
         # A different start on every rank but 0 (the reference's): the broadcast at construction must fix it.
         model = fresh_model(setup, setup.seed + 100 + rank, load=rank == 0)
-        ddp = wrap_model(model, wrapper, **setup.wrapper_kwargs)
+        names = [n for n, _ in model.named_parameters()]
+        wrapped, opt = wrap_kind(setup, model, wrapper)
         loss_fn = build_loss(setup.loss_spec, setup.loss_kwargs)
-        opt = build_optimizer(setup, ddp.parameters())
+        recipe = setup.recipe.step_recipe(sharded_grads=setup.parallel in ("zero2", "zero3"))
+        schedule = setup.recipe.schedule(opt, setup.steps)
         records = []
         for step in range(setup.steps):
             torch.manual_seed(_step_seed(setup, step, rank))
-            loss = train_step(ddp, opt, micro_batches(setup, step, rank), loss_fn, ddp.no_sync)
-            records.append(_record(model, loss, keep=rank == 0))
+            loss = train_step(wrapped, opt, micro_batches(setup, step, rank), loss_fn, recipe, schedule)
+            records.append(_record(model, loss, keep=rank == 0, state=_gathered_state(wrapped), names=names))
         results[wrapper] = records
     return results

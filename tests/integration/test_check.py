@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +20,7 @@ from app.check.cli import main
 from tests.trainer_run import run_module
 
 BROKEN = "tests.models_broken"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_check(capsys, *args: str) -> tuple[int, str]:
@@ -43,7 +47,7 @@ def test_a_good_model_passes_with_both_wrappers_and_accumulation():
     assert len(rows) == 6  # 3 steps, ours then PyTorch's
     assert all(row[5] == "yes" and float(row[4]) <= 1e-5 for row in rows)
     assert "PASS (ours)" in result.stdout and "PASS (torch)" in result.stdout
-    assert result.stdout.strip().splitlines()[-1].startswith("PASS: 2 ranks vs one process, 3 steps")
+    assert result.stdout.strip().splitlines()[-1].startswith("PASS: 2 ranks (ddp) vs one process, 3 steps")
 
 
 def test_a_transformer_passes_on_token_input_inferred_from_its_embedding(capsys):
@@ -136,7 +140,7 @@ def test_one_wrapper_differing_is_a_fail_and_exit_1(capsys):
     assert rc == 1, out
     assert "PASS (ours)" in out and "FAIL (torch): the ranks stopped: RuntimeError" in out, out
     last = out.strip().splitlines()[-1]
-    assert last.startswith("FAIL: 2 ranks vs one process, 2 steps (ours: equal; torch: stopped)"), last
+    assert last.startswith("FAIL: 2 ranks (ddp) vs one process, 2 steps (ours: equal; torch: stopped)"), last
 
 
 @pytest.mark.parametrize(
@@ -150,6 +154,10 @@ def test_one_wrapper_differing_is_a_fail_and_exit_1(capsys):
         (["mini_mlp", "--data", f"{BROKEN}:regression_data", "--data-kwargs", '{"size": 10}'], "10 samples"),
         (["mini_mlp", "--model-kwargs", "[1]"], "--model-kwargs: expected a JSON object"),
         (["mini_mlp", "--ranks", "0"], "--ranks must be >= 1"),
+        (["mini_mlp", "--autocast", "bf16", "--dtype", "float64"], "--autocast bf16 runs on float32 parameters"),
+        (["mini_mlp", "--parallel", "zero3", "--dtype", "float64"], "zero3 keeps float32 master shards"),
+        (["mini_mlp", "--parallel", "zero2", "--find-unused-parameters"], "--parallel zero2 has none"),
+        (["mini_mlp", "--parallel", "pipeline"], "argument --parallel: invalid choice: 'pipeline'"),
     ],
 )
 def test_bad_input_exits_2_with_one_line_before_any_rank(args, message):
@@ -158,3 +166,58 @@ def test_bad_input_exits_2_with_one_line_before_any_rank(args, message):
     assert result.stdout == ""  # nothing printed: no table, no rank started
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert message in result.stderr
+
+
+RECIPE = ("--autocast", "bf16", "--grad-clip-norm", "0.5", "--lr-schedule", "cosine", "--warmup-steps", "1")
+USER_MODEL = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 24):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, width), nn.GELU(), nn.Linear(width, width), nn.GELU())
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):
+        return self.head(self.body(x) + 0.1 * x.sum(-1, keepdim=True))
+"""
+
+
+def test_a_user_model_outside_the_repo_passes_under_zero3_with_the_recipe_and_accumulation(tmp_path):
+    # As a user runs it: from their own directory, their module beside them, not in this repository.
+    (tmp_path / "mymodel.py").write_text(USER_MODEL)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "app.check", "mymodel:Net", "--parallel", "zero3", *RECIPE, "--accum", "2"]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "parallel zero3; recipe: autocast bf16, clip 0.5, lr schedule 1 warm-up + cosine" in result.stdout
+    assert "PASS (ours): max |dp|" in result.stdout and "tolerance 1e-02" in result.stdout
+    assert result.stdout.strip().splitlines()[-1].startswith("PASS: 2 ranks (zero3) vs one process, 5 steps")
+
+
+@pytest.mark.parametrize("kind", ["ddp", "zero1", "zero2"])
+def test_every_kind_passes_with_bf16_clipping_a_schedule_and_accumulation(capsys, kind):
+    rc, out = run_check(capsys, "tests.models_user:SmallNet", "--parallel", kind, *RECIPE, "--accum", "2")
+    assert rc == 0, out
+    assert f"PASS: 2 ranks ({kind}) vs one process" in out
+
+
+@pytest.mark.parametrize("kind", ["zero1", "zero2", "zero3"])
+def test_every_kind_names_batch_norm_and_a_parameter_without_a_gradient(capsys, kind):
+    rc, out = run_check(capsys, f"{BROKEN}:WithBatchNorm", "--parallel", kind, "--steps", "1")
+    assert rc == 1, out
+    assert causes(out) == ["buffers differ across ranks after step 0"], out
+    rc, out = run_check(capsys, f"{BROKEN}:UnusedParameter", "--parallel", kind, "--steps", "1")
+    assert rc == 1 and "the ranks stopped" in out, out
+    assert causes(out) == ["parameters without a gradient"], out
+    fix = "find_unused_parameters=True" if kind == "zero1" else "freeze them (requires_grad=False)"
+    assert fix in out, out
+
+
+def test_batch_norm_fails_under_autocast_whatever_the_tolerance(capsys):
+    # Under bf16 the tolerance is as wide as BatchNorm's effect on the parameters: its buffers still tell.
+    rc, out = run_check(capsys, f"{BROKEN}:WithBatchNorm", "--autocast", "bf16", "--tolerance", "1")
+    assert rc == 1, out
+    assert causes(out) == ["buffers differ across ranks after step 0"], out
