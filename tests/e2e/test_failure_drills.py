@@ -2,7 +2,7 @@
 compose cluster, and what a user would notice judged (a finish or the one line that says why, no restart storm, no
 traceback, a page naming the lost rank in time). Each writes its row of bench/results/drills.json.
 
-    make drills                               # every drill, one after the other (about 40 minutes)
+    make drills                               # every drill, one after the other
     make drills DRILL=store-crash             # one drill: its row replaced, the others kept
     make drills DRILL_ARGS="--no-alerts"      # other settings: a trial, written to runs/drills.json
 
