@@ -61,9 +61,9 @@ DOCKER_LANE = "docker"
 # But for a second lane beside it, on a worker of its own: once the other tests got cheaper, the Docker lane alone was
 # CI's critical path. In it the chaos proof (tests/e2e/test_chaos.py, the longest: minutes of containers training,
 # killed and brought back), the pipeline cluster, the user's model and one of the emulated pods' tests (a module, or
-# one test of a module that shares no start-up between its tests), so that both lanes end about together (measured
-# from a fresh clone: the first lane ~140 s after the second without that test, which takes ~70 s): compose projects
-# named by this process's id, their published ports drawn free (free_port), sharing nothing with the other lane.
+# one test of a module that shares no start-up between its tests), so that both lanes end about together: compose
+# projects named by this process's id, their published ports drawn free (free_port), sharing nothing with the other
+# lane.
 SECOND_DOCKER_LANE = "docker-2"
 SECOND_LANE = {
     "test_chaos.py",

@@ -33,13 +33,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 CHECKPOINT_EVERY = 5
 WORKERS = 3  # B's world: 3, then 2 after the loss, then 3 again
-# The kill comes after a few checkpoints (seen ~25); from there B's world of 2 keeps training while the returning
-# container starts (36 steps measured both at a load of 1-3 and of 9; 57 in bench/results/chaos.json's world of 3),
-# and the world of 3 must still have steps left after that: ~55 here. Each further step is only cost, in A and in B.
+# The kill comes after a few checkpoints; from there B's world of 2 keeps training while the returning container
+# starts, and the world of 3 must still have steps left after that. Each further step is only cost, in A and in B.
 STEPS, KILL_AT = 120, 20
-# Counted in steps, the world of 2 lasts as long as its steps take: ~0.3 s each where the numbers above were measured,
-# but a third of that on a faster machine, where the run could end before the third container is back. Paced, its
-# ~100 steps after the kill span at least 25 s; where steps are slower than the pace it adds nothing.
+# Counted in steps, the world of 2 lasts as long as its steps take, and on a fast machine the run could end before
+# the third container is back. Paced, the steps after the kill span a time of their own; where steps are slower than
+# the pace it adds nothing.
 PACE_SECONDS = "0.25"
 
 
