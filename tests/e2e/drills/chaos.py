@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def chaos(args) -> dict:
-    """Run A, then B (two projects), compare, and return the result (also what ``main`` writes)."""
+    """Run A, then B (two projects), compare, and return the result (what ``write`` records)."""
     started = time.monotonic()
     tag = f"chaos-{os.getpid()}"
     a, b = Project(f"{tag}-a", {}), Project(f"{tag}-b", {})
