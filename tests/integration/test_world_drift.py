@@ -29,9 +29,10 @@ def test_float64_keeps_two_world_sizes_within_the_chaos_tolerance_and_float32_do
     path, result = write_result(parser, args, "world-drift", world_drift.measure(args), before)
     print(f"\nworld {args.worlds[0]} against world {args.worlds[1]}, global batch {args.effective_batch}:")
     print("\n".join(world_drift.table(result, args.dtypes)) + "\n" + describe_output(path))
-    tolerance = chaos_parser().get_default("tolerance")
-    last = result["rows"][-1]
+    chaos = chaos_parser()
+    tolerance, last = chaos.get_default("tolerance"), result["rows"][-1]
     if "float64" in args.dtypes:
         assert last["float64"]["max_abs"] <= tolerance, last
-    if "float32" in args.dtypes:
-        assert last["float32"]["max_abs"] > tolerance, last  # else the proof could train in float32: cheaper
+    # Over the chaos proof's horizon (a short trial may stay below it): else the proof could train in float32.
+    if "float32" in args.dtypes and args.steps >= chaos.get_default("steps"):
+        assert last["float32"]["max_abs"] > tolerance, last
