@@ -15,7 +15,7 @@ This process spawns ``--world-size`` ranks (real processes, gloo on loopback) an
     sweep         fixed micro-batch, K in 1..16: samples/s, median step time and syncs, sync on last vs every
 
 It writes the sweep and the checks to ``bench/results/accum-curve.json`` (schema ``accum-curve.v1``, with the commit,
-settings and machine load of the run: ``bench/provenance.py``) and a plot, ``accum-curve.png``, beside it; with other
+settings and machine load of the run: ``tools/provenance.py``) and a plot, ``accum-curve.png``, beside it; with other
 flags than the defaults to ``runs/`` instead, unless ``--out`` names the JSON. Exit status: 1 if a claim does not
 hold, 2 on a bad flag.
 """
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from app.parallel import wrap_model
 from app.parallel.accum import accumulation_step, effective_batch_size
 from app.worker.models import DeepMLP, MiniMLP
-from bench.provenance import describe_output, load_average, output_path, provenance
+from tools.provenance import describe_output, load_average, output_path, provenance
 
 SCHEMA = "accum-curve.v1"
 TOLERANCE = 1e-4  # the issue's bar for "equal": max |Δgrad| and max |Δparam| against one big batch

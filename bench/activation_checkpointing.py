@@ -110,7 +110,7 @@ def main() -> None:
         print(json.dumps(measure(args.variant, args)))
         return
 
-    from bench.provenance import describe_output, load_average, write_result
+    from tools.provenance import describe_output, load_average, write_result
 
     before = load_average()
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}

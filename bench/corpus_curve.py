@@ -14,7 +14,7 @@ bytes' frequencies, what a model learns first). The two world sizes train on the
 (``effective_batch``), so their held-out curves agree up to float32 drift; the training column is rank 0's mean
 over its share of the batch, which differs between them by sampling.
 
-Writes ``bench/results/corpus-curve.json`` (with provenance, bench/provenance.py) and ``corpus-curve.png``;
+Writes ``bench/results/corpus-curve.json`` (with provenance, tools/provenance.py) and ``corpus-curve.png``;
 ``tools/report.py`` renders the table into docs/check.md.
 """
 
@@ -152,7 +152,7 @@ def plot(doc: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
-    from bench.provenance import describe_output, load_average, write_result
+    from tools.provenance import describe_output, load_average, write_result
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -49,7 +49,7 @@ from app.parallel.ddp.comm_hooks import HOOKS
 from app.worker.allocator import return_freed_memory_to_the_os, trim
 from app.worker.dist import distributed, exit_process
 from app.worker.models import DeepMLP, TinyTransformer, count_parameter_tensors
-from bench.provenance import describe_output, load_average, output_path, provenance
+from tools.provenance import describe_output, load_average, output_path, provenance
 
 # variant -> (wrapper, constructor arguments, comm hook); None: not wrapped (the loop decides what syncs)
 CONFIGS = {

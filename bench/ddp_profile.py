@@ -43,7 +43,7 @@ from app.parallel.ddp.buckets import GradBucket
 from app.parallel.ddp.comm_hooks import HOOKS, Exchange
 from app.worker.dist import distributed, exit_process
 from bench.ddp_bench import describe, mlp_workload, transformer_workload
-from bench.provenance import describe_output, load_average, output_path, provenance
+from tools.provenance import describe_output, load_average, output_path, provenance
 
 PHASES = ("forward", "backward", "wait", "optimizer")
 # variant -> (wrapper, comm hook)

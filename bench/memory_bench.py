@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from app.plan import model_facts, predict, state_bytes
-from bench.provenance import describe_output, load_average, write_result
+from tools.provenance import describe_output, load_average, write_result
 
 MIB = 2**20
 MODEL = "bench.models.residual:ResidualStack"

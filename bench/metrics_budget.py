@@ -18,7 +18,7 @@ What it does:
                 and for each the series its expression reads at N ranks: what a dashboard refresh would read
                 without it.
 
-Writes ``bench/results/metrics-budget.json`` (schema ``metrics-budget.v1``, with provenance: ``bench/provenance.py``)
+Writes ``bench/results/metrics-budget.json`` (schema ``metrics-budget.v1``, with provenance: ``tools/provenance.py``)
 when every flag is at its default, otherwise ``runs/metrics-budget.json``; ``--out`` chooses. Prints a table.
 """
 
@@ -38,7 +38,7 @@ from pathlib import Path
 import yaml
 
 from app.net import free_port
-from bench.provenance import describe_output, load_average, output_path, provenance
+from tools.provenance import describe_output, load_average, output_path, provenance
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = "metrics-budget.v1"

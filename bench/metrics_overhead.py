@@ -19,7 +19,7 @@ Two measurements:
 
 MiniMLP is the worst case (the shortest step, so the fixed per-step cost weighs most); any real model has longer
 steps and a smaller ratio. Writes ``bench/results/metrics-overhead.json`` (schema ``metrics-overhead.v2``, with the
-commit, settings and machine load of the run: ``bench/provenance.py``) when every flag is at its default, otherwise
+commit, settings and machine load of the run: ``tools/provenance.py``) when every flag is at its default, otherwise
 ``runs/metrics-overhead.json``; ``--out`` chooses. Prints a table.
 """
 
@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.provenance import describe_output, load_average, output_path, provenance
+from tools.provenance import describe_output, load_average, output_path, provenance
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = "metrics-overhead.v2"

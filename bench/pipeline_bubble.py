@@ -152,7 +152,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from bench.provenance import RESULTS, describe_output, load_average, output_path, provenance
+    from tools.provenance import RESULTS, describe_output, load_average, output_path, provenance
 
     parser = build_parser()
     args = parse_args(argv)

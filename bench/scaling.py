@@ -21,7 +21,7 @@
 4. Check the model on every point measured here; write ``bench/results/scaling.json`` (+ provenance) and ``.png``.
 
 With Docker up and the image built (``make image``), the collectives are measured again between containers: one
-``docker run`` of ``ddp-cluster:latest`` per rank on a user-defined bridge network, this bench mounted read-only,
+``docker run`` of ``ddp-cluster:latest`` per rank on a user-defined bridge network, bench/ and tools/ mounted read-only,
 fitted on their own (``--containers no`` skips them). Exit status 2 on a bad flag.
 """
 
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from bench import scaling_fit as model
 from bench.pipeline_bubble import OneLineParser  # one-line errors, exit 2: the house rule for bad input
-from bench.provenance import REPO, RESULTS, describe_output, load_average, output_path, provenance
+from tools.provenance import REPO, RESULTS, describe_output, load_average, output_path, provenance
 
 SCHEMA = "scaling.v2"
 MODELS = ("mini_mlp", "deep_mlp", "tiny_transformer")
@@ -293,7 +293,7 @@ def measure(args) -> dict:
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (what the ranks share), as bench.provenance records them."""
+    """The cores this process may run on (what the ranks share), as tools.provenance records them."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -342,8 +342,9 @@ def measure_containers(args) -> dict:
             for rank, name in enumerate(names):
                 env = [f"RANK={rank}", f"WORLD_SIZE={world}", f"MASTER_ADDR={names[0]}", "MASTER_PORT=29500"]
                 env += ["OMP_NUM_THREADS=1", "PYTHONDONTWRITEBYTECODE=1"]  # the mount is read-only
-                mount = f"{REPO / 'bench'}:/app/bench:ro"  # this bench file, the image's app/
-                flags = ["-d", "--name", name, "--network", tag, "-v", mount, *(f"--env={e}" for e in env)]
+                # This bench and the tools/ it imports (provenance), over the image's app/.
+                mounts = [f"--volume={REPO / d}:/app/{d}:ro" for d in ("bench", "tools")]
+                flags = ["-d", "--name", name, "--network", tag, *mounts, *(f"--env={e}" for e in env)]
                 docker("run", *flags, "--entrypoint", "python", IMAGE, *entry, *rounds)
             ranks = []
             for name in names:
@@ -416,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def render(doc: dict) -> str:
     """The generated block of docs/scaling.md, provenance line first, as ``make bench-report`` writes it."""
-    from tools import report  # here, not at the top: a container rank gets bench/ alone, without tools/
+    from tools import report  # here, not at the top: the report pulls in every renderer, which a rank never needs
 
     return report.render("scaling", doc)
 

@@ -35,7 +35,7 @@ compose.yaml as it is. (The first world's held last call, LAUNCH_FIRST_WORLD_HOL
 without it a loaded machine formed partial first worlds, tests/unit/test_first_world.py.) They run
 interleaved (each repeat runs every variant, in an order that alternates) so that the machine's load hits them
 alike; the table gives each phase's median over the repeats and the ratio of the totals.
-Written after every repeat: bench/results/startup.json (provenance: ``bench/provenance.py``) for the documented run
+Written after every repeat: bench/results/startup.json (provenance: ``tools/provenance.py``) for the documented run
 (every flag at its default), otherwise runs/startup.json; rendered into docs/cluster.md by ``make bench-report``.
 Each project is taken down (``docker compose down -v``) whatever happens.
 """
@@ -52,8 +52,9 @@ import sys
 import time
 
 from app.cli import first_line
-from bench.cluster.chaos import Project, project_env
-from bench.provenance import describe_output, load_average, write_result
+from tools.compose_project import Project, project_env
+from tools.provenance import describe_output, load_average, write_result
+from tools.renderers.startup import phase_names
 
 # name -> (what it is, the environment that makes it)
 VARIANTS = {
@@ -220,14 +221,6 @@ def print_table(result: dict) -> None:
     totals = [summary[v]["total_s"] for v in variants]
     if len(variants) == 2 and None not in totals:
         print(f"ratio {variants[1]} / {variants[0]}: {totals[1] / totals[0]:.2f}")
-
-
-def phase_names(summary: dict) -> list[str]:
-    """Every phase any variant measured, in the order they happen."""
-    names: list[str] = []
-    for s in summary.values():
-        names += [n for n in s["phases"] if n not in names]
-    return names
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -49,7 +49,7 @@ from torch import nn
 
 from app.demos.world import spawn_world
 from bench.ddp_bench import _proc_status, _reset_peak_rss, _return_freed_memory_to_the_os
-from bench.provenance import describe_output, load_average, output_path, provenance
+from tools.provenance import describe_output, load_average, output_path, provenance
 
 VARIANTS = ["ddp", "zero1", "torch zero1", "zero2", "zero3", "torch fsdp2"]
 LR = 1e-3

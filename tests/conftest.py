@@ -6,6 +6,10 @@
 
 Each test is marked by the folder it sits in, so ``pytest -m "not e2e"`` selects without per-file decorators.
 
+The long ones carry a marker of their own (``LONG``: the failure drills, the documented chaos run, the GPU check,
+world drift) and run only when ``-m`` names it (``make drills`` is ``pytest -m drill ...``): a plain ``pytest`` or
+``make test`` leaves them out, even ``-m e2e`` does, so CI stays within its minutes.
+
 ``make test`` runs the tests on several pytest-xdist workers (``-n``, ``--dist loadgroup``): most of the e2e tests'
 time is waiting on containers, not on the two cores. The tests that share a module-scoped fixture (one cluster
 start-up, asserted on by several tests) are put in one xdist group, so that start-up still happens once; the e2e
@@ -28,9 +32,14 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 
 
+# Markers of tests that take long or need a GPU (pyproject.toml registers them): each runs only when -m names it.
+LONG = ("drill", "chaos", "gpu", "drift")
+
+
 # tryfirst: pytest-xdist's worker reads the xdist_group marks in its own hook of this name.
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    leave_out_long(config, items)
     for item in items:
         folder = Path(str(item.fspath)).resolve().relative_to(TESTS).parts[0]
         if folder in ("unit", "integration", "e2e"):
@@ -50,11 +59,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # integration tests on the other workers fill.
 DOCKER_LANE = "docker"
 # But for a second lane beside it, on a worker of its own: once the other tests got cheaper, the Docker lane alone was
-# CI's critical path. In it the chaos proof (bench/cluster/chaos.py, the longest: minutes of containers training,
+# CI's critical path. In it the chaos proof (tests/e2e/test_chaos.py, the longest: minutes of containers training,
 # killed and brought back), the pipeline cluster, the user's model and one of the emulated pods' tests (a module, or
-# one test of a module that shares no start-up between its tests), so that both lanes end about together (measured
-# from a fresh clone: the first lane ~140 s after the second without that test, which takes ~70 s): compose projects
-# named by this process's id, their published ports drawn free (free_port), sharing nothing with the other lane.
+# one test of a module that shares no start-up between its tests), so that both lanes end about together: compose
+# projects named by this process's id, their published ports drawn free (free_port), sharing nothing with the other
+# lane.
 SECOND_DOCKER_LANE = "docker-2"
 SECOND_LANE = {
     "test_chaos.py",
@@ -62,6 +71,16 @@ SECOND_LANE = {
     "test_user_model.py",
     "test_k8s_emulation.py::test_a_lost_pod_is_replaced_and_its_replacement_waits_for_a_new_store",
 }
+
+
+def leave_out_long(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect each test with a ``LONG`` marker that the ``-m`` expression does not name (as a word)."""
+    named = set(re.findall(r"\w+", config.getoption("markexpr") or ""))
+    left_out = [item for item in items if any(item.get_closest_marker(m) and m not in named for m in LONG)]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        kept = set(items) - set(left_out)
+        items[:] = [item for item in items if item in kept]
 
 
 def shared_start_up_groups(items: list[pytest.Item]) -> dict[pytest.Item, str]:

@@ -20,7 +20,7 @@ Outcomes: ``caught`` (a selected test failed), ``caught (timeout)`` (the tests h
 would notice that too), ``survived`` (every selected test passed: a gap in the tests), ``stale`` (snippet not found
 exactly once), ``error`` (pytest could not run the selection: a bad test id), ``baseline fails`` (a selected test
 fails with no mutant planted, so it proves nothing; the baseline run lists them). The score is caught / total. Writes
-``bench/results/mutants.json`` (with ``bench/provenance.py``'s record) for the full list, ``runs/mutants.json`` for a
+``bench/results/mutants.json`` (with ``tools/provenance.py``'s record) for the full list, ``runs/mutants.json`` for a
 subset, or ``--out``. Exit status: 0 when every mutant was caught, 1 otherwise, 2 on a bad flag.
 """
 
@@ -38,7 +38,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.provenance import describe_output, git_commit, load_average, output_path, provenance
+from tools.provenance import describe_output, git_commit, load_average, output_path, provenance
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable

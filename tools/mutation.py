@@ -31,7 +31,7 @@ mutant is then run once unmutated; a kill by a test that fails anyway is ``uncon
 
 Survivors are judged in ``tools/mutation_triage.yaml``, keyed by the mutant's stable id: ``equivalent`` (no test
 can tell, with the reason) or ``real`` (with the test that would kill it). The score is killed / (ran - equivalent);
-an untriaged survivor counts as real. Writes ``bench/results/mutation.json`` (with ``bench/provenance.py``'s record)
+an untriaged survivor counts as real. Writes ``bench/results/mutation.json`` (with ``tools/provenance.py``'s record)
 for a run at the default settings or ``--out``, else ``runs/mutation.json``; ``make bench-report`` renders it into
 docs/development.md. Exit status: 0 when the score reaches ``--target``, 1 otherwise, 2 on a bad flag.
 """
@@ -56,9 +56,9 @@ from queue import Queue
 
 import yaml
 
-from bench.provenance import describe_output, git_commit, load_average, output_path, provenance
 from tools.mutants import PYTHON, REPO, check_imports_from_copy, copy_tree, env_for
 from tools.mutation_gen import Candidate, all_candidates, apply_alert, apply_python, draw, expand, selection_for
+from tools.provenance import describe_output, git_commit, load_average, output_path, provenance
 
 TRIAGE = REPO / "tools" / "mutation_triage.yaml"
 # What no mutant's selection runs, said in the results file and the docs: a Compose cluster takes minutes to start

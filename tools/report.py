@@ -5,15 +5,16 @@
 
 Each results file ``bench/results/<name>.json`` that has a renderer in ``RENDERERS`` below owns one block of a page,
 between ``<!-- bench-report:<name> -->`` and ``<!-- /bench-report:<name> -->``: a line saying where the numbers come
-from (commit, date, machine, load; ``bench/provenance.py``), the table, and the documented claims with the measured
+from (commit, date, machine, load; ``tools/provenance.py``), the table, and the documented claims with the measured
 value and whether each held. A file may feed a second block on another page, ``<name>/<part>`` (the accumulation
 bench's checks on docs/accumulation.md). Prose outside the blocks is written by hand and must not repeat a number:
 ``tests/unit/test_docs.py::test_no_measured_number_outside_generated_blocks`` fails when it does.
 
 This module is the mechanism (find the blocks, render, rewrite or check); the renderers live by area in
 ``tools/renderers/`` (``ddp``, ``accum``, ``pipeline``, ``metrics``, ``cluster``, ``mutants``, ``sharding``,
-``corpus``, ``startup``, ``training``), and the scaling page's in ``bench/scaling_fit.py`` beside the model it
-renders. A new one: a function ``doc -> lines`` (the provenance line is added here) and one line in ``RENDERERS``.
+``corpus``, ``startup``, ``training``, ``scaling``). They read the JSON alone and import no bench module (bench/
+imports tools/, never the reverse: tests/unit/test_layout.py). A new one: a function ``doc -> lines`` (the
+provenance line is added here) and one line in ``RENDERERS``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import re
 import sys
 from pathlib import Path
 
-from bench.scaling_fit import render_block as render_scaling
 from tools.renderers.accum import render_accum_checks, render_accum_curve
 from tools.renderers.cluster import render_chaos, render_drills, render_world_drift
 from tools.renderers.common import claims_table  # noqa: F401 (re-exported: renderers elsewhere import it from here)
@@ -33,6 +33,7 @@ from tools.renderers.ddp import render_ddp_bench, render_ddp_profile
 from tools.renderers.metrics import render_metrics_budget, render_metrics_overhead
 from tools.renderers.mutants import render_mutants, render_mutation
 from tools.renderers.pipeline import render_pipeline_bubble
+from tools.renderers.scaling import render_block as render_scaling
 from tools.renderers.sharding import render_memory, render_zero
 from tools.renderers.startup import render_startup
 from tools.renderers.training import render_activation_checkpointing

@@ -30,7 +30,13 @@ import pytest
 from tests.e2e.cluster_files import LOCAL_BASE, ROOT, SETUP_ENGINE
 
 # Test modules that start containers; others (static checks, promtool) run without Docker.
-DOCKER_MODULES = {"test_compose_cluster.py", "test_k8s_emulation.py", "test_chaos.py", "test_compose_pipeline.py"}
+DOCKER_MODULES = {
+    "test_compose_cluster.py",
+    "test_k8s_emulation.py",
+    "test_chaos.py",
+    "test_compose_pipeline.py",
+    "test_failure_drills.py",
+}
 WHEELHOUSE = ROOT / "docker/wheels"
 REQUIREMENTS = ROOT / "docker/requirements.txt"
 SETUP_HINT = "run `make docker-setup`"

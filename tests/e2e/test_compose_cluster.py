@@ -44,7 +44,6 @@ import pytest
 
 from app.cluster.compose_env import FILE_ENV, with_env_file
 from app.net import free_port
-from bench.cluster.drill_faults import OOM_MEMORY, OOM_MODEL
 from tests.e2e.cluster_files import (
     COMPOSE,
     ROOT,
@@ -55,6 +54,7 @@ from tests.e2e.cluster_files import (
     substitute,
 )
 from tests.e2e.conftest import STEP_PACE_SECONDS, build_settings
+from tests.e2e.drills.drill_faults import OOM_MEMORY, OOM_MODEL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -656,7 +656,7 @@ def test_a_bad_value_from_a_plain_up_stops_each_worker_once_naming_the_setting(t
 
 @pytest.fixture(scope="module")
 def oom_run() -> dict:
-    # More than the containers hold (bench/cluster/drill_faults.py: OOM_MODEL in OOM_MEMORY), as a user would start it.
+    # More than the containers hold (tests/e2e/drills/drill_faults.py: OOM_MODEL in OOM_MEMORY), as a user starts it.
     compose = small_project(
         "oom", plain=True, WORKER_MEMORY=OOM_MEMORY, DDP_MODEL_KWARGS=OOM_MODEL, DDP_STEPS="5", DDP_MICRO_BATCH="64"
     )

@@ -69,7 +69,7 @@ def test_the_final_parameters_do_not_depend_on_the_world_size(runs, name):
 
 
 def test_in_float64_the_world_size_changes_nothing_but_the_last_bits(runs):
-    # The chaos proof (bench/cluster/chaos.py) trains in float64 for this: the world of 3 adds in another order,
+    # The chaos proof (tests/e2e/drills/chaos.py) trains in float64 for this: the world of 3 adds in another order,
     # which in
     # float32 costs 1e-7 per step and, over hundreds of steps, can tip a ReLU; in float64 it stays near 1e-15.
     assert all(t.dtype == torch.float64 for t in runs["world 3 float64"].values())

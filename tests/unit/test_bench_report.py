@@ -18,7 +18,7 @@ RESULT_FILES = sorted(RESULTS.glob("*.json"))
 @pytest.mark.parametrize("path", RESULT_FILES, ids=lambda p: p.name)
 def test_every_committed_result_names_its_commit_settings_and_machine(path):
     doc = json.loads(path.read_text())
-    assert re.fullmatch(r"[0-9a-f]{40}", doc.get("commit", "")), f"{path.name}: no commit (bench/provenance.py)"
+    assert re.fullmatch(r"[0-9a-f]{40}", doc.get("commit", "")), f"{path.name}: no commit (tools/provenance.py)"
     assert isinstance(doc.get("dirty"), bool), path.name
     assert doc.get("settings") and doc.get("date"), path.name
     machine = doc.get("machine", {})

@@ -9,6 +9,7 @@ and inline code are not links.
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,63 @@ def test_the_link_check_catches_what_it_should(tmp_path: Path) -> None:
 def test_readme_is_a_front_door() -> None:
     lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES}): move depth to docs/"
+
+
+def layout_section() -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    found = re.search(r"^## Layout\n(.*?)(?=^## )", text, re.M | re.S)
+    assert found, "README.md has no ## Layout section"
+    return found[1]
+
+
+def layout_gaps(section: str, root: Path = ROOT) -> list[str]:
+    """The folders a reader of the layout table would not find in it: every tracked top-level folder, and every package
+    of app/ two levels down (app/parallel/ddp/, app/worker/steps/): each named by a link to it or to a file in it."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout
+    folders = {line.split("/")[0] for line in tracked.splitlines() if "/" in line and not line.startswith(".")}
+    folders |= {str(p.relative_to(root)) for p in root.glob("app/*/") if (p / "__init__.py").exists()}
+    folders |= {str(p.relative_to(root)) for p in root.glob("app/*/*/") if (p / "__init__.py").exists()}
+    linked = re.findall(r"\]\(([^)#]+)\)", section)
+    return sorted(f for f in folders if not any(f"{link}/".startswith(f"{f}/") for link in linked))
+
+
+def test_the_readme_layout_names_every_folder_and_package() -> None:
+    assert layout_gaps(layout_section()) == [], "README.md's ## Layout does not link these: add a row or a link"
+
+
+def test_the_layout_check_catches_a_missing_package(tmp_path: Path) -> None:
+    for package in ("app/parallel/ddp", "app/worker"):
+        (tmp_path / package).mkdir(parents=True)
+        (tmp_path / package / "__init__.py").write_text("")
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run(["git", "add", "."], cwd=tmp_path, check=True)
+    section = "| [`app/worker/`](app/worker/) | [`app/`](app/) |"
+    assert layout_gaps(section, root=tmp_path) == ["app/parallel/ddp"]
+
+
+MAKE_HELP_MAX = 20  # the front door: what `make help` shows; `make help-all` shows the rest
+
+
+def make_targets() -> set[str]:
+    return set(re.findall(r"^([a-z][a-z0-9-]*):", (ROOT / "Makefile").read_text(), re.M))
+
+
+def make_help(target: str) -> list[str]:
+    """The targets ``make <target>`` lists (its indented lines), in order."""
+    out = subprocess.run(["make", "-s", target], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+    return [line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ")]
+
+
+def test_make_help_shows_at_most_twenty_targets_and_help_all_every_one() -> None:
+    shown, every = make_help("help"), make_help("help-all")
+    assert 0 < len(shown) <= MAKE_HELP_MAX, f"`make help` lists {len(shown)} targets: move some to help-all (###)"
+    assert set(every) == make_targets(), f"targets without a help line: {sorted(make_targets() - set(every))}"
+
+
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_make_command_the_docs_show_is_a_target(path: Path) -> None:
+    named = set(re.findall(r"`make ([a-z][a-z0-9-]*)", path.read_text(encoding="utf-8")))
+    assert sorted(named - make_targets()) == [], f"{path.relative_to(ROOT)} names make targets the Makefile lacks"
 
 
 def test_readme_links_every_docs_page() -> None:

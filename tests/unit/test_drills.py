@@ -1,11 +1,11 @@
-"""The failure drills' judgement without Docker (bench/cluster/drill_kit.py, drills.py, tools/renderers/cluster.py):
+"""The failure drills' judgement without Docker (tests/e2e/drills/drill_kit.py, drills.py, tools/renderers/cluster.py):
 a second world's FINISHED, a restart storm or a missing line fails a drill; a drill not run reads "not run"."""
 
 from __future__ import annotations
 
-from bench.cluster.drill_faults import Scenario, scenarios
-from bench.cluster.drill_kit import first_finished, one_finish
-from bench.cluster.drills import PAGE_STEPS_FACTOR, build_parser, drill_env, judge
+from tests.e2e.drills.drill_faults import Scenario, scenarios
+from tests.e2e.drills.drill_kit import first_finished, one_finish
+from tests.e2e.drills.drills import PAGE_STEPS_FACTOR, build_parser, drill_env, judge
 from tools.renderers.cluster import render_drills
 
 

@@ -1,5 +1,6 @@
 """The tree's rules, checked (docs/development.md, "The tree"): imports go one way (demos, benches and tools -> app;
-never back), no two modules import each other (directly or round a loop), no function under app/ is longer than a
+never back; benches -> tools, never back; neither -> tests), no two modules import each other (directly or round a
+loop), no function under app/ is longer than a
 screen, and no module reads or writes another module's private names (a leading underscore: that module's own)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("app", "bench", "tools")
+IMPORTABLE = (*PACKAGES, "tests")  # what an import is recorded for: the packages, and the tests they must not import
 # A function's body, its docstring left out, fits on one screen.
 MAX_FUNCTION_LINES = 60
 # Functions over the limit, each to be split (name -> why it is still long). Empty is the goal.
@@ -28,10 +30,10 @@ def modules() -> dict[str, set[str]]:
             name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
             deps = set()
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES:
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in IMPORTABLE:
                     deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
                 elif isinstance(node, ast.Import):
-                    deps |= {a.name for a in node.names if a.name.split(".")[0] in PACKAGES}
+                    deps |= {a.name for a in node.names if a.name.split(".")[0] in IMPORTABLE}
             found[name] = deps
     return found
 
@@ -70,6 +72,17 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_app_never_imports_its_benches_or_tools():
     back = {m: sorted(d for d in deps if not d.startswith("app")) for m, deps in import_graph().items()}
     assert {m: d for m, d in back.items() if m.startswith("app") and d} == {}
+
+
+def test_benches_import_tools_never_the_reverse_and_neither_imports_tests():
+    # One direction for what both need (provenance, the compose project, the renderers): tools/. A renderer reads a
+    # results file, never a bench; a bench or a tool never needs a test module (tests own the drills and checks).
+    def wrong(module: str, dep: str) -> bool:
+        top = dep.split(".")[0]
+        return top == "tests" or (module.startswith("tools") and top == "bench")
+
+    found = {m: sorted(d for d in deps if wrong(m, d)) for m, deps in modules().items() if not m.startswith("app")}
+    assert {m: d for m, d in found.items() if d} == {}
 
 
 def test_no_import_cycle_in_app_bench_or_tools():

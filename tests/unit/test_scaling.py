@@ -12,7 +12,7 @@ import math
 import pytest
 
 from bench import scaling, scaling_fit
-from bench.provenance import RESULTS
+from tools.provenance import RESULTS
 
 RESULT = RESULTS / "scaling.json"
 

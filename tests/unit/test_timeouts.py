@@ -79,7 +79,7 @@ def test_the_shipped_launch_settings_are_in_order():
     assert conf == COMPOSE_RDZV
     collective = TrainConfig().collective_timeout_seconds
     check_launch_timeouts(conf, collective)
-    check_launch_timeouts(conf, 30)  # make drills' collective timeout (bench/cluster/drills.py)
+    check_launch_timeouts(conf, 30)  # make drills' collective timeout (tests/e2e/drills/drills.py)
     k8s = re.search(r"--rdzv-conf=([\w=.,]+)", (REPO / "k8s/elastic/kustomization.yaml").read_text())[1]
     check_launch_timeouts(k8s, collective)
     assert rdzv_timeouts(k8s)["join_timeout"] == 900

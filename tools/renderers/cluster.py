@@ -1,4 +1,4 @@
-"""The cluster runs' blocks (``make chaos``, ``make drills``, ``bench.world_drift``): a worker killed and resumed
+"""The cluster runs' blocks (``make chaos``, ``make drills``, ``make world-drift``): a worker killed and resumed
 (under DDP and ZeRO stage 2), worlds of two sizes against each other, the failure-drill table."""
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def render_drills(doc: dict) -> list[str]:
     return lines + ([""] + [f"- failed {line}" for line in failed] if failed else [])
 
 
-# A drill's own phases (bench/cluster/drill_faults.py notes), shown beside fault -> step of a new world.
+# A drill's own phases (tests/e2e/drills/drill_faults.py notes), shown beside fault -> step of a new world.
 PHASES = {
     "store_back_s": "store back after",
     "stop_took_s": "stop took",

@@ -12,9 +12,15 @@ def _cell(x, fmt: str = ".2f") -> str:
     return "—" if x is None else format(x, fmt)
 
 
-def render_startup(doc: dict) -> list[str]:
-    from bench.startup import phase_names
+def phase_names(summary: dict) -> list[str]:
+    """Every phase any variant measured, in the order they happen."""
+    names: list[str] = []
+    for s in summary.values():
+        names += [n for n in s["phases"] if n not in names]
+    return names
 
+
+def render_startup(doc: dict) -> list[str]:
     variants = list(doc["summary"])
     summary = doc["summary"]
     lines = [

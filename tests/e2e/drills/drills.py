@@ -1,50 +1,50 @@
 """The failure drills of docs/cluster.md's table, measured with the real Docker engine, one compose project each.
 
-    make drills                                   # = python -m bench.cluster.drills (Docker; image built once)
-    python -m bench.cluster.drills --list
-    python -m bench.cluster.drills --no-build --drill store-crash --drill full-disk
-    IMAGE_NAME=ddp-drills python -m bench.cluster.drills ...   # an image of your own beside other checkouts'
+    make drills                               # = pytest -m drill tests/e2e/test_failure_drills.py (image built)
+    make drills DRILL=store-crash             # one drill again: its row of bench/results/drills.json replaced
+    make drills DRILL_ARGS="--no-alerts"      # other settings: a trial, written to runs/drills.json
+    pytest -m drill tests/e2e/test_failure_drills.py --collect-only -q      # every drill's name
+    IMAGE_NAME=ddp-drills make drills ...     # an image of your own beside other checkouts'
 
 Each drill is a compose project of ``--workers`` (3) containers and the project's Prometheus, training ``--steps``
 steps of a global batch of ``--effective-batch`` samples (large, so that a step is not instant), logging every step,
-checkpointing every ``--checkpoint-every``. The scenarios (bench/cluster/drill_faults.py) wait for step
+checkpointing every ``--checkpoint-every`` (the flags of ``DRILL_ARGS``). The scenarios (drill_faults.py) wait for step
 ``--at-step``, inject their fault (a kill, a crash of the store, a full disk, a corrupt checkpoint, a stop, a scale
 change, a pause, a network cut, a bad setting, one container too many) and any repair; then every worker must exit
-within ``--bound`` s (else "hung"). Measured for each (bench/cluster/drill_kit.py): fault -> first step of a new
+within ``--bound`` s (else "hung"). Measured for each (drill_kit.py): fault -> first step of a new
 world, steps redone, every container's exit code and restart count, the FINISHED lines, the alerts fired.
 
 A drill passes when its run finished (one FINISHED per rank of one world) or ended the way its scenario says (the exit
 code and its one line), no container restarted more often than the scenario allows, no traceback was printed, and the
 alerts told the truth: nothing on the healthy run, ``DDPRankDown`` naming the lost rank within ``ALERT_WITHIN_S`` of a
-fault that takes one (``Scenario.pages``) and naming no other rank in any drill. Printed: the table. Written:
-bench/results/drills.json (provenance; rewritten after each drill, so a run cut short keeps what it measured; drills
-not run are absent and the docs table says "not run"). Exit 0 when every drill run passed, else 1. Each project is
-taken down (``docker compose down -v``) whatever happens.
+fault that takes one (``Scenario.pages``) and naming no other rank in any drill. Each drill is one test; it prints
+its measurements and writes its row of bench/results/drills.json (provenance; a run cut short keeps what it
+measured; a drill never run is absent and the docs table says "not run"). Each project is taken down (``docker
+compose down -v``) whatever happens.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
+from pathlib import Path
 
-from bench.cluster.chaos import Project, project_env
-from bench.cluster.drill_faults import PACED_STEP_SECONDS, Scenario, scenarios
-from bench.cluster.drill_kit import Drill, message
+from tests.e2e.drills.drill_faults import PACED_STEP_SECONDS, Scenario, scenarios
+from tests.e2e.drills.drill_kit import Drill, message
+from tools.compose_project import Project, project_env
+from tools.provenance import output_path, provenance
 
 # Issue 23's bar: the page names the rank that is gone within a minute of the fault.
 ALERT_WITHIN_S = 60
 # A finished job pages nobody (DDPRankDown is quiet after it), so a drill that must page trains this many times
-# --steps: its run outlasts the page's deadline (at 400 steps a run can end within a minute of the fault, before
-# the page, which takes 35-50 s, is due to be judged).
+# --steps: its run outlasts the page's deadline (at --steps alone a run could end before the page was due to be
+# judged).
 PAGE_STEPS_FACTOR = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.cluster.drills", description=__doc__.splitlines()[0])
-    p.add_argument("--drill", action="append", help="run only this drill (repeatable; --list names them)")
-    p.add_argument("--list", action="store_true", help="name every drill and exit")
+    p = argparse.ArgumentParser(prog="DRILL_ARGS", description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=3, help="containers of each drill")
     p.add_argument("--steps", type=int, default=400, help="optimizer steps of each drill's run")
     p.add_argument("--at-step", type=int, default=20, help="the fault comes once rank 0 has logged this step")
@@ -60,7 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-alerts", dest="alerts", action="store_false", help="without Prometheus (lighter)")
     p.add_argument("--no-build", action="store_true", help="use the image as built (make image)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/drills.json for the documented run)")
-    p.add_argument("--add", action="store_true", help="keep the drills already in the output file, replace these")
     return p
 
 
@@ -113,7 +112,7 @@ def alert_checks(r: dict, s: Scenario) -> dict[str, bool]:
 
 def drill_env(s: Scenario, args) -> dict[str, str]:
     """The scenario's settings, and a longer, paced run for one that must page (PAGE_STEPS_FACTOR, PACED_STEP_SECONDS):
-    counted in steps alone, a run on an idle machine finished 47-50 s after its fault, before the page was due."""
+    counted in steps alone, a run on an idle machine finished before the page was due."""
     longer = {"DDP_STEPS": str(args.steps * PAGE_STEPS_FACTOR)} if s.pages and args.alerts else {}
     if s.pages and args.alerts:
         longer["DDP_MIN_STEP_SECONDS"] = str(PACED_STEP_SECONDS)
@@ -158,44 +157,28 @@ def show(name: str, r: dict) -> None:
         print(f"    {line}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    from bench.provenance import describe_output, load_average, output_path, provenance
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    every = scenarios(args.workers)
-    if args.list:
-        for name, s in every.items():
-            print(f"{name:20} {s.what}")
-        return 0
-    unknown = [n for n in args.drill or [] if n not in every]
-    if unknown:
-        parser.error(f"--drill {unknown[0]}: no such drill; --list names them")
-    before = load_average()
+def build_images(args) -> None:
+    """The worker's image unless ``--no-build``, and Prometheus' whatever it says (`make image` builds the worker's
+    only): where no registry is reachable compose.local.yaml builds it from Debian's package, and the drills'
+    `up --no-build` would find none. Cached after the first build; nothing to do where the image is pulled."""
     builder = Project("drill-build", project_env("drill-build", args))
     if not args.no_build:
         builder.compose("build", "worker", timeout=1800)
-    # Prometheus' image as well, whatever --no-build says (`make image` builds the worker's only): where no registry
-    # is reachable, compose.local.yaml builds it from Debian's package, and the drills' `up --no-build` would find
-    # none. Cached after the first build; nothing to do where the image is pulled.
     builder.compose("build", "prometheus", timeout=1800)
+
+
+def results_path(parser: argparse.ArgumentParser, args) -> Path:
     # --no-build (make drills, after make image) measures the same image: still the documented run.
-    path = output_path(parser, argparse.Namespace(**{**vars(args), "no_build": False}), "drills")
+    return output_path(parser, argparse.Namespace(**{**vars(args), "no_build": False}), "drills")
+
+
+def write_row(path: Path, name: str, result: dict, args, load_before: list[float]) -> None:
+    """Replace drill ``name``'s row of the results file, keep the other drills' rows (each with its own commit and
+    time), and drop rows of drills that no longer exist."""
+    planned = {n: s.what for n, s in scenarios(args.workers).items()}  # the docs table lists the others "not run"
+    rows = json.loads(path.read_text()).get("drills", {}) if path.exists() else {}
+    rows = {n: r for n, r in rows.items() if n in planned} | {name: result | {"commit": provenance(args)["commit"]}}
+    doc = {"schema": "drills/2", **provenance(args, load_before=load_before), "planned": planned}
+    doc |= {"page_steps_factor": PAGE_STEPS_FACTOR, "drills": {n: rows[n] for n in planned if n in rows}}
     path.parent.mkdir(parents=True, exist_ok=True)
-    results = json.loads(path.read_text()).get("drills", {}) if args.add and path.exists() else {}
-    for name in args.drill or list(every):  # one after the other: a small machine
-        results[name] = run_drill(name, every[name], args)
-        results[name]["commit"] = provenance(args)["commit"]  # per drill: --add keeps rows of earlier runs
-        show(name, results[name])
-        planned = {n: s.what for n, s in every.items()}  # the docs table lists the drills not run as "not run"
-        doc = {"schema": "drills/2", **provenance(args, load_before=before), "planned": planned}
-        doc |= {"page_steps_factor": PAGE_STEPS_FACTOR, "drills": results}
-        path.write_text(json.dumps(doc, indent=1))
-    print(describe_output(path))
-    failed = [n for n in args.drill or list(every) if not results[n]["passed"]]
-    print(f"drills: {'every drill passed' if not failed else 'failed: ' + ', '.join(failed)}")
-    return 0 if not failed else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    path.write_text(json.dumps(doc, indent=1))

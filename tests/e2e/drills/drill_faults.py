@@ -1,5 +1,5 @@
 """The failure drills' scenarios: each one a small function that starts the project, waits for a step, injects its
-fault (and any repair), returning once the fault is in; bench/cluster/drills.py then waits for the end and judges.
+fault (and any repair), returning once the fault is in; tests/e2e/drills/drills.py then waits for the end and judges.
 
 Each ``Scenario`` says what a user should see: ``expect="finish"`` (a finished run: one FINISHED per rank of the
 final world) or an exit code with the one line that names the cause (``says``); ``victims``' exit codes are not
@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from bench.cluster.chaos import JOINED, first_step_after
-from bench.cluster.drill_kit import Drill, docker, inspect, wait_for
+from tests.e2e.drills.drill_kit import Drill, docker, inspect, wait_for
+from tools.compose_project import JOINED, first_step_after
 
 # Kills the store's own python (not its init, PID 1, which ignores signals from inside): a crash, which the store's
 # `restart: unless-stopped` brings back. `docker kill` would be a manual stop: Docker restarts nothing after it.

@@ -1,4 +1,4 @@
-"""The harness every failure drill of bench/cluster/drills.py shares: start a compose project, wait for a step,
+"""The harness every failure drill of tests/e2e/drills/drills.py shares: start a compose project, wait for a step,
 note when the fault came, wait for the end, and collect the same measurements from Docker and the logs.
 
 Measured for every drill (``Drill.collect``): fault -> the first step of a new world, the last step logged before
@@ -20,7 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.cluster.chaos import RESUMED, STAMP, STEP, WORLD, Project, project_env
+from tools.compose_project import RESUMED, STAMP, STEP, WORLD, Project, project_env
 
 FINISHED = re.compile(r"FINISHED rank=(\d+) world_size=(\d+) step=(\d+)")
 PROBLEM = re.compile(r" (ERROR|WARNING) |config error: ")  # the trainer says its refusal bare, one line

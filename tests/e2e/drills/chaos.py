@@ -1,9 +1,10 @@
 """The chaos proof: a cluster that loses a worker and gets it back trains to the same parameters as one that did not.
 
-    make chaos                       # = python -m bench.cluster.chaos (Docker; builds the image once, ~5-10 min here)
-    python -m bench.cluster.chaos --steps 200 --kill-at 60 --victim rank1
-    python -m bench.cluster.chaos --parallel zero2   # the same proof under ZeRO stage 2: bench/results/chaos-zero2.json
-    python -m bench.cluster.chaos --workers 3 --max-workers 3 --steps 120 --kill-at 20   # tests/e2e/test_chaos.py
+    make chaos                               # = pytest -m chaos tests/e2e/test_chaos.py (Docker, image built)
+    make chaos CHAOS_ARGS="--steps 200 --kill-at 60 --victim rank1"       # a trial: runs/chaos.json
+    make chaos CHAOS_ARGS="--parallel zero2"  # the same proof under ZeRO stage 2: bench/results/chaos-zero2.json
+
+tests/e2e/test_chaos.py also runs a shorter proof in every ``make test`` (3 workers, 120 steps).
 
 Two compose projects of the same image and the same settings (global batch fixed in samples, so any world size
 trains the same steps on the same samples):
@@ -29,166 +30,15 @@ curves, B's world size underneath).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import re
 import statistics
 import subprocess
-import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.cluster.compose_env import with_env_file
-
-ROOT = Path(__file__).resolve().parents[2]
-STEP = re.compile(r"\[rank 0\] INFO step (\d+)/\d+ \| loss ([-\d.naif]+)")
-WORLD = re.compile(r"\[rank 0\] INFO training .* world_size (\d+)")
-RESUMED = re.compile(r"\[rank 0\] INFO resumed from \S+ \(step (\d+)")
-JOINED = re.compile(r"\[launch (\w+)\] INFO joined a world of (\d+) as rank (\d+)")
-CHECKPOINT_MS = re.compile(r"checkpoint \S+ written in (\d+) ms")
-STAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?Z")
-
-
-def stamp(line: str) -> float | None:
-    """Unix time of a ``docker compose logs --timestamps`` line."""
-    m = STAMP.search(line)
-    if not m:
-        return None
-    whole = dt.datetime.fromisoformat(m[1]).replace(tzinfo=dt.timezone.utc).timestamp()
-    return whole + float("0." + (m[2] or "0"))
-
-
-@dataclass
-class Project:
-    """One compose project (its own network, store, checkpoint volume) of the worker service only."""
-
-    name: str
-    env: dict[str, str]
-    log: list[str] = field(default_factory=list)
-
-    def compose(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-        settings = Path(tempfile.gettempdir()) / f"{self.name}.cluster.env"  # DDP_* reach the workers through it
-        out = subprocess.run(
-            ["docker", "compose", "-p", self.name, *args],
-            cwd=ROOT,
-            env=with_env_file(self.env, settings),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        if check and out.returncode != 0:
-            raise RuntimeError(f"docker compose {' '.join(args)}: exit {out.returncode}: {out.stderr[-2000:]}")
-        return out
-
-    def workers(self) -> list[dict]:
-        out = self.compose("ps", "-a", "--format", "json").stdout.strip()
-        rows = json.loads(out) if out.startswith("[") else [json.loads(x) for x in out.splitlines() if x.strip()]
-        return [r for r in rows if r["Service"] == "worker"]
-
-    def lines(self) -> list[tuple[float, str]]:
-        """Every worker log line as (unix time, text), in time order across containers."""
-        out = self.compose("logs", "--no-color", "--timestamps", "worker", check=False).stdout
-        found = [(stamp(line), line) for line in out.splitlines()]
-        return sorted((t, line) for t, line in found if t is not None)
-
-    def last_step(self) -> int:
-        steps = [int(m[1]) for _, line in self.lines() if (m := STEP.search(line))]
-        return max(steps, default=0)
-
-    def rank_container(self, rank: int) -> str | None:
-        """The container id holding ``rank`` in the newest world (from app.cluster.launch's join lines)."""
-        held = None
-        for _, line in self.lines():
-            if (m := JOINED.search(line)) and int(m[3]) == rank:
-                held = m[1]
-        return held
-
-    def wait_until(self, predicate, timeout_s: float, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name}: {what} did not happen within {timeout_s:g} s")
-            # Each look runs `docker compose logs` or `ps` (a fraction of a CPU-second each on a busy machine, taken
-            # from the workers): every 2 s is soon enough for phases of tens of seconds.
-            time.sleep(2.0)
-
-    def all_exited(self, count: int) -> bool:
-        rows = self.workers()
-        return len(rows) >= count and all(r["State"] == "exited" for r in rows)
-
-    def final_parameters(self, step: int) -> dict:
-        """The run's last checkpoint (copied out of its volume, loaded and digest-checked): name -> tensor."""
-        from app.worker.checkpoint.files import load_checkpoint
-
-        container = self.workers()[0]["ID"]
-        with tempfile.TemporaryDirectory() as tmp:
-            subprocess.run(  # the whole volume: a ZeRO checkpoint is a manifest and one shard per rank
-                ["docker", "cp", f"{container}:/checkpoints/.", tmp], check=True, capture_output=True, timeout=120
-            )
-            if (Path(tmp) / "manifest.json").exists():
-                return consolidated(Path(tmp), step)
-            return load_checkpoint(Path(tmp) / f"step-{step:08d}.pt")["model"]
-
-    def down(self) -> None:
-        self.compose("down", "-v", "--remove-orphans", "-t", "10", check=False, timeout=300)
-
-
-def consolidated(directory: Path, step: int) -> dict:
-    """A ZeRO checkpoint's parameters, whole (name -> tensor): each shard's pieces (elements [lo, hi) of a flattened
-    parameter, app.parallel.zero.checkpoint) copied into place; every shard's digest checked on the way."""
-    import torch
-
-    from app.parallel.zero.checkpoint import _read_shard, read_manifest
-
-    manifest = read_manifest(directory)
-    if manifest["extra"].get("step") != step:
-        raise RuntimeError(f"{directory}: the last checkpoint is of step {manifest['extra'].get('step')}, not {step}")
-    shapes = manifest["params"]
-    flat = {n: torch.zeros(int(torch.Size(s).numel()), dtype=torch.float64) for n, s in shapes.items()}
-    covered = {n: torch.zeros(v.numel(), dtype=torch.int64) for n, v in flat.items()}
-    for shard in manifest["shards"]:
-        for name, piece in _read_shard(directory, shard)["pieces"].items():
-            flat[name][piece["lo"] : piece["hi"]] = piece["tensors"]["param"].double()
-            covered[name][piece["lo"] : piece["hi"]] += 1
-    if any((c != 1).any() for c in covered.values()):  # a gap or an overlap: the shards are not one model
-        raise RuntimeError(f"{directory}: the shards do not cover every parameter element exactly once")
-    return {n: v.reshape(shapes[n]) for n, v in flat.items()}
-
-
-def project_env(name: str, args) -> dict[str, str]:
-    base = os.environ.get("BASE_IMAGE") or (
-        "local/python:3.11-slim" if (ROOT.parent / "shared/docker").exists() else ""
-    )
-    env = {
-        **os.environ,
-        "COMPOSE_BAKE": "false",
-        "RUN_ID": name,
-        # One image for every project of a run (and the one `make image` builds, for --no-build): compose would
-        # otherwise name it after each project, and a project started with --no-build would find none.
-        "IMAGE_NAME": os.environ.get("IMAGE_NAME", "ddp-cluster"),
-        "WORKERS": str(args.workers),
-        "DDP_STEPS": str(args.steps),
-        "DDP_EFFECTIVE_BATCH": str(args.effective_batch),
-        "DDP_MICRO_BATCH": str(args.micro_batch),
-        "DDP_DTYPE": args.dtype,
-        "DDP_CHECKPOINT_EVERY": str(args.checkpoint_every),
-        "DDP_LOG_EVERY": "1",
-        "DDP_METRICS_LINGER_SECONDS": "0",
-        "DDP_MIN_STEP_SECONDS": str(getattr(args, "min_step_seconds", 0.0)),
-    }
-    if getattr(args, "parallel", "ddp") != "ddp":  # the ZeRO stages of issue 22: the same proof, sharded
-        env["DDP_PARALLEL"] = args.parallel
-    if getattr(args, "max_workers", None):  # compose.yaml's MAX_WORKERS (--nnodes=1:MAX), 8 unless set
-        env["MAX_WORKERS"] = str(args.max_workers)
-    if base:
-        env["BASE_IMAGE"] = base
-        env.setdefault(
-            "COMPOSE_FILE", "compose.yaml:compose.local.yaml" if base.startswith("local/") else "compose.yaml"
-        )
-    return env
+from tools.compose_project import CHECKPOINT_MS, RESUMED, STEP, WORLD, Project, first_step_after, project_env
+from tools.provenance import describe_output, output_path, provenance
 
 
 # -- the two runs --------------------------------------------------------------------------------------------------
@@ -234,16 +84,6 @@ def curve(lines: list[tuple[float, str]]) -> list[dict]:
         elif m := STEP.search(line):
             points[int(m[1])] = {"step": int(m[1]), "loss": float(m[2]), "world": world, "t": t}
     return [points[s] for s in sorted(points)]
-
-
-def first_step_after(lines, since: float, world: int) -> float | None:
-    current = None
-    for t, line in lines:
-        if m := WORLD.search(line):
-            current = int(m[1])
-        elif t > since and current == world and STEP.search(line):
-            return t
-    return None
 
 
 def analyse(a: dict, b: dict, args, params_a: dict, params_b: dict) -> dict:
@@ -319,7 +159,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.cluster.chaos", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="CHAOS_ARGS", description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=4, help="world size of both runs (B drops to one fewer)")
     # At --workers, B's world of 4 is full once the fourth is back: it forms at once, not a last call (15 s) later.
     p.add_argument("--max-workers", type=int, default=None, help="MAX_WORKERS of both runs (default compose's 8)")
@@ -352,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def chaos(args) -> dict:
-    """Run A, then B (two projects), compare, and return the result (also what ``main`` writes)."""
+    """Run A, then B (two projects), compare, and return the result (what ``write`` records)."""
+    started = time.monotonic()
     tag = f"chaos-{os.getpid()}"
     a, b = Project(f"{tag}-a", {}), Project(f"{tag}-b", {})
     a.env, b.env = project_env(a.name, args), project_env(b.name, args)
@@ -378,28 +219,25 @@ def chaos(args) -> dict:
     finally:
         a.down()
         b.down()
+    result["wall_s"] = round(time.monotonic() - started, 1)
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    sys.path.insert(0, str(ROOT))
-    from bench.provenance import describe_output, load_average, output_path, provenance
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    before = load_average()
-    started = time.monotonic()
-    result = chaos(args)
-    result["wall_s"] = round(time.monotonic() - started, 1)
-    # The documented runs: bench/results/chaos.json (ddp) and chaos-<stage>.json, each with every other default.
+def write(parser: argparse.ArgumentParser, args, result: dict, load_before: list[float]) -> Path:
+    """Write the result with its provenance (and the loss curves' PNG) where ``output_path`` says: the documented
+    runs to bench/results/chaos.json (ddp) and chaos-<stage>.json, each with every other flag at its default."""
     name = "chaos" if args.parallel == "ddp" else f"chaos-{args.parallel}"
     path = output_path(parser, argparse.Namespace(**{**vars(args), "parallel": "ddp"}), name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"schema": "chaos/1", **provenance(args, load_before=before), **result}, indent=1))
+    path.write_text(json.dumps({"schema": "chaos/1", **provenance(args, load_before=load_before), **result}, indent=1))
     plot(result, path.with_suffix(".png"))
-    for name, ok in result["checks"].items():
-        print(f"  [{'ok' if ok else 'FAIL'}] {name}")
-    print(
+    return path
+
+
+def summary(result: dict, path: Path) -> str:
+    """What ``make chaos`` prints: each check, the recovery's figures, where the result went, the verdict."""
+    checks = [f"  [{'ok' if ok else 'FAIL'}] {name}" for name, ok in result["checks"].items()]
+    figures = (
         f"killed {result['victim']['rank']} ({result['victim']['container']}) at step {result['killed_at_step']}; "
         f"resumed from step {result['resumed_from_step']} ({result['steps_redone']} steps redone); "
         f"failure -> next step {result['failure_to_next_step_s']} s; "
@@ -409,10 +247,4 @@ def main(argv: list[str] | None = None) -> int:
         f"|θA-θB|/|θA| {result['relative_param_distance']:.3g} ({result['dtype']}); "
         f"final loss A {result['final_loss']['A']} B {result['final_loss']['B']}"
     )
-    print(describe_output(path))
-    print(f"chaos: {result['verdict']}")
-    return 0 if result["verdict"] == "PASS" else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return "\n".join([*checks, figures, describe_output(path), f"chaos: {result['verdict']}"])

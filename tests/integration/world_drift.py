@@ -1,17 +1,18 @@
 """How far two correct runs on different world sizes drift apart, in float32 and in float64.
 
-    make world-drift                 # = python -m bench.world_drift (4 real runs of the worker, ~3 min here)
-    python -m bench.world_drift --steps 100 --worlds 4 2
+    make world-drift                 # = pytest -m drift tests/integration/test_world_drift.py (4 runs of the worker)
+    make world-drift DRIFT_ARGS="--steps 100 --worlds 4 2"     # a trial: runs/world-drift.json
 
 The global batch is fixed in samples (``--effective-batch``), so a world of 4 and a world of 3 train the same steps
 on the same samples; the only difference is the order in which float additions happen (each rank sums its share,
-then the all-reduce sums the ranks). This bench measures what that difference grows to: the same run on each world
+then the all-reduce sums the ranks). This measures what that difference grows to: the same run on each world
 size (``torchrun --standalone``), checkpoints every ``--every`` steps, and the largest parameter difference and
 the relative distance of the whole parameter vector at each of them, once per ``--dtypes``.
 
-Why it exists: the chaos proof (bench/cluster/chaos.py) compares a run that lost a worker with one that did not. Its
+Why it exists: the chaos proof (tests/e2e/drills/chaos.py) compares a run that lost a worker with one that did not. Its
 tolerance must be the drift of two *correct* runs over the same horizon, and this table shows that in float32
-that drift is not float-rounding small after a few hundred steps, while in float64 it is.
+that drift is not float-rounding small after a few hundred steps, while in float64 it is
+(tests/integration/test_world_drift.py asserts it and writes bench/results/world-drift.json).
 """
 
 from __future__ import annotations
@@ -24,20 +25,16 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.world_drift", description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--steps", type=int, default=300, help="optimizer steps of each run (bench/cluster/chaos.py's horizon)"
-    )
+    p = argparse.ArgumentParser(prog="DRIFT_ARGS", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps of each run (the chaos proof's horizon)")
     p.add_argument("--every", type=int, default=25, help="compare the runs every this many steps")
     p.add_argument("--worlds", type=int, nargs=2, default=[4, 3], help="the two world sizes compared")
     p.add_argument("--dtypes", nargs="+", default=["float32", "float64"], choices=["float32", "float64"])
-    p.add_argument(
-        "--effective-batch", type=int, default=4096, help="global batch in samples (as bench/cluster/chaos.py)"
-    )
+    p.add_argument("--effective-batch", type=int, default=4096, help="global batch in samples (as the chaos proof)")
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--out", default=None, help="JSON path (default bench/results/world-drift.json)")
     return p
@@ -93,21 +90,3 @@ def table(result: dict, dtypes: list[str]) -> list[str]:
         cells = " | ".join(f"{row[d]['max_abs']:.2g} | {row[d]['relative']:.2g}" for d in dtypes)
         lines.append(f"| {row['step']} | {cells} |")
     return lines
-
-
-def main(argv: list[str] | None = None) -> int:
-    sys.path.insert(0, str(ROOT))
-    from bench.provenance import describe_output, load_average, write_result
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    before = load_average()
-    path, result = write_result(parser, args, "world-drift", measure(args), before)
-    print(f"world {args.worlds[0]} against world {args.worlds[1]}, global batch {args.effective_batch}:")
-    print("\n".join(table(result, args.dtypes)))
-    print(describe_output(path))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
