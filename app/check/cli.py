@@ -72,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
         "difference from float32 rounding that AdamW amplified",
     )
     p.add_argument("--find-unused-parameters", action="store_true", help="pass find_unused_parameters=True to DDP")
+    _add_kind_and_recipe(p)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model's start and the synthetic data")
+    p.add_argument("--timeout", type=float, default=600, help="seconds before the ranks count as hung (default 600)")
+    return p
+
+
+def _add_kind_and_recipe(p: argparse.ArgumentParser) -> None:
+    """``--parallel`` and the worker's recipe: how the ranks share the state, and what each step runs."""
     p.add_argument(
         "--parallel",
         choices=["ddp", "zero1", "zero2", "zero3"],
@@ -91,9 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps of the schedule (default 0)")
     p.add_argument("--min-lr-ratio", type=float, default=0.0, help="where cosine/linear decay ends, x lr (default 0)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model's start and the synthetic data")
-    p.add_argument("--timeout", type=float, default=600, help="seconds before the ranks count as hung (default 600)")
-    return p
 
 
 def parse_args(argv=None) -> argparse.Namespace:
