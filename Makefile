@@ -202,6 +202,12 @@ logs: ## follow the cluster's logs
 chaos: venv image ## the chaos proof: a worker killed and brought back vs an untouched run; PASS/FAIL, JSON + PNG in bench/results/
 	$(PY) -m bench.cluster.chaos
 
+# `make memory-demo MEMORY_DEMO_ARGS="--kinds ddp,zero3 --memory 700m"`: the same scenario, other kinds or limit.
+MEMORY_DEMO_ARGS ?=
+.PHONY: memory-demo
+memory-demo: venv image ## a user model killed for memory under ddp in 4 containers trains under zero2/3 in the same ones; table, PASS
+	$(PY) -m bench.cluster.memory_demo $(MEMORY_DEMO_ARGS)
+
 drills: venv image ## the failure drills (kill, store crash, full disk, ...; --list): table + JSON in bench/results/
 	$(PY) -m bench.cluster.drills --no-build
 

@@ -117,7 +117,9 @@ def settings(kind: str, memory: str, package: Path, name: str, image: str) -> di
     base = os.environ.get("BASE_IMAGE") or (
         "local/python:3.11-slim" if (ROOT.parent / "shared/docker").exists() else ""
     )
-    files = "compose.yaml:compose.local.yaml" if base.startswith("local/") else "compose.yaml"
+    files = os.environ.get("COMPOSE_FILE") or (
+        "compose.yaml:compose.local.yaml" if base.startswith("local/") else "compose.yaml"
+    )  # the Makefile's choice where it exports one; the user's override is added to it
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDP_") and k != "WORKERS"}
     return env | {
         "COMPOSE_BAKE": "false",
