@@ -12,7 +12,7 @@ with no limit train it under ddp, the reference. Asserted on that one shared run
   reduce-scatter adds in another order than ddp's all-reduce, so its checksum, a hash of the bytes, differs);
 - the model came from the folder outside the checkout, mounted read-only.
 
-About 75 s on an idle 2-core machine with the image's layers cached; Docker prerequisites as in tests/e2e/conftest.py.
+About 90 s on a quiet 2-core machine with the image's layers cached; Docker prerequisites as in tests/e2e/conftest.py.
 """
 
 from __future__ import annotations
