@@ -206,7 +206,7 @@ down: ## cluster: stop the cluster and remove its containers, network and volume
 grafana-password: ### cluster: print Grafana's admin password (random, made at the cluster's first start; user admin)
 	@docker compose exec grafana sh -c 'cat "$${GF_PATHS_DATA:-/var/lib/grafana}/admin-password"; echo'
 
-logs: ## cluster: follow the cluster's logs
+logs: ### cluster: follow the cluster's logs
 	docker compose logs -f
 
 # The long cluster tests, each a pytest marker that only -m selects (tests/conftest.py): not in `make test`.
@@ -219,6 +219,12 @@ chaos: venv image ## check: the chaos proof: a worker killed and brought back vs
 drills: venv image ## check: the failure drills (kill, store crash, full disk, ...; DRILL=name for one): JSON in bench/results/
 	DRILL_ARGS="--no-build $(DRILL_ARGS)" $(PY) -m pytest -m drill tests/e2e/test_failure_drills.py -s -v \
 	  $(if $(strip $(DRILL)),-k "[$(strip $(DRILL))]") $(PYTEST_ARGS)
+
+# `make memory-demo MEMORY_DEMO_ARGS="--kinds ddp,zero3 --memory 700m"`: the same scenario, other kinds or limit.
+MEMORY_DEMO_ARGS ?=
+.PHONY: memory-demo
+memory-demo: venv image ## check: a user model killed for memory under ddp in 4 containers trains under zero2/3 in the same ones; table, PASS
+	$(PY) -m bench.memory_demo $(MEMORY_DEMO_ARGS)
 
 bench-startup: venv image ### bench: up -> first step of 4 workers, phase by phase; before/after the fixes, interleaved; JSON in bench/results/
 	IMAGE_NAME=ddp-cluster $(PY) -m bench.startup
