@@ -118,25 +118,14 @@ class Project:
 
 
 def consolidated(directory: Path, step: int) -> dict:
-    """A ZeRO checkpoint's parameters, whole (name -> tensor): each shard's pieces (elements [lo, hi) of a flattened
-    parameter, app.parallel.zero.checkpoint) copied into place; every shard's digest checked on the way."""
-    import torch
+    """A ZeRO checkpoint's parameters, whole (name -> float64 tensor), every shard's digest checked on the way
+    (app.parallel.zero.checkpoint.consolidate); a checkpoint of another step is an error."""
+    from app.parallel.zero.checkpoint import consolidate
 
-    from app.parallel.zero.checkpoint import _read_shard, read_manifest
-
-    manifest = read_manifest(directory)
-    if manifest["extra"].get("step") != step:
-        raise RuntimeError(f"{directory}: the last checkpoint is of step {manifest['extra'].get('step')}, not {step}")
-    shapes = manifest["params"]
-    flat = {n: torch.zeros(int(torch.Size(s).numel()), dtype=torch.float64) for n, s in shapes.items()}
-    covered = {n: torch.zeros(v.numel(), dtype=torch.int64) for n, v in flat.items()}
-    for shard in manifest["shards"]:
-        for name, piece in _read_shard(directory, shard)["pieces"].items():
-            flat[name][piece["lo"] : piece["hi"]] = piece["tensors"]["param"].double()
-            covered[name][piece["lo"] : piece["hi"]] += 1
-    if any((c != 1).any() for c in covered.values()):  # a gap or an overlap: the shards are not one model
-        raise RuntimeError(f"{directory}: the shards do not cover every parameter element exactly once")
-    return {n: v.reshape(shapes[n]) for n, v in flat.items()}
+    whole = consolidate(directory)
+    if whole.extra.get("step") != step:
+        raise RuntimeError(f"{directory}: the last checkpoint is of step {whole.extra.get('step')}, not {step}")
+    return {name: whole.model[name].double() for name in whole.optimizer}
 
 
 def project_env(name: str, args) -> dict[str, str]:

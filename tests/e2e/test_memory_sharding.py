@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 
 from bench import memory_demo as demo
-from tools.compose_project import Project
 from tests.e2e.conftest import build_settings
 from tests.e2e.test_compose_cluster import ROOT, remove_image
 from tests.integration.test_train_sharded import TOLERANCE
+from tools.compose_project import Project
 
 pytestmark = [pytest.mark.e2e, pytest.mark.docker, pytest.mark.timeout(1200)]
 

@@ -444,7 +444,7 @@ def consolidate(directory) -> Consolidated:
     shapes = {name: torch.Size(shape) for name, shape in manifest["params"].items()}
     flat: dict[str, dict[str, torch.Tensor]] = {name: {} for name in shapes}
     scalars: dict[str, dict] = {name: {} for name in shapes}
-    filled = dict.fromkeys(shapes, 0)
+    covered = {name: torch.zeros(shape.numel(), dtype=torch.uint8) for name, shape in shapes.items()}
     replicated: dict = {}
     for shard in manifest["shards"]:
         payload = _read_shard(directory, shard)
@@ -455,13 +455,11 @@ def consolidate(directory) -> Consolidated:
                 whole[piece["lo"] : piece["hi"]] = tensor
             # Each parameter its own copy: AdamW adds 1 to ``step`` in place, once per parameter holding it.
             scalars[name].update({k: v.clone() if torch.is_tensor(v) else v for k, v in piece["scalars"].items()})
-            filled[name] += piece["hi"] - piece["lo"]
+            covered[name][piece["lo"] : piece["hi"]] += 1
         del payload  # one file's tensors at a time
-    for name, shape in shapes.items():
-        if filled[name] != shape.numel():
-            raise CheckpointError(
-                f"{directory}: the shards hold {filled[name]} of {shape.numel()} elements of {name!r}"
-            )
+    for name, count in covered.items():  # a gap or an overlap: the shards are not one model
+        if (count != 1).any():
+            raise CheckpointError(f"{directory}: the shards do not cover every element of {name!r} exactly once")
     model = replicated | {name: flat[name].pop("param").view(shape) for name, shape in shapes.items()}
     optimizer = {n: scalars[n] | {k: v.view(shapes[n]) for k, v in flat[n].items()} for n in shapes}
     return Consolidated(model, optimizer, manifest["param_groups"], manifest.get("extra", {}))
