@@ -137,17 +137,23 @@ def run(args: argparse.Namespace, rank: int, world: int) -> int:
                 flush=True,
             )
 
-    ok = torch.tensor(
-        [1 if rank != 0 or (worst_param <= PARAM_TOLERANCE and worst_gap <= LOSS_TOLERANCE and all_same) else 0]
+    passed = worst_param <= PARAM_TOLERANCE and worst_gap <= LOSS_TOLERANCE and all_same
+    return announce_verdict(
+        rank,
+        passed,
+        f"{world} ranks equal the single-process reference for {args.steps} steps "
+        f"(max |dp| {worst_param:.2e} <= {PARAM_TOLERANCE:.0e}, worst loss gap {worst_gap:.2e} <= "
+        f"{LOSS_TOLERANCE:.0e}, parameters identical on all ranks: {'yes' if all_same else 'NO'})",
     )
+
+
+def announce_verdict(rank: int, passed: bool, claim: str) -> int:
+    """Rank 0's verdict, for every rank (a broadcast: all must call): rank 0 prints ``PASS|FAIL: claim``; the
+    exit code (0 or 1). Only rank 0 held the reference, so only its ``passed`` counts."""
+    ok = torch.tensor([1 if rank != 0 or passed else 0])
     dist.broadcast(ok, src=0)
     if rank == 0:
-        verdict = "PASS" if ok.item() else "FAIL"
-        print(
-            f"{verdict}: {world} ranks equal the single-process reference for {args.steps} steps "
-            f"(max |dp| {worst_param:.2e} <= {PARAM_TOLERANCE:.0e}, worst loss gap {worst_gap:.2e} <= "
-            f"{LOSS_TOLERANCE:.0e}, parameters identical on all ranks: {'yes' if all_same else 'NO'})"
-        )
+        print(f"{'PASS' if ok.item() else 'FAIL'}: {claim}")
     return 0 if ok.item() else 1
 
 

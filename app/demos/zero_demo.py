@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from app.demos.demo import global_batch
+from app.demos.demo import announce_verdict, global_batch
 from app.parallel.ddp import DistributedDataParallel
 from app.parallel.zero.stage1 import ZeroRedundancyOptimizer
 from app.parallel.zero.stage2 import ShardedGradDataParallel
@@ -134,15 +134,13 @@ def run(args: argparse.Namespace, rank: int, world: int) -> int:
                 f"{held:>8} B {held / full_state:>5.1%}  {same:>5}",
                 flush=True,
             )
-    ok = torch.tensor([1 if rank != 0 or (worst <= PARAM_TOLERANCE and all_same) else 0])
-    dist.broadcast(ok, src=0)
-    if rank == 0:
-        print(
-            f"{'PASS' if ok.item() else 'FAIL'}: {world} ranks with ZeRO stage {args.stage} equal the single-process "
-            f"reference for {args.steps} steps (max |dp| {worst:.2e} <= {PARAM_TOLERANCE:.0e}; optimizer state on "
-            f"rank 0 {state_bytes(state())} B of {full_state} B)"
-        )
-    return 0 if ok.item() else 1
+    return announce_verdict(
+        rank,
+        worst <= PARAM_TOLERANCE and all_same,
+        f"{world} ranks with ZeRO stage {args.stage} equal the single-process reference for {args.steps} steps "
+        f"(max |dp| {worst:.2e} <= {PARAM_TOLERANCE:.0e}; optimizer state on rank 0 {state_bytes(state())} B of "
+        f"{full_state} B)",
+    )
 
 
 if __name__ == "__main__":

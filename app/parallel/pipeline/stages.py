@@ -107,18 +107,17 @@ class TimedStage(PipelineStage):
         return self._record(super().get_bwd_recv_ops(bwd_chunk_id), "gradients in", bwd_chunk_id)
 
     def forward_one_chunk(self, *args, **kwargs):
-        self._received()
-        start = time.perf_counter()
-        try:
-            return super().forward_one_chunk(*args, **kwargs)
-        finally:
-            self.compute_seconds += time.perf_counter() - start
+        return self._computing(super().forward_one_chunk, *args, **kwargs)
 
     def backward_one_chunk(self, *args, **kwargs):
+        return self._computing(super().backward_one_chunk, *args, **kwargs)
+
+    def _computing(self, chunk, *args, **kwargs):
+        """Run one chunk's forward or backward, its time counted as compute (what it waited to receive is not)."""
         self._received()
         start = time.perf_counter()
         try:
-            return super().backward_one_chunk(*args, **kwargs)
+            return chunk(*args, **kwargs)
         finally:
             self.compute_seconds += time.perf_counter() - start
 
