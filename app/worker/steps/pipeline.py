@@ -38,7 +38,7 @@ from app.worker.data import GlobalBatches
 from app.worker.dist import DistContext
 from app.worker.models import parameter_checksum
 from app.worker.steps.base import MicroBatches, StepOutcome
-from app.worker.workload import build_dataset, build_model
+from app.worker.workload import build_dataset, build_model, pipeline_split
 
 log = logging.getLogger("app.train")
 
@@ -111,6 +111,7 @@ class PipelineStep:
         self.global_batch = batch * replicas
         self.model = model.to(ctx.device)
         pp_group, dp_group, self.stage, replica = build_pipeline_groups(num_stages)
+        self.split = pipeline_split(cfg, self.model, num_stages)  # (check_workload checked it before any rank waited)
         self.runner = build_pipeline_stage(
             self.model,
             stage_index=self.stage,
@@ -122,6 +123,7 @@ class PipelineStep:
             dp_group=dp_group,
             loss_fn=loss_fn,
             bucket_cap_mb=cfg.bucket_cap_mb,
+            split=self.split,
         )
         self.optimizer = torch.optim.AdamW(self.runner.module.parameters(), lr=cfg.lr)
         dataset = build_dataset(cfg)  # the set app.train tried before the process group formed
@@ -132,12 +134,14 @@ class PipelineStep:
         self.probe = NoCommProbe()  # the pipeline's traffic is counted by the stage (ddp_pipeline_*)
         metrics.enable_pipeline()
         log.info(
-            "pipeline: %d stages x %d replicas, %s schedule, %d micro-batches of %d samples per step",
+            "pipeline: %d stages x %d replicas, %s schedule, %d micro-batches of %d samples per step; stages 2.. "
+            "begin at %s",
             num_stages,
             replicas,
             cfg.pipeline_schedule,
             cfg.pipeline_microbatches,
             batch // cfg.pipeline_microbatches,
+            ",".join(self.split),
         )
 
     def train_step(
