@@ -89,6 +89,10 @@ PIPELINE = {
     "loss": "torch.nn:CrossEntropyLoss",
     "steps": STEPS,
     "effective_batch": 24,  # accumulation: 4 micro-batches per replica in the pipeline, 3 of <= 8 in one process
+    # The recipe: a warm-up into a cosine decay, and clipping below the gradient's norm, so that every step clips.
+    "lr_schedule": "cosine",
+    "warmup_steps": 2,
+    "grad_clip_norm": 0.05,
     "micro_batch": 8,
     "checkpoint_every": STEPS,
     "metrics_port": 0,

@@ -103,8 +103,8 @@ def test_unknown_env_setting_is_an_error_with_the_nearest_name():
         ({"min_lr_ratio": 1.5}, "min_lr_ratio"),
         ({"grad_clip_norm": -1.0}, "grad_clip_norm"),
         ({"lr_reference_batch": -64}, "lr_reference_batch"),
-        ({"lr_schedule": "cosine", "parallel": "pipeline"}, "lr_schedule"),
-        ({"grad_clip_norm": 1.0, "parallel": "pipeline"}, "grad_clip_norm"),
+        ({"autocast": "bf16", "lr_schedule": "cosine", "parallel": "pipeline"}, "autocast"),
+        ({"grad_clip_norm": 1.0, "parallel": "dp"}, "grad_clip_norm"),
         ({"pipeline_split": "net.2"}, "pipeline_split"),  # parallel=ddp: nothing to split
         ({"pipeline_split": "net.2,,net.4", "parallel": "pipeline"}, "pipeline_split"),
         ({"min_step_seconds": -0.01}, "min_step_seconds"),

@@ -16,7 +16,8 @@ micro-batches' activations instead of M, which is why it is the default of large
     optimizer.step(); optimizer.zero_grad()
 
 The schedules, the send/recv of activations and gradients, and the shape inference are PyTorch's (``PipelineStage``,
-``ScheduleGPipe``, ``Schedule1F1B``); this file splits the model (``split_model``, shared with model parallelism),
+``ScheduleGPipe``, ``Schedule1F1B``); this file splits the model (``split_model``, shared with model parallelism, or
+at named modules of any model that is a sequence of its children: ``split.py``),
 measures each step (compute vs blocked time, bytes sent) and adds data parallelism across pipeline replicas with
 this project's DDP wrapper over a sub-group (``build_pipeline_groups``).
 
@@ -36,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from app.diagnostics import collectives as recorded
 from app.parallel.ddp import DistributedDataParallel
@@ -223,6 +225,21 @@ class PipelineRunner:
         src = self._last_stage_rank if self._last_stage_rank is not None else self.num_stages - 1
         recorded.broadcast(value, "pipeline: the loss", src=src, group=self.group)
         return value.item()
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the gradients by their global L2 norm over the whole model, as ``torch.nn.utils.clip_grad_norm_`` does
+        in one process; returns the norm before clipping. Collective over the pipeline group: every stage calls it.
+
+        Each stage holds a slice of the gradient, so the squared norms of the slices are summed over the pipeline;
+        the replicas' gradients are equal by then (all-reduced in the last backward), so every rank clips alike.
+        """
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        local = get_total_norm(grads) if grads else torch.zeros(())
+        squared = local.detach().float().pow(2).reshape(1).to(self.stage.device)
+        recorded.all_reduce(squared, "pipeline: the gradient's squared norm", group=self.group)
+        norm = squared.sqrt()[0]
+        clip_grads_with_norm_(self.module.parameters(), max_norm, norm)
+        return norm.item()
 
     def state_dict(self) -> dict:
         """This stage's parameters under the whole model's keys (``net.12.weight``): merge with the other stages'

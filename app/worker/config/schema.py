@@ -100,7 +100,9 @@ class TrainConfig:
         "mixed precision of forward and loss: none | bf16 | fp16 (fp16 adds a GradScaler; not in a pipeline)", "none"
     )
     grad_clip_norm: float = _doc(
-        "clip the gradient's global L2 norm to this, over every rank's shards under ZeRO (0 = off; not pipeline)", 0.0
+        "clip the gradient's global L2 norm to this, over every rank's shards under ZeRO, every stage in a pipeline "
+        "(0 = off)",
+        0.0,
     )
     dtype: str = _doc(
         "precision of parameters, gradients and inputs: float32 | float64 (parallel=ddp, zero1, zero2; float64 keeps "
