@@ -126,13 +126,18 @@ def _start(sequence: Named, name: str) -> int:
 
 
 def _balanced(sequence: Named, num_stages: int) -> list[tuple[int, int]]:
-    # As split_model: a module with parameters starts a layer, parameterless ones (activations) join the one before.
+    # As split_model: a module with parameters starts a layer, parameterless ones (activations) join the one before;
+    # those before the first (a Flatten) join the first, so that no stage is without parameters.
     layers: list[list[int]] = []
+    leading: list[int] = []
     for i, (_, module) in enumerate(sequence):
-        if _has_params(module) or not layers:
-            layers.append([i])
-        else:
+        if _has_params(module):
+            layers.append(leading + [i])
+            leading = []
+        elif layers:
             layers[-1].append(i)
+        else:
+            leading.append(i)
     costs = [float(sum(p.numel() for i in layer for p in sequence[i][1].parameters())) for layer in layers]
     if not any(costs) or num_stages > len(layers):
         raise ValueError(
