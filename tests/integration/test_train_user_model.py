@@ -121,3 +121,20 @@ def test_a_user_model_cut_into_a_pipeline_trains_as_one_process(tmp_path, world_
     assert sorted(a) == sorted(b) and a["blocks.1.1.weight"].shape == (12, 12)
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
     assert diff < PIPELINE_ATOL, f"max |Δparam| pipeline (world {world_size}) vs one process: {diff:.3g}"
+
+
+def test_a_user_model_pipeline_resumed_mid_warm_up_continues_as_one_process(tmp_path):
+    """Stopped at step 3 of a 3-step warm-up and resumed under 1F1B, the schedule (checkpointed with the stages)
+    continues where it was: the parameters at step 6 equal one process's straight run within PIPELINE_ATOL."""
+    common = {"lr_schedule": "constant", "warmup_steps": 3, "checkpoint_every": 3}
+    pipeline = {"parallel": "pipeline", "pipeline_split": "blocks.1", "checkpoint_dir": tmp_path / "pp", **common}
+    first = run_ranks(*_pipeline_flags(**pipeline, steps=3))
+    assert first.returncode == 0, describe(first)
+    resumed = run_ranks(*_pipeline_flags(**pipeline, pipeline_schedule="1f1b", steps=6))
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, describe(resumed)
+    one = run_process(*_pipeline_flags(wrapper="none", checkpoint_dir=tmp_path / "one", **common, steps=6))
+    assert one.returncode == 0, describe(one)
+    a, b = (load_checkpoint(checkpoint_path(tmp_path / name, 6)) for name in ("one", "pp"))
+    diff = max((a["model"][k] - b["model"][k]).abs().max().item() for k in a["model"])
+    assert diff < PIPELINE_ATOL, f"max |Δparam| resumed pipeline vs one process: {diff:.3g}"
+    assert b["lr_scheduler"]["last_epoch"] == 6
