@@ -79,6 +79,7 @@ def test_a_model_that_is_not_its_sequence_of_children_cannot_be_cut(model, says)
     [
         (2, ["9"], "'9' is not a module of the model's sequence (0, 1, 2, 3): name one of those"),
         (2, ["1"], "stage 0 (0) has no parameters; move the cut"),
+        (2, ["3.weight"], "'3.weight' is inside 3, which a stage runs whole: cut at 3 or after it"),
         (2, ["0"], "'0' is where the model begins, so stage 0 would be empty"),
         (3, ["3", "1"], "the cuts 3, 1 are not in forward order"),
         (3, ["2"], "1 cut(s) for 3 stages: name the 2 module(s) where stages 2.. begin"),

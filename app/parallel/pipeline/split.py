@@ -122,6 +122,9 @@ def _start(sequence: Named, name: str) -> int:
     for i, (item, _) in enumerate(sequence):
         if item == name or item.startswith(name + "."):
             return i
+    inside = next((item for item, _ in sequence if name.startswith(item + ".")), None)
+    if inside is not None:  # a stage runs each module of the sequence whole
+        raise ValueError(f"{name!r} is inside {inside}, which a stage runs whole: cut at {inside} or after it")
     raise ValueError(f"{name!r} is not a module of the model's sequence ({_names(sequence)}): name one of those")
 
 
