@@ -29,3 +29,38 @@ def scaled_cross_entropy(output: torch.Tensor, target: torch.Tensor, scale: floa
 def per_sample_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Not reduced: the worker must refuse it (a loss must be a scalar)."""
     return nn.functional.cross_entropy(output, target, reduction="none")
+
+
+class StackNet(nn.Module):
+    """A user model whose forward is its children in order, without a ``.net``: an input layer, a ``ModuleList`` of
+    blocks (each an ``nn.Sequential``), a head; what ``parallel=pipeline`` cuts by ``pipeline_split`` (``blocks.1``)."""
+
+    def __init__(self, hidden: int = 16, depth: int = 3):
+        super().__init__()
+        self.embed = nn.Linear(32, hidden)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Tanh(), nn.Linear(hidden, hidden)) for _ in range(depth))
+        self.head = nn.Sequential(nn.Tanh(), nn.Linear(hidden, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class ResidualNet(nn.Module):
+    """Not a sequence of its children (the input skips the first layer): a pipeline must refuse to cut it."""
+
+    def __init__(self, hidden: int = 32):
+        super().__init__()
+        self.inner = nn.Linear(32, hidden)
+        self.head = nn.Linear(hidden, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.inner(x)) + x)
+
+
+def flat_mlp(hidden: int = 16) -> nn.Sequential:
+    """An ``nn.Sequential`` built by a function (its sequence is ``0``, ``1``, ...); its first module has no
+    parameters, so a pipeline cut at ``1`` would leave stage 0 without any."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(32, hidden), nn.Tanh(), nn.Linear(hidden, 8))

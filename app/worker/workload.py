@@ -27,12 +27,13 @@ from torch import nn
 
 from app.cli import first_line
 from app.parallel.activation_checkpointing import candidate_units, every_nth
+from app.parallel.pipeline.split import check_sequence, model_sequence, split_names, stage_ranges
 from app.specs import DATA_SPECS, LOSS_SPECS, MODEL_DATA, MODEL_LOSS, MODEL_SPECS, SpecError, build, builtin_name
 from app.specs import build_loss as build_loss_spec
 from app.specs import build_model as build_model_spec
 from app.worker.checkpoint.weights import WeightsError, load_model_state, read_model_state
 from app.worker.config import ConfigError, TrainConfig
-from app.worker.config.checks import activation_checkpointing_every
+from app.worker.config.checks import activation_checkpointing_every, pipeline_cuts
 from app.worker.data import Dataset
 
 _DATASETS: dict[str, Any] = {}  # data spec + kwargs (JSON) -> the data set built for it in this process
@@ -146,6 +147,8 @@ def check_workload(cfg: TrainConfig, world_size: int, grad_accum_steps: int) -> 
         out = model(x)
     except Exception as e:
         raise ConfigError(f"model={cfg.model!r}: its forward failed on {what}: {_cause(e)}") from None
+    if cfg.parallel == "pipeline":
+        pipeline_split(cfg, model, cfg.pipeline_layout(world_size)[0], sample=x)
     loss_name = cfg.loss or MODEL_LOSS[builtin_name(cfg.model, MODEL_SPECS)]
     try:
         with warnings.catch_warnings(record=True) as caught:  # a failing loss's warnings would be a second line
@@ -162,6 +165,26 @@ def check_workload(cfg: TrainConfig, world_size: int, grad_accum_steps: int) -> 
             f"loss={loss_name!r}: returned {type(loss).__name__} {_shape(loss)} on {what}, not a scalar tensor; "
             f"reduce it to a mean over the samples"
         )
+
+
+def pipeline_split(
+    cfg: TrainConfig, model: nn.Module, num_stages: int, sample: torch.Tensor | None = None
+) -> list[str]:
+    """Where ``model`` is cut into ``num_stages`` (``pipeline_split``, or balanced by parameter count): the names
+    where stages 2.. begin. With ``sample``, first proves the model is its sequence of children (check_workload).
+    ConfigError (one line naming the setting) when it cannot be cut, or not there."""
+    cuts = pipeline_cuts(cfg.pipeline_split)
+    sequence = model_sequence(model)
+    if sample is not None:
+        try:
+            check_sequence(model, sequence, sample)
+        except ValueError as e:
+            raise ConfigError(f"parallel=pipeline with model={cfg.model!r}: {e}, or use parallel=ddp") from None
+    try:
+        return split_names(sequence, stage_ranges(sequence, num_stages, cuts))
+    except ValueError as e:
+        setting = f"pipeline_split={cfg.pipeline_split!r}" if cuts else f"pipeline_stages={num_stages}"
+        raise ConfigError(f"{setting} with model={cfg.model!r}: {e}") from None
 
 
 def _first_samples(data: Any, spec: str, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -495,6 +495,7 @@ EVERY_SETTING = {
     "pipeline_stages": "0",
     "pipeline_microbatches": "2",
     "pipeline_schedule": "1f1b",
+    "pipeline_split": "",  # set and empty: it is for parallel=pipeline only, as fsdp_units above
     "device": "cpu",
     "rendezvous_timeout_seconds": "90",
     "collective_timeout_seconds": "45",

@@ -135,3 +135,51 @@ def test_sigterm_stops_every_stage_at_one_step_with_a_checkpoint(tmp_path):
     for rank, (_, err) in enumerate(outs):
         assert f"[rank {rank}] WARNING SIGTERM: stopped at step {step} (checkpoint at step {step}); exit 0" in err, err
     MiniMLP().load_state_dict(load_checkpoint(path)["model"])
+
+
+USER_MODEL = (
+    "--data",
+    "tests.models_user:ClassificationDataset",
+    "--data-kwargs",
+    '{"size": 64}',
+    "--loss",
+    "cross_entropy",
+)
+
+
+@pytest.mark.parametrize(
+    ("model", "split", "says"),
+    [
+        (
+            "tests.models_user:StackNet",
+            "blocks.7",
+            "pipeline_split='blocks.7' with model='tests.models_user:StackNet': "
+            "'blocks.7' is not a module of the model's sequence (embed, blocks.0.0, blocks.0.1 .. head.1)",
+        ),
+        (
+            "tests.models_user:flat_mlp",
+            "1",
+            "pipeline_split='1' with model='tests.models_user:flat_mlp': stage 0 (0) has no parameters; move the cut",
+        ),
+        (
+            "tests.models_user:StackNet",
+            "blocks.1,blocks.2",
+            "pipeline_split='blocks.1,blocks.2' names 2 cut(s) for 2 stages",
+        ),
+        (
+            "tests.models_user:ResidualNet",
+            "",
+            "parallel=pipeline with model='tests.models_user:ResidualNet': "
+            "ResidualNet's forward is not its children in order (inner, head)",
+        ),
+    ],
+    ids=["no-such-module", "stage-without-parameters", "cut-count", "not-a-sequence"],
+)
+def test_a_bad_split_of_a_user_model_is_one_line_exit_2_and_writes_nothing(tmp_path, model, split, says):
+    """Every rank stops before the rendezvous with the same one line; the checkpoint directory is never made."""
+    ckpt = tmp_path / "ckpt"
+    args = worker_args("pipeline", micro_batch=8, checkpoint_dir=ckpt, model=model, pipeline_split=split)
+    procs = start_ranks(*args, *USER_MODEL)
+    for proc, (_, err) in zip(procs, finish(procs, timeout=300)):
+        assert proc.returncode == 2 and err.strip().count("\n") == 0 and says in err, (proc.returncode, err)
+    assert not ckpt.exists()

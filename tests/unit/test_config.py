@@ -103,8 +103,10 @@ def test_unknown_env_setting_is_an_error_with_the_nearest_name():
         ({"min_lr_ratio": 1.5}, "min_lr_ratio"),
         ({"grad_clip_norm": -1.0}, "grad_clip_norm"),
         ({"lr_reference_batch": -64}, "lr_reference_batch"),
-        ({"lr_schedule": "cosine", "parallel": "pipeline"}, "lr_schedule"),
-        ({"grad_clip_norm": 1.0, "parallel": "pipeline"}, "grad_clip_norm"),
+        ({"autocast": "bf16", "lr_schedule": "cosine", "parallel": "pipeline"}, "autocast"),
+        ({"grad_clip_norm": 1.0, "parallel": "dp"}, "grad_clip_norm"),
+        ({"pipeline_split": "net.2"}, "pipeline_split"),  # parallel=ddp: nothing to split
+        ({"pipeline_split": "net.2,,net.4", "parallel": "pipeline"}, "pipeline_split"),
         ({"min_step_seconds": -0.01}, "min_step_seconds"),
         ({"metrics_linger_seconds": -1.0}, "metrics_linger_seconds"),
     ],
@@ -239,6 +241,13 @@ def test_a_config_file_that_is_not_a_mapping_is_one_line(tmp_path, text, kind):
     with pytest.raises(ConfigError) as e:
         load_config(["--config", path], {})
     assert str(e.value) == f"config={path}: must be a mapping of setting: value, got a {kind}"
+
+
+def test_a_pipeline_split_names_one_cut_per_stage_after_the_first():
+    cfg = TrainConfig(parallel="pipeline", pipeline_split="net.2")
+    assert cfg.pipeline_layout(2) == (2, 1)
+    with pytest.raises(ConfigError, match=r"^pipeline_split='net.2' names 1 cut\(s\) for 3 stages .* name 2"):
+        cfg.pipeline_layout(3)
 
 
 @pytest.mark.parametrize(("world_size", "replica_batch"), [(2, 64), (4, 32), (8, 16)])

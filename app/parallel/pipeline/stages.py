@@ -16,7 +16,8 @@ micro-batches' activations instead of M, which is why it is the default of large
     optimizer.step(); optimizer.zero_grad()
 
 The schedules, the send/recv of activations and gradients, and the shape inference are PyTorch's (``PipelineStage``,
-``ScheduleGPipe``, ``Schedule1F1B``); this file splits the model (``split_model``, shared with model parallelism),
+``ScheduleGPipe``, ``Schedule1F1B``); this file splits the model (``split_model``, shared with model parallelism, or
+at named modules of any model that is a sequence of its children: ``split.py``),
 measures each step (compute vs blocked time, bytes sent) and adds data parallelism across pipeline replicas with
 this project's DDP wrapper over a sub-group (``build_pipeline_groups``).
 
@@ -28,7 +29,7 @@ be built on the ``meta`` device and materialised per stage instead.)
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -36,10 +37,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from app.diagnostics import collectives as recorded
 from app.parallel.ddp import DistributedDataParallel
 from app.parallel.model_parallel import merge_stage_state_dicts, sequential_of, split_model
+from app.parallel.pipeline.split import SequenceStage, model_sequence, stage_ranges
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -154,8 +157,9 @@ class PipelineRunner:
     ``forward_backward``.
 
     Attributes:
-        module: this stage's layers (an ``nn.Sequential`` keyed by the model's layer indices): give its
-            parameters to the optimizer; ``state_dict()`` below names them as in the whole model.
+        module: this stage's layers (an ``nn.Sequential`` keyed by the model's layer indices, or with a ``split``
+            a ``SequenceStage`` holding them under their own names): give its parameters to the optimizer;
+            ``state_dict()`` below names them as in the whole model.
         stage_index, num_stages, n_microbatches, schedule_name: as built.
     """
 
@@ -220,6 +224,21 @@ class PipelineRunner:
         src = self._last_stage_rank if self._last_stage_rank is not None else self.num_stages - 1
         recorded.broadcast(value, "pipeline: the loss", src=src, group=self.group)
         return value.item()
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the gradients by their global L2 norm over the whole model, as ``torch.nn.utils.clip_grad_norm_`` does
+        in one process; returns the norm before clipping. Collective over the pipeline group: every stage calls it.
+
+        Each stage holds a slice of the gradient, so the squared norms of the slices are summed over the pipeline;
+        the replicas' gradients are equal by then (all-reduced in the last backward), so every rank clips alike.
+        """
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        local = get_total_norm(grads) if grads else torch.zeros(())
+        squared = local.detach().float().pow(2).reshape(1).to(self.stage.device)
+        recorded.all_reduce(squared, "pipeline: the gradient's squared norm", group=self.group)
+        norm = squared.sqrt()[0]
+        clip_grads_with_norm_(self.module.parameters(), max_norm, norm)
+        return norm.item()
 
     def state_dict(self) -> dict:
         """This stage's parameters under the whole model's keys (``net.12.weight``): merge with the other stages'
@@ -320,11 +339,13 @@ def build_pipeline_stage(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.mse_loss,
     balance: str = "params",
     bucket_cap_mb: float = 25.0,
+    split: Sequence[str] | None = None,
 ) -> PipelineRunner:
     """Build this rank's stage of ``model``, on PyTorch's pipelining engine.
 
     Args:
-        model: the whole model (an ``nn.Sequential`` or a module with one as ``.net``), the same on every rank.
+        model: the whole model, the same on every rank: an ``nn.Sequential`` or a module with one as ``.net``;
+            with ``split``, any model whose forward is its sequence of children (``app.parallel.pipeline.split``).
         stage_index: this rank's stage, 0-based (its rank in ``group``).
         num_stages: stages in the pipeline (>= 2, at most the model's layers; uneven splits allowed).
         n_microbatches: micro-batches per step; the batch must be a multiple of it (1F1B needs >= num_stages).
@@ -336,6 +357,8 @@ def build_pipeline_stage(
         loss_fn: ``loss_fn(output, target)`` with a *mean* reduction (gradients are divided by M).
         balance: ``"params"`` or ``"time"`` (see ``app.parallel.model_parallel.split_model``).
         bucket_cap_mb: the DDP wrapper's bucket size when ``dp_group`` is given.
+        split: the names in ``model_sequence(model)`` where stages 2.. begin (``plan_split`` checks and balances
+            them); ``None``: ``split_model`` by ``balance``.
 
     Example::
 
@@ -355,8 +378,13 @@ def build_pipeline_stage(
     group_size = dist.get_world_size(group)
     if group_size != num_stages:
         raise ValueError(f"the pipeline group has {group_size} ranks for {num_stages} stages: one stage per rank")
-    _, prefix = sequential_of(model)
-    module = split_model(model, num_stages, balance)[stage_index].to(device)
+    if split is None:
+        _, prefix = sequential_of(model)
+        module = split_model(model, num_stages, balance)[stage_index].to(device)
+    else:  # the stage's modules under their names in the model: its keys need no prefix
+        sequence = model_sequence(model)
+        first, end = stage_ranges(sequence, num_stages, split)[stage_index]
+        module, prefix = SequenceStage(sequence[first:end]).to(device), ""
     submod = module
     if dp_group is not None:
         submod = DistributedDataParallel(module, process_group=dp_group, bucket_cap_mb=bucket_cap_mb)

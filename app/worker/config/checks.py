@@ -15,6 +15,8 @@ AUTOCAST_CHOICES = ("none", "bf16", "fp16")
 LR_SCHEDULE_CHOICES = ("constant", "cosine", "linear")
 RECIPE_DEFAULTS = {"autocast": "none", "grad_clip_norm": 0.0, "lr_schedule": "constant", "warmup_steps": 0}
 PIPELINE_MAX_STAGES = {"mini_mlp": 3}  # its Linear layers: a stage without one would only pass activations on
+# Built-in models that are not a sequence of children (app.parallel.pipeline.split): refused before anything is built.
+PIPELINE_UNSPLITTABLE = {"tiny_transformer": "its blocks take a mask"}
 
 
 class ConfigError(ValueError):
@@ -60,7 +62,8 @@ def check_workload(cfg) -> None:
         )
 
 
-# The step kinds that run the recipe (app.worker.steps.ddp.DDPStep and the ZeRO stages built on it).
+# The step kinds that run the recipe (app.worker.steps.ddp.DDPStep and the ZeRO stages built on it). The pipeline
+# runs all of it but autocast: its stages would hand each other half-precision activations, which is not built.
 RECIPE_KINDS = ("ddp", "zero1", "zero2", "zero3")
 
 
@@ -80,6 +83,8 @@ def check_recipe(cfg) -> None:
     changed = [f"{k}={getattr(cfg, k)}" for k, v in RECIPE_DEFAULTS.items() if getattr(cfg, k) != v]
     if cfg.lr_reference_batch:
         changed.append(f"lr_reference_batch={cfg.lr_reference_batch}")
+    if cfg.parallel == "pipeline":
+        changed = [c for c in changed if c.startswith("autocast=")]
     if changed and cfg.parallel not in RECIPE_KINDS:
         raise ConfigError(
             f"{', '.join(changed)}: the recipe runs with parallel={'|'.join(RECIPE_KINDS)} (not yet in the "
@@ -87,13 +92,48 @@ def check_recipe(cfg) -> None:
         )
 
 
-def check_pipeline(cfg) -> None:
-    if cfg.model not in PIPELINE_MAX_STAGES:
+# Settings that mean something to one step kind only: set for another, they would be silently ignored.
+KIND_SETTINGS = {"fsdp_units": "zero3", "pipeline_split": "pipeline"}
+
+
+def check_kind_settings(cfg) -> None:
+    for name, kind in KIND_SETTINGS.items():
+        if getattr(cfg, name) and cfg.parallel != kind:
+            raise ConfigError(f"{name}={getattr(cfg, name)!r} is for parallel={kind} only: unset it for {cfg.parallel}")
+
+
+def pipeline_cuts(value: str) -> list[str] | None:
+    """``pipeline_split`` as the list of names where stages 2.. begin; ``None`` when empty (balanced split)."""
+    if not value.strip():
+        return None
+    names = [name.strip() for name in value.split(",")]
+    if not all(names) or any(" " in name for name in names):
         raise ConfigError(
-            f"parallel=pipeline: model={cfg.model} cannot be cut into stages (its blocks take a mask); "
-            f"use model=mini_mlp, or parallel=ddp"
+            f"pipeline_split={value!r}: must be a comma list of module names where stages 2.. begin "
+            f"(net.2, or blocks.4,blocks.8), without empty names"
         )
-    top = PIPELINE_MAX_STAGES[cfg.model]
+    return names
+
+
+def check_pipeline_cuts(value: str, stages: int) -> None:
+    """A ``pipeline_split`` of ``stages - 1`` names (the stage count is known once the world size is)."""
+    cuts = pipeline_cuts(value)
+    if cuts is not None and len(cuts) != stages - 1:
+        raise ConfigError(
+            f"pipeline_split={value!r} names {len(cuts)} cut(s) for {stages} stages (pipeline_stages=0: the world "
+            f"size); name {stages - 1}: the module where each stage after the first begins"
+        )
+
+
+def check_pipeline(cfg) -> None:
+    builtin = builtin_name(cfg.model, MODEL_SPECS)
+    if builtin in PIPELINE_UNSPLITTABLE:
+        raise ConfigError(
+            f"parallel=pipeline: model={cfg.model} cannot be cut into stages ({PIPELINE_UNSPLITTABLE[builtin]}); "
+            f"use model=mini_mlp or a model whose forward is its children in order, or parallel=ddp"
+        )
+    pipeline_cuts(cfg.pipeline_split)
+    top = PIPELINE_MAX_STAGES.get(builtin, cfg.pipeline_stages)
     if cfg.pipeline_stages > top:
         raise ConfigError(
             f"pipeline_stages={cfg.pipeline_stages}: {cfg.model} has {top} layers with parameters; "

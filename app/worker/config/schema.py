@@ -23,7 +23,9 @@ from app.worker.config.checks import (
     ConfigError,
     at_least,
     check_activation_checkpointing,
+    check_kind_settings,
     check_pipeline,
+    check_pipeline_cuts,
     check_recipe,
     check_workload,
     choice,
@@ -98,7 +100,9 @@ class TrainConfig:
         "mixed precision of forward and loss: none | bf16 | fp16 (fp16 adds a GradScaler; not in a pipeline)", "none"
     )
     grad_clip_norm: float = _doc(
-        "clip the gradient's global L2 norm to this, over every rank's shards under ZeRO (0 = off; not pipeline)", 0.0
+        "clip the gradient's global L2 norm to this, over every rank's shards under ZeRO, every stage in a pipeline "
+        "(0 = off)",
+        0.0,
     )
     dtype: str = _doc(
         "precision of parameters, gradients and inputs: float32 | float64 (parallel=ddp, zero1, zero2; float64 keeps "
@@ -147,6 +151,12 @@ class TrainConfig:
         4,
     )
     pipeline_schedule: str = _doc("parallel=pipeline: gpipe | 1f1b (1f1b needs microbatches >= stages)", "gpipe")
+    pipeline_split: str = _doc(
+        "parallel=pipeline: comma list of the modules where stages 2.. begin, named in the model's sequence (its "
+        'children in forward order, an nn.Sequential/ModuleList child expanded: net.2 | blocks.4,blocks.8); "" = '
+        "balanced by parameter count (docs/parallelism.md#your-model-in-the-pipeline)",
+        "",
+    )
     device: str = _doc("auto (CUDA + NCCL when a GPU is visible, else CPU + gloo) | cpu | cuda", "auto")
     rendezvous_timeout_seconds: float = _doc(
         "seconds to reach MASTER_ADDR:MASTER_PORT and form the group (one deadline for both)", 60.0
@@ -210,10 +220,7 @@ class TrainConfig:
                 f"dtype={self.dtype} works with parallel=ddp, zero1 or zero2 only: "
                 f"set dtype=float32 for {self.parallel}"
             )
-        if self.fsdp_units and self.parallel != "zero3":
-            raise ConfigError(
-                f"fsdp_units={self.fsdp_units!r} is for parallel=zero3 only: unset it for {self.parallel}"
-            )
+        check_kind_settings(self)
         check_activation_checkpointing(self)
         at_least("pipeline_stages", self.pipeline_stages, 0)
         at_least("pipeline_microbatches", self.pipeline_microbatches, 1)
@@ -270,12 +277,13 @@ class TrainConfig:
                 f"parallel=pipeline with world_size={world_size}: a pipeline needs >= 2 stages, one per rank; "
                 f"run >= 2 ranks (torchrun --nproc-per-node=2), or parallel=ddp"
             )
-        if stages > PIPELINE_MAX_STAGES[self.model]:
+        if stages > PIPELINE_MAX_STAGES.get(self.model, stages):
             raise ConfigError(
                 f"parallel=pipeline: {stages} stages (pipeline_stages=0: the world size) but {self.model} has "
                 f"{PIPELINE_MAX_STAGES[self.model]} layers with parameters; set pipeline_stages to a divisor of "
                 f"{world_size} up to {PIPELINE_MAX_STAGES[self.model]}"
             )
+        check_pipeline_cuts(self.pipeline_split, stages)
         if world_size % stages:
             raise ConfigError(
                 f"pipeline_stages={stages} does not divide world_size={world_size}: run a multiple of {stages} ranks"

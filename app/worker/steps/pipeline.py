@@ -4,11 +4,17 @@
     torchrun --standalone --nproc-per-node=2 -m app.train --parallel pipeline --checkpoint-dir /tmp/pp
     # 4 ranks: 2 replicas of a 2-stage pipeline, each stage's gradients all-reduced between its replicas
     torchrun --standalone --nproc-per-node=4 -m app.train --parallel pipeline --pipeline-stages 2
+    # your model (its forward: its children in order), the second stage beginning at its module blocks.4
+    torchrun --standalone --nproc-per-node=2 -m app.train --parallel pipeline --model mypkg.models:build \
+        --data mypkg.data:train_set --loss cross_entropy --pipeline-split blocks.4
 
 ``PipelineStep.train_step``: ``PipelineRunner.forward_backward`` (app.parallel.pipeline) streams the batch through
 the stages, the ``StepControl`` all-reduce agrees on the loss and a stop, then each rank's optimizer updates its own
 stage's parameters. The Trainer's loop, checkpoints, progress and stop logic are the same as for ``parallel=ddp``.
 
+- Split: ``pipeline_split`` names where stages 2.. begin, or the stages are balanced by parameter count
+  (``app.worker.workload.pipeline_split``, checked with the rest of the workload before any rank waits).
+- Recipe: the lr schedule and clipping by the whole model's norm (over every stage); autocast is refused.
 - Data: rank r is stage ``r % S`` of replica ``r // S``; the data is dealt to the replicas, so every stage of one
   replica reads the same batch (the first stage uses the inputs, the last the labels).
 - Checkpoints: one file per step as for ``parallel=ddp``, whose ``model`` is the whole model merged from the stages
@@ -37,8 +43,9 @@ from app.worker.config import TrainConfig
 from app.worker.data import GlobalBatches
 from app.worker.dist import DistContext
 from app.worker.models import parameter_checksum
+from app.worker.recipe import LRSchedule
 from app.worker.steps.base import MicroBatches, StepOutcome
-from app.worker.workload import build_dataset, build_model
+from app.worker.workload import build_dataset, build_model, pipeline_split
 
 log = logging.getLogger("app.train")
 
@@ -111,6 +118,7 @@ class PipelineStep:
         self.global_batch = batch * replicas
         self.model = model.to(ctx.device)
         pp_group, dp_group, self.stage, replica = build_pipeline_groups(num_stages)
+        self.split = pipeline_split(cfg, self.model, num_stages)  # (check_workload checked it before any rank waited)
         self.runner = build_pipeline_stage(
             self.model,
             stage_index=self.stage,
@@ -122,8 +130,13 @@ class PipelineStep:
             dp_group=dp_group,
             loss_fn=loss_fn,
             bucket_cap_mb=cfg.bucket_cap_mb,
+            split=self.split,
         )
         self.optimizer = torch.optim.AdamW(self.runner.module.parameters(), lr=cfg.lr)
+        # The recipe but autocast (checks.check_recipe): the schedule steps every stage's optimizer alike, clipping
+        # is by the norm over every stage (PipelineRunner.clip_grad_norm_); no GradScaler without fp16.
+        self.lr_schedule = LRSchedule(self.optimizer, cfg, self.global_batch)
+        self.grad_scaler = None
         dataset = build_dataset(cfg)  # the set app.train tried before the process group formed
         # The replicas split the data; rank and world size of the sampler are the replica's, not the rank's.
         self.batches = GlobalBatches(dataset, self.global_batch, batch, replica, replicas, cfg.seed, ctx.device)
@@ -132,12 +145,14 @@ class PipelineStep:
         self.probe = NoCommProbe()  # the pipeline's traffic is counted by the stage (ddp_pipeline_*)
         metrics.enable_pipeline()
         log.info(
-            "pipeline: %d stages x %d replicas, %s schedule, %d micro-batches of %d samples per step",
+            "pipeline: %d stages x %d replicas, %s schedule, %d micro-batches of %d samples per step; stages 2.. "
+            "begin at %s",
             num_stages,
             replicas,
             cfg.pipeline_schedule,
             cfg.pipeline_microbatches,
             batch // cfg.pipeline_microbatches,
+            ",".join(self.split),
         )
 
     def train_step(
@@ -157,8 +172,12 @@ class PipelineStep:
         if agree_nonfinite(stage.is_last and not math.isfinite(result.loss)):
             raise NonFiniteLossError(f"loss is {result.loss} on the last stage", local=stage.is_last)
         opt0 = time.perf_counter()
+        clip = self.cfg.grad_clip_norm
+        grad_norm = self.runner.clip_grad_norm_(clip) if clip > 0 else None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        lr = self.optimizer.param_groups[0]["lr"]  # what this step used, before the schedule moves on
+        self.lr_schedule.step()
         optimizer_seconds = time.perf_counter() - opt0
         self.metrics.observe_pipeline(
             stage=self.stage,
@@ -177,7 +196,8 @@ class PipelineStep:
             comm=self.probe.take(),
             comm_seconds=result.send_recv_seconds,
             exposed_seconds=None,
-            lr=self.optimizer.param_groups[0]["lr"],
+            lr=lr,
+            grad_norm=grad_norm,
         )
 
     def describe_batch(self) -> str:
