@@ -16,7 +16,7 @@ import torch
 from app.parallel.activation_checkpointing import checkpoint_modules
 from app.worker.config import TrainConfig
 from app.worker.dist import DistContext
-from app.worker.steps.base import TrainStep
+from app.worker.steps.base import StepInputs, TrainStep
 from app.worker.steps.data_parallel import DataParallelStep
 from app.worker.steps.ddp import DDPStep
 from app.worker.workload import build_loss, build_model, checkpointed_units
@@ -51,14 +51,14 @@ def build_step(cfg: TrainConfig, ctx: DistContext, grad_accum_steps: int, metric
     """The step kind ``cfg.parallel`` names, over the model ``cfg.model`` names (app.worker.workload), built from
     ``cfg.seed`` (the same on every rank).
 
-    Every kind is called alike: ``kind(cfg, ctx, model, loss_fn, grad_accum_steps=..., metrics=...)``;
+    Every kind is called alike: ``kind(StepInputs(cfg, ctx, model, loss_fn, grad_accum_steps, metrics))``;
     ``metrics`` serves the kinds that report series of their own (the pipeline's ``ddp_pipeline_*``). Then the
     modules ``activation_checkpointing`` names recompute their forward in backward, whatever the kind.
     """
     torch.manual_seed(cfg.seed)  # identical parameters on every rank, before any wrapper broadcasts them
     model = build_model(cfg)
     kind = STEP_KINDS[cfg.parallel]
-    step = kind(cfg, ctx, model, build_loss(cfg), grad_accum_steps=grad_accum_steps, metrics=metrics)
+    step = kind(StepInputs(cfg, ctx, model, build_loss(cfg), grad_accum_steps, metrics))
     # After the kind: every wrapper and pipeline stage holds these very modules, and zero3 has already found its
     # units by class (a checkpointed module's class is a subclass of its own: app.parallel.activation_checkpointing).
     units = checkpointed_units(cfg, model)

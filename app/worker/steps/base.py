@@ -32,14 +32,29 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from app.parallel.probes import CommSample
+from app.worker.config import TrainConfig
 from app.worker.data import GlobalBatches
+from app.worker.dist import DistContext
 
 MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What every step kind is built from (``build_step`` makes it; a kind takes it whole)."""
+
+    cfg: TrainConfig
+    ctx: DistContext  # this rank's place and device, the process group formed
+    model: nn.Module  # the bare model, built from the seed: the same on every rank
+    loss_fn: Callable
+    grad_accum_steps: int  # the kinds that accumulate; the pipeline's micro-batches are its own
+    metrics: Any = None  # for the kinds with series of their own (the pipeline's ddp_pipeline_*)
 
 
 @dataclass

@@ -13,13 +13,11 @@ from torch import nn
 from app.parallel import wrap_model
 from app.parallel.accum import StepResult, accumulation_step
 from app.parallel.probes import comm_probe
-from app.worker.config import TrainConfig
 from app.worker.data import GlobalBatches
-from app.worker.dist import DistContext
 from app.worker.metrics import synchronize_for
 from app.worker.models import parameter_checksum
 from app.worker.recipe import LRSchedule, build_step_recipe
-from app.worker.steps.base import MicroBatches, StepOutcome, nan_loss
+from app.worker.steps.base import MicroBatches, StepInputs, StepOutcome, nan_loss
 from app.worker.workload import build_dataset
 
 
@@ -29,24 +27,16 @@ class DDPStep:
 
     Example::
 
-        step = DDPStep(cfg, ctx, model, build_loss(cfg), grad_accum_steps=2)
+        step = DDPStep(StepInputs(cfg, ctx, model, build_loss(cfg), grad_accum_steps=2))
         outcome = step.train_step(step.batches.next_micro_batches(), agree_nonfinite=lambda bad: bad)
     """
 
-    def __init__(
-        self,
-        cfg: TrainConfig,
-        ctx: DistContext,
-        model: nn.Module,
-        loss_fn: Callable,
-        *,
-        grad_accum_steps: int,
-        metrics=None,  # unused: every series of this kind is the Trainer's
-    ):
-        self.cfg, self.ctx, self.loss_fn = cfg, ctx, loss_fn
-        self.global_batch = cfg.global_batch(ctx.world_size, grad_accum_steps)
+    def __init__(self, inputs: StepInputs):  # inputs.metrics unused: every series of this kind is the Trainer's
+        cfg, ctx = inputs.cfg, inputs.ctx
+        self.cfg, self.ctx, self.loss_fn = cfg, ctx, inputs.loss_fn
+        self.global_batch = cfg.global_batch(ctx.world_size, inputs.grad_accum_steps)
         dtype = getattr(torch, cfg.dtype)
-        self.model = model.to(ctx.device, dtype)
+        self.model = inputs.model.to(ctx.device, dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
         dataset = build_dataset(cfg)  # the set app.train tried before the process group formed
         self.batches = GlobalBatches(

@@ -33,18 +33,15 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from app.parallel.accum import NonFiniteLossError
 from app.parallel.pipeline.stages import build_pipeline_groups, build_pipeline_stage, merge_state_dicts
 from app.parallel.probes import NoCommProbe
 from app.worker.checkpoint.checkpointer import CheckpointMismatch
-from app.worker.config import TrainConfig
 from app.worker.data import GlobalBatches
-from app.worker.dist import DistContext
 from app.worker.models import parameter_checksum
 from app.worker.recipe import LRSchedule
-from app.worker.steps.base import MicroBatches, StepOutcome
+from app.worker.steps.base import MicroBatches, StepInputs, StepOutcome
 from app.worker.workload import build_dataset, build_model, pipeline_split
 
 log = logging.getLogger("app.train")
@@ -99,20 +96,12 @@ class PipelineStep:
 
     Example::
 
-        step = PipelineStep(cfg, ctx, model, build_loss(cfg), grad_accum_steps=1, metrics=metrics)
+        step = PipelineStep(StepInputs(cfg, ctx, model, build_loss(cfg), grad_accum_steps=1, metrics=metrics))
     """
 
-    def __init__(
-        self,
-        cfg: TrainConfig,
-        ctx: DistContext,
-        model: nn.Module,
-        loss_fn: Callable,
-        *,
-        grad_accum_steps: int,  # unused: a pipeline's micro-batches are pipeline_microbatches
-        metrics,
-    ):
-        self.cfg, self.ctx, self.metrics = cfg, ctx, metrics
+    def __init__(self, inputs: StepInputs):  # inputs.grad_accum_steps unused: its micro-batches are its own
+        cfg, ctx, model, loss_fn = inputs.cfg, inputs.ctx, inputs.model, inputs.loss_fn
+        self.cfg, self.ctx, self.metrics = cfg, ctx, inputs.metrics
         num_stages, replicas = cfg.pipeline_layout(ctx.world_size)
         batch = cfg.pipeline_batch(ctx.world_size)  # one replica's samples per step
         self.global_batch = batch * replicas
@@ -143,7 +132,7 @@ class PipelineStep:
         self.model_state = _GatheredModel(self.runner)
         self.optimizer_state = _StageOptimizers(self.optimizer, self.stage, num_stages)
         self.probe = NoCommProbe()  # the pipeline's traffic is counted by the stage (ddp_pipeline_*)
-        metrics.enable_pipeline()
+        inputs.metrics.enable_pipeline()
         log.info(
             "pipeline: %d stages x %d replicas, %s schedule, %d micro-batches of %d samples per step; stages 2.. "
             "begin at %s",

@@ -39,10 +39,9 @@ from app.parallel.zero.stage1 import ZeroRedundancyOptimizer
 from app.parallel.zero.stage2 import ShardedGradDataParallel
 from app.parallel.zero.stage3 import FullyShardedDataParallel
 from app.worker.checkpoint.checkpointer import ShardedState
-from app.worker.config import ConfigError, TrainConfig
-from app.worker.dist import DistContext
+from app.worker.config import ConfigError
 from app.worker.recipe import LRSchedule
-from app.worker.steps.base import MicroBatches, StepOutcome
+from app.worker.steps.base import MicroBatches, StepInputs, StepOutcome
 from app.worker.steps.ddp import DDPStep
 
 
@@ -63,16 +62,15 @@ class ShardedStep(DDPStep):
 
     Example::
 
-        step = STEP_KINDS["zero2"](cfg, ctx, model, build_loss(cfg), grad_accum_steps=2, metrics=metrics)
+        step = STEP_KINDS["zero2"](StepInputs(cfg, ctx, model, build_loss(cfg), grad_accum_steps=2, metrics=metrics))
         outcome = step.train_step(step.batches.next_micro_batches(), agree_nonfinite=lambda bad: bad)
     """
 
     stage = 0
 
-    def __init__(
-        self, cfg: TrainConfig, ctx: DistContext, model: nn.Module, loss_fn: Callable, *, grad_accum_steps, metrics
-    ):
-        super().__init__(cfg, ctx, model, loss_fn, grad_accum_steps=grad_accum_steps)
+    def __init__(self, inputs: StepInputs):
+        super().__init__(inputs)
+        cfg, ctx, metrics = inputs.cfg, inputs.ctx, inputs.metrics
         # DDPStep built an AdamW over the bare parameters (it allocates no state before a step): replaced here,
         # and the schedule with it. The recipe (autocast, clipping by the global norm, the schedule) is DDPStep's.
         self.optimizer = self.build_optimizer()
