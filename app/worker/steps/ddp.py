@@ -5,6 +5,7 @@ The members every step kind has are in ``base.py``; this kind is the one the oth
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -74,19 +75,9 @@ class DDPStep:
         if self.lr_schedule is not None:
             self.lr_schedule.step()  # also after a skipped (overflowed) step: the lr is a function of the step index
         comm = self.probe.take()
+        # What accumulation_step measured, and what the wrapper's communication and the optimizer add to it.
         return StepOutcome(
-            loss=result.loss,
-            samples=result.samples,
-            syncs=result.syncs,
-            forward_seconds=result.forward_seconds,
-            backward_seconds=result.backward_seconds,
-            optimizer_seconds=result.optimizer_seconds,
-            comm=comm,
-            comm_seconds=comm.seconds,
-            exposed_seconds=comm.wait_seconds,
-            lr=lr,
-            grad_norm=result.grad_norm,
-            skipped=result.skipped,
+            **dataclasses.asdict(result), comm=comm, comm_seconds=comm.seconds, exposed_seconds=comm.wait_seconds, lr=lr
         )
 
     def describe_batch(self) -> str:
