@@ -4,6 +4,7 @@ ZeroRedundancyOptimizer and PyTorch's ``fully_shard`` (FSDP2), in fp32 and in bf
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -54,15 +55,19 @@ def test_stage3_walks_with_one_process_ddp_and_torch_zero(world, kind, accum):
 # --------------------------------------------------------------------------------------------------------------------
 # Against PyTorch's fully_shard (FSDP2), fp32 and bf16
 # --------------------------------------------------------------------------------------------------------------------
-def vs_fully_shard(rank, world, kind, dtype_name, accum=1, steps=3):
+def vs_fully_shard(rank, world, kind, dtype_name, accum=1, steps=3, reduce_name=""):
+    """``reduce_name``: the gradients' reduce dtype (both sides); "" for the compute dtype, as PyTorch's default."""
     dtype = getattr(torch, dtype_name) if dtype_name else None
+    reduce_dtype = getattr(torch, reduce_name) if reduce_name else dtype
     torch.manual_seed(0)
     base = build(kind)
     ours_model, theirs_model, reference = (copy.deepcopy(base) for _ in range(3))
-    ours = FullyShardedDataParallel(ours_model, compute_dtype=dtype)
+    ours = FullyShardedDataParallel(ours_model, compute_dtype=dtype, reduce_dtype=reduce_dtype)
     opt = torch.optim.AdamW(ours.parameters(), lr=LR)
     mesh = init_device_mesh("cpu", (world,))
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, output_dtype=torch.float32 if dtype else None)
+    policy = MixedPrecisionPolicy(
+        param_dtype=dtype, reduce_dtype=reduce_dtype, output_dtype=torch.float32 if dtype else None
+    )
     # Units as ours by default: each child of the root, then the root (which takes what is left). PyTorch refuses a
     # tied parameter in two groups, so children sharing one are left to the root (ours puts just the tied tensor
     # there: the layouts differ, the arithmetic does not).
@@ -114,6 +119,39 @@ def test_low_precision_compute_equals_pytorchs_fully_shard_with_the_same_policy(
     assert max(vs_torch) <= LOW_PRECISION_VS_TORCH_TOL[dtype], vs_torch
     assert max(vs_fp32) <= 2 * LR * 3, vs_fp32
     assert max(vs_fp32) > 0  # it did compute in low precision: fp32 would agree to ~1e-8
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_compute_with_fp32_reduction_equals_pytorchs_with_that_policy(dtype):
+    # Ours by default: gathered and computed in bf16/fp16, the gradients reduce-scattered in fp32.
+    vs_torch, vs_fp32 = run_world(vs_fully_shard, 2, "mlp", dtype, 1, 3, "float32", timeout=300)[0]
+    assert max(vs_torch) <= LOW_PRECISION_VS_TORCH_TOL[dtype], vs_torch
+    assert 0 < max(vs_fp32) <= 2 * LR * 3, vs_fp32
+
+
+def no_sync_vs_synced(rank, world, accum=3):
+    """The same step with every micro-batch reduce-scattered, and with all but the last inside no_sync()."""
+    results = {}
+    for mode in ("synced", "no_sync"):
+        torch.manual_seed(0)
+        ours = FullyShardedDataParallel(build("mlp"))
+        opt = torch.optim.AdamW(ours.parameters(), lr=LR)
+        x, y = batch(0, PER_RANK * world * accum)
+        for i in range(accum):
+            mine = slice((rank * accum + i) * PER_RANK, (rank * accum + i + 1) * PER_RANK)
+            inside = mode == "no_sync" and i < accum - 1
+            with ours.no_sync() if inside else contextlib.nullcontext():
+                (F.mse_loss(ours(x[mine]), y[mine]) / accum).backward()
+        opt.step()
+        results[mode] = (ours.full_state_dict(), ours.comm_bytes["reduce_scatter"])
+    return results
+
+
+def test_no_sync_reduce_scatters_once_and_steps_as_every_micro_batch_reduced():
+    results = run_world(no_sync_vs_synced, 2, timeout=300)[0]
+    (synced, synced_bytes), (kept, kept_bytes) = results["synced"], results["no_sync"]
+    assert max((synced[n] - kept[n]).abs().max().item() for n in synced) <= PARAM_TOL
+    assert kept_bytes * 3 == synced_bytes, (kept_bytes, synced_bytes)  # one reduce-scatter of the sum, not three
 
 
 # --------------------------------------------------------------------------------------------------------------------

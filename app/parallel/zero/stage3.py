@@ -34,6 +34,7 @@ Try it: ``torchrun --standalone --nproc-per-node=2 -m app.demos.zero_demo --stag
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 
@@ -62,6 +63,7 @@ class _Unit:
         self.gathered = True
         self.free()
         self.grad: torch.Tensor | None = None
+        self.local: torch.Tensor | None = None  # under no_sync(): the unit's whole gradient, summed on this rank
         self.pending = 0
 
     def gather(self) -> None:
@@ -104,20 +106,35 @@ class FullyShardedDataParallel(nn.Module):
             ``None``: each child of the root (the items of a ModuleList/ModuleDict child). A parameter in two units
             (tied) goes to the root unit. A unit must be a module whose own forward runs: its forward pre-hook is
             what gathers it.
-        compute_dtype: ``torch.bfloat16``/``torch.float16`` to gather, compute and reduce-scatter in (the shards
-            stay fp32); floating-point forward inputs are cast to it and the output cast back to fp32. ``None``:
-            the parameters' own dtype.
+        compute_dtype: ``torch.bfloat16``/``torch.float16`` to gather and compute in (the shards stay fp32);
+            floating-point forward inputs are cast to it and the output cast back to fp32. ``None``: the
+            parameters' own dtype.
         process_group: the group to shard over; ``None`` is the default (world) group.
         init_sync: broadcast rank 0's parameters and buffers first (``False``: the ranks agree already).
+        reduce_dtype: what the gradients are reduce-scattered in: fp32 by default, whatever the compute dtype (the
+            sum of N low-precision gradients loses what fp32 keeps; PyTorch's ``MixedPrecisionPolicy`` calls it the
+            same); ``None``: the compute dtype (half the bytes on the wire).
 
     Every trainable parameter must get a gradient in every backward (there is no ``find_unused_parameters``).
-    Gradient accumulation needs nothing special: each backward reduce-scatters and adds into ``shard.grad``.
+    Gradient accumulation needs nothing special: each backward reduce-scatters and adds into ``shard.grad``; or,
+    inside ``no_sync()``, keeps each unit's whole gradient on the rank and reduce-scatters the sum once.
     """
 
-    def __init__(self, module: nn.Module, units=None, compute_dtype=None, process_group=None, init_sync=True):
+    def __init__(
+        self,
+        module: nn.Module,
+        units=None,
+        compute_dtype=None,
+        process_group=None,
+        init_sync=True,
+        reduce_dtype=torch.float32,
+    ):
         super().__init__()
-        if compute_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"compute_dtype={compute_dtype}: choose None, torch.bfloat16 or torch.float16")
+        for name, dtype in (("compute_dtype", compute_dtype), ("reduce_dtype", reduce_dtype)):
+            if dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+                raise ValueError(f"{name}={dtype}: choose None, torch.float32, torch.bfloat16 or torch.float16")
+        self.reduce_dtype = reduce_dtype
+        self.require_backward_grad_sync = True  # False inside no_sync()
         unit_modules = resolve_units(module, units)  # before any collective: a bad list fails alone, at once
         self.module, self.compute_dtype, self.process_group = module, compute_dtype, process_group
         self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
@@ -199,21 +216,42 @@ class FullyShardedDataParallel(nn.Module):
             unit.pending = len(unit.flat_shard.params)
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside keep each unit's whole gradient on this rank, summed, instead of reduce-scattering
+        it; the first backward outside reduce-scatters the sum once (PyTorch's FSDP ``no_sync``). It costs a whole
+        model's gradient per rank (4 bytes a parameter in fp32), which is what stage 3 otherwise saves: fewer
+        collectives for more memory."""
+        previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
     def _make_grad_hook(self, unit: _Unit):
         s = unit.flat_shard
         position = {id(p): i for i, p in enumerate(s.params)}
 
         def hook(param: torch.Tensor) -> None:
-            if unit.grad is None:
-                unit.grad = torch.zeros(s.padded, dtype=param.grad.dtype)  # zeros: the padding adds nothing
+            if unit.grad is None:  # what no_sync() kept, or zeros (the padding adds nothing)
+                unit.grad = (
+                    unit.local if unit.local is not None else torch.zeros(s.padded, dtype=self._reduce_dtype(param))
+                )
+                unit.local = None
             i = position[id(param)]
-            unit.grad[s.offsets[i] : s.offsets[i] + s.numels[i]].copy_(param.grad.reshape(-1))
+            unit.grad[s.offsets[i] : s.offsets[i] + s.numels[i]].add_(param.grad.reshape(-1))
             param.grad = None
             unit.pending -= 1
-            if unit.pending == 0:
+            if unit.pending == 0 and self.require_backward_grad_sync:
                 unit.reduce_scatter()
+            elif unit.pending == 0:  # inside no_sync(): keep the sum here, give the gathered parameters back
+                unit.local, unit.grad = unit.grad, None
+                unit.free()
 
         return hook
+
+    def _reduce_dtype(self, param: torch.Tensor) -> torch.dtype:
+        return self.reduce_dtype or param.grad.dtype
 
     def _finalize_backward(self) -> None:
         self._callback_queued = False

@@ -53,6 +53,9 @@ class DDPStep:
         self.probe = comm_probe(self.wrapped)
         self.synchronize = synchronize_for(ctx.device)
 
+    # A kind whose wrapper has a no_sync() it must not use sets this (zero3: memory before collectives).
+    sync_every_micro_batch = False
+
     def wrap(self, model: nn.Module) -> nn.Module:
         """The data-parallel wrapper the step runs through (broadcasts rank 0's parameters once)."""
         return wrap_model(model, self.cfg.wrapper, bucket_cap_mb=self.cfg.bucket_cap_mb)
@@ -70,6 +73,7 @@ class DDPStep:
             grad_scale=self.batches.grad_scale,
             agree_nonfinite=agree_nonfinite,
             recipe=self.recipe,
+            sync_every_micro_batch=self.sync_every_micro_batch,
         )
         lr = self.optimizer.param_groups[0]["lr"]  # what this step used, before the schedule moves on
         if self.lr_schedule is not None:
