@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from bench import scaling_fit as model
 from bench.pipeline_bubble import OneLineParser  # one-line errors, exit 2: the house rule for bad input
 from bench.provenance import REPO, RESULTS, describe_output, load_average, output_path, provenance
+from tools.docker_cli import docker
 
 SCHEMA = "scaling.v2"
 MODELS = ("mini_mlp", "deep_mlp", "tiny_transformer")
@@ -311,10 +312,6 @@ def in_container(args) -> int:
     return 0
 
 
-def docker(*argv: str, timeout: float = 120) -> str:
-    return subprocess.run(["docker", *argv], capture_output=True, text=True, timeout=timeout, check=True).stdout
-
-
 def containers_ready() -> str | None:
     """None if Docker is up and has the project's image, else why the containers are skipped."""
     try:
@@ -347,8 +344,8 @@ def measure_containers(args) -> dict:
                 docker("run", *flags, "--entrypoint", "python", IMAGE, *entry, *rounds)
             ranks = []
             for name in names:
-                code = docker("wait", name, timeout=600).strip()
-                logs = subprocess.run(["docker", "logs", name], capture_output=True, text=True, timeout=60)
+                code = docker("wait", name, timeout=600).stdout.strip()
+                logs = docker("logs", name, check=False)
                 line = [s for s in logs.stdout.splitlines() if s.startswith(RESULT_TAG)]
                 if code != "0" or not line:
                     tail = " | ".join((logs.stdout + logs.stderr).splitlines()[-2:])
@@ -361,10 +358,10 @@ def measure_containers(args) -> dict:
     except (OSError, subprocess.SubprocessError) as exc:
         return {"skipped": f"failed: {exc}"}
     finally:  # whatever happened: no container or network of this run is left behind
-        leftover = docker("ps", "-aq", "--filter", f"name={tag}").split()
+        leftover = docker("ps", "-aq", "--filter", f"name={tag}").stdout.split()
         if leftover:
             docker("rm", "-f", *leftover)
-        subprocess.run(["docker", "network", "rm", tag], capture_output=True, timeout=60)
+        docker("network", "rm", tag, check=False)
     points = model.collective_points(per_world)
     fits = model.fit_all(points, usable_cores())
     summary = {"collectives": model.error_summary([p["error"] for p in points])}

@@ -44,7 +44,6 @@ Each project is taken down (``docker compose down -v``) whatever happens.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import re
 import statistics
@@ -55,6 +54,7 @@ import time
 from app.cli import first_line
 from bench.cluster.chaos import Project, project_env
 from bench.provenance import describe_output, load_average, write_result
+from tools.docker_cli import STAMP, docker, stamp
 
 # name -> (what it is, the environment that makes it)
 VARIANTS = {
@@ -90,26 +90,13 @@ LAUNCHER_MILESTONES = [  # (phase ending at the last container's line, the line)
 STARTUP = re.compile(r"\[rank 0\] INFO start-up: (.*) = ([\d.]+) s")
 PHASE = re.compile(r"([^,]+?) ([\d.]+) s")
 FIRST_STEP = re.compile(r"\[rank 0\] INFO step 1/")
-STAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?Z")
-
-
-def unix(text: str) -> float:
-    """Unix time of Docker's RFC 3339 stamp (nanoseconds cut to microseconds)."""
-    m = STAMP.search(text)
-    if not m:
-        raise ValueError(f"no timestamp in {text!r}")
-    whole = dt.datetime.fromisoformat(m[1]).replace(tzinfo=dt.timezone.utc).timestamp()
-    return whole + float("0." + (m[2] or "0"))
 
 
 def started_at(p: Project, service: str) -> list[float]:
     ids = p.compose("ps", "-a", "-q", service).stdout.split()
     if not ids:
         return []
-    out = subprocess.run(
-        ["docker", "inspect", "-f", "{{.State.StartedAt}}", *ids], capture_output=True, text=True, timeout=60
-    )
-    return [unix(line) for line in out.stdout.split()]
+    return [stamp(line) for line in docker("inspect", "-f", "{{.State.StartedAt}}", *ids).stdout.split()]
 
 
 def service_lines(p: Project, service: str) -> list[tuple[str, float, str]]:
@@ -119,7 +106,7 @@ def service_lines(p: Project, service: str) -> list[tuple[str, float, str]]:
     for line in out.splitlines():
         name, _, text = line.partition(" | ")
         if STAMP.match(text.strip()):
-            rows.append((name.strip(), unix(text), text))
+            rows.append((name.strip(), stamp(text), text))
     return rows
 
 
@@ -175,7 +162,7 @@ def one_run(args, variant: str, index: int) -> dict:
         )
         codes = [r["ExitCode"] for r in p.workers()]
         return {"variant": variant, "repeat": index, "up_returned_s": round(up_returned, 3), "exit_codes": codes, **run}
-    except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:  # a run that failed is a result too
+    except (RuntimeError, TimeoutError, subprocess.SubprocessError) as e:  # a run that failed is a result too
         why = first_line(e)[:300]
         return {"variant": variant, "repeat": index, "failed": why, "after_s": round(time.time() - t_up, 1)}
     finally:
