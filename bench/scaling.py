@@ -5,7 +5,7 @@
     .venv/bin/python -m bench.scaling --render-docs         # rewrite docs/scaling.md's block from the JSON
 
 1. Measure: all-reduce, reduce-scatter, all-gather and send/recv (gloo, CPU) over 4 KiB-64 MiB on fresh local
-   worlds of 2, 3 and 4 processes (``app.demos.world.spawn_world``). Repeats are interleaved (every size and
+   worlds of 2, 3 and 4 processes (``app.world.spawn_world``). Repeats are interleaved (every size and
    collective once per round, shuffled; more rounds below 4 MiB), a barrier precedes each timed call, a point is
    the slowest rank's time (send/recv: half a ping-pong between ranks 0 and 1), median over the rounds. In the same
    worlds: DDP steps of the project's models (``app.parallel.wrap_model``, ours, default buckets), interleaved, in
@@ -245,7 +245,7 @@ def predictions(sweep: dict, buckets: dict, fits: dict, fixed: dict, global_batc
 
 
 def measure(args) -> dict:
-    from app.demos.world import spawn_world
+    from app.world import spawn_world
 
     cfg = {
         "sizes": args.sizes,
