@@ -205,8 +205,9 @@ chaos: venv image ## the chaos proof: a worker killed and brought back vs an unt
 drills: venv image ## the failure drills (kill, store crash, full disk, ...; --list): table + JSON in bench/results/
 	$(PY) -m bench.cluster.drills --no-build
 
-bench-startup: venv image ## up -> first step of 4 workers, phase by phase; before/after the fixes, interleaved; JSON in bench/results/
+bench-startup: venv image ## each start-up trick on vs off: compose up -> first step (4 workers), then a local world; JSON in bench/results/
 	IMAGE_NAME=ddp-cluster $(PY) -m bench.startup
+	$(PY) -m bench.local_startup
 
 e2e: venv docker-setup ## the end-to-end tests: image, compose up --scale worker=4, Prometheus, every dashboard query
 	$(PY) -m pytest -m e2e tests/e2e $(PYTEST_ARGS)

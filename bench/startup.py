@@ -28,7 +28,7 @@ path only when the workers wait for a healthy store.
 
 Variants (``--variant``, repeatable) are compose settings toggled by environment variable: ``before`` undoes the
 start-up fixes (STORE_CONDITION=service_healthy: the workers start once the store is healthy;
-TRAINER_DEFER_DYNAMO=0: the trainer imports torch._dynamo, as torch.optim does; LAUNCH_FORK_TRAINER=0: the launcher
+TRAINER_DEFER_DYNAMO=0: the trainer imports torch._dynamo, as torch.optim does; LAUNCH_FORK=0: the launcher
 starts its trainer as a new interpreter, which imports torch again, instead of forking it,
 app/cluster/forked_trainer.py), ``store_healthy`` only the first, ``eager_dynamo`` only the second,
 ``exec_trainer`` only the third, ``now`` is compose.yaml as it is: each trick's saving is its variant's total
@@ -61,15 +61,15 @@ VARIANTS = {
     "before": (
         "the measured fixes undone: workers wait for a healthy store, the trainer is a new interpreter that "
         "imports torch and torch._dynamo",
-        {"STORE_CONDITION": "service_healthy", "TRAINER_DEFER_DYNAMO": "0", "LAUNCH_FORK_TRAINER": "0"},
+        {"STORE_CONDITION": "service_healthy", "TRAINER_DEFER_DYNAMO": "0", "LAUNCH_FORK": "0"},
     ),
     "store_healthy": (
         "only the store fix undone (STORE_CONDITION=service_healthy)",
         {"STORE_CONDITION": "service_healthy"},
     ),
     "exec_trainer": (
-        "only the trainer's fork undone (LAUNCH_FORK_TRAINER=0): a new interpreter, which imports torch again",
-        {"LAUNCH_FORK_TRAINER": "0"},
+        "only the trainer's fork undone (LAUNCH_FORK=0): a new interpreter, which imports torch again",
+        {"LAUNCH_FORK": "0"},
     ),
     "eager_dynamo": (
         "only the deferred torch._dynamo undone (TRAINER_DEFER_DYNAMO=0): the trainer imports it, as torch.optim does",

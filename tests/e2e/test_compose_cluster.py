@@ -689,7 +689,7 @@ def test_one_container_too_many_is_refused_once_and_the_job_ends_once(spare_run)
 
 
 # The trainer is its launcher's child: forked from it (app.cluster.forked_trainer), its command line is the
-# launcher's own; started as a new interpreter (LAUNCH_FORK_TRAINER=0, a CUDA build), `python -u -m app.train`.
+# launcher's own; started as a new interpreter (LAUNCH_FORK=0, a CUDA build), `python -u -m app.train`.
 TRAINER = "child of app.cluster.launch"
 STORE = "app.cluster.rendezvous_store"
 
