@@ -40,16 +40,18 @@ VARIANTS = {  # name -> (what it is, the environment that makes it)
 
 
 def first_step(rank: int, world_size: int) -> str:
-    """One AdamW step of a small DDP model; which torch._dynamo the rank ended with (the stand-in or the real one)."""
+    """One AdamW step of a small model, gradients averaged by hand (torch's DDP would import torch._dynamo itself);
+    which torch._dynamo the rank ended with: the stand-in (``DeferredDynamo``) or the real one (``module``)."""
     import torch
-    from torch.nn.parallel import DistributedDataParallel
+    import torch.distributed as dist
 
     torch.manual_seed(0)
-    model = DistributedDataParallel(
-        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
-    )
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(16, 64)).square().mean().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world_size
     optimizer.step()
     return type(sys.modules.get("torch._dynamo")).__name__
 
