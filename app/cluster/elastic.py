@@ -127,6 +127,10 @@ class Reporter:
             self._client = dist.TCPStore(*self.store, is_master=False, timeout=datetime.timedelta(seconds=10))
         return self._client
 
+    def forget_store(self) -> None:
+        """Drop the client and reader: they talk to a store that is gone; the next read opens a new one."""
+        self._read = self._client = None
+
     def job_started(self) -> bool:
         state = self.state()
         return state is not None and bool(state.participants or state.complete or state.round > 0)

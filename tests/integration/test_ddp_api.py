@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from app.parallel import reducer as reducer_module
-from app.parallel.comm_hooks import allreduce_hook
-from app.parallel.ddp import FIRST_BUCKET_BYTES
 from app.parallel.ddp import DistributedDataParallel as DDP
+from app.parallel.ddp import reducer as reducer_module
+from app.parallel.ddp.comm_hooks import allreduce_hook
+from app.parallel.ddp.module import FIRST_BUCKET_BYTES
 from app.parallel.probes import OursCommProbe, TorchCommProbe
 from app.worker.models import DeepMLP, MiniMLP
 from tests.world import run_world

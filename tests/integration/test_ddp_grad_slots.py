@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from app.parallel.ddp import DistributedDataParallel as DDP
-from app.parallel.reducer import GROUP_NUMEL
+from app.parallel.ddp.reducer import GROUP_NUMEL
 from tests.world import run_world
 
 TOL = 1e-6

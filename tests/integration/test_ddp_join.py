@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from app.parallel.comm_hooks import allreduce_hook
 from app.parallel.ddp import DistributedDataParallel as DDP
+from app.parallel.ddp.comm_hooks import allreduce_hook
 from tests.world import run_world
 
 

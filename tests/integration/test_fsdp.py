@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from app.parallel.ddp import DistributedDataParallel as DDP
-from app.parallel.fsdp import FullyShardedDataParallel
+from app.parallel.zero.stage3 import FullyShardedDataParallel
 from app.worker.models import Block, TinyTransformer, parameter_checksum
 from tests.integration.test_zero import (
     LR,

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from app.parallel import wrap_model
 from app.parallel.accum import StepRecipe, accumulation_step
-from app.worker.checkpoint_files import checkpoint_path, load_checkpoint
+from app.worker.checkpoint.files import checkpoint_path, load_checkpoint
 from app.worker.config import TrainConfig
 from app.worker.models import MiniMLP
 from app.worker.recipe import LRSchedule, lr_factor
@@ -245,7 +245,7 @@ def _resume_lrs(rank: int, world: int, directory: str) -> tuple[float, float]:
 
     import torch.distributed as dist
 
-    from app.worker.checkpoint import Checkpointer
+    from app.worker.checkpoint.checkpointer import Checkpointer
     from app.worker.data import GlobalBatches, teacher_classification
     from app.worker.dist import DistContext
 

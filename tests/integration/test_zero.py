@@ -21,9 +21,9 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 from app.parallel.ddp import DistributedDataParallel as DDP
-from app.parallel.fsdp import FullyShardedDataParallel
-from app.parallel.sharded_grad import ShardedGradDataParallel
-from app.parallel.zero import ZeroRedundancyOptimizer, partition_by_size
+from app.parallel.zero.stage1 import ZeroRedundancyOptimizer, partition_by_size
+from app.parallel.zero.stage2 import ShardedGradDataParallel
+from app.parallel.zero.stage3 import FullyShardedDataParallel
 from app.worker.models import MiniMLP, parameter_checksum
 from tests.world import run_world
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app.parallel.sharded_checkpoint import CheckpointError, load_sharded, save_sharded
+from app.parallel.zero.checkpoint import CheckpointError, load_sharded, save_sharded
 from tests.integration.test_zero import batch, build, full_parameters, wrap
 from tests.world import run_world
 
