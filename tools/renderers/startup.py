@@ -128,6 +128,8 @@ def render_startup_local(doc: dict) -> list[str]:
         f"took {doc['template_start_s']:.1f} s before them.",
         "",
     ]
+    load = doc["machine"].get("load_average_before") or [0.0]
+    decided = doc["repeats"] >= 3 and load[0] < 1.5  # as the compose block: three runs each, a quiet machine
     rows = []
     for v, trick in (
         ("exec", "the rank forked from a template (LAUNCH_FORK)"),
@@ -136,5 +138,9 @@ def render_startup_local(doc: dict) -> list[str]:
         saving = s["saving_s"].get(v)
         if saving is not None:
             rows.append((f"{trick} saves more than {KEEP_S:g} s", f"`{v}` − `fork` > {KEEP_S:g} s",
-                         f"{saving:.2f} s", saving > KEEP_S if doc["repeats"] >= 3 else None))  # fmt: skip
-    return lines + claims_table(rows)
+                         f"{saving:.2f} s", saving > KEEP_S if decided else None))  # fmt: skip
+    out = lines + claims_table(rows)
+    if not decided:
+        out += ["", f"`?`: not decided: fewer than three runs of each, or a machine that was not quiet (load "
+                    f"{load[0]:.1f} on its cores before the run)."]  # fmt: skip
+    return out
