@@ -190,7 +190,7 @@ def model_facts(spec: str, model_kwargs: dict, data: str | None, data_kwargs: di
     import torch
 
     from app.check.inputs import InputError, build_data, build_loss, synthetic_data
-    from app.parallel.fsdp import assign_parameters, resolve_units
+    from app.parallel.zero.stage3 import assign_parameters, resolve_units
     from app.specs import DATA_SPECS, SpecError, build_model, expand
 
     try:

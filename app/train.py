@@ -10,11 +10,11 @@
     python -m app.train --wrapper none --steps 50
 
 The flow is ``main`` (config, signals, metrics endpoint, process group as a pair) → ``build_step``
-(app.worker.step_kinds: the step kind ``parallel`` names: ddp, dp, pipeline, zero1-3) → ``Trainer.run``
+(app.worker.steps: the step kind ``parallel`` names: ddp, dp, pipeline, zero1-3) → ``Trainer.run``
 (app.worker.trainer: resume, loop) → the kind's ``train_step`` (for ddp, ``accumulation_step`` in
 app.parallel.accum). Per rank: the process group from torchrun's variables (app.worker.dist), the same seeded
 parameters everywhere, its share of each global batch (app.worker.data), one ``/metrics`` endpoint
-(app.worker.metrics), and checkpoints written by rank 0 (app.worker.checkpoint).
+(app.worker.metrics), and checkpoints written by rank 0 (app.worker.checkpoint.checkpointer).
 
 Stopping: SIGTERM (``docker stop``, Kubernetes) or SIGINT finishes the current step; the ranks agree on the step to
 stop at (one tiny all-reduce per step, which also carries the NaN check), rank 0 checkpoints, and the signalled ranks
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info(describe(resolved))
 
     # torch and everything built on it, only now: a bad flag above fails before this seconds-long import.
-    from app.worker.checkpoint import CheckpointMismatch, CheckpointWriteError
+    from app.worker.checkpoint.checkpointer import CheckpointMismatch, CheckpointWriteError
     from app.worker.dist import RendezvousError, cleanup_distributed, init_distributed, lost_peer
     from app.worker.trainer import TrainingDiverged
 
@@ -162,8 +162,8 @@ def train(
     cfg: TrainConfig, sources: dict[str, str], ctx, world: WorldEnv, grad_accum_steps: int, stop, metrics, clock
 ) -> int:
     """Inside the process group: the start-up checks every rank must agree on, then the loop, then the linger."""
-    from app.worker.checkpoint_files import checkpoint_dir_problem
-    from app.worker.step_kinds import build_step
+    from app.worker.checkpoint.files import checkpoint_dir_problem
+    from app.worker.steps import build_step
     from app.worker.trainer import Trainer
 
     if stop.requested:

@@ -87,7 +87,7 @@ def evaluate(cfg, directory: Path, steps: list[int], x, y) -> dict[int, float]:
     """Held-out loss of each checkpoint (step 0: the seeded initial model, as every run starts)."""
     import torch
 
-    from app.worker.checkpoint_files import checkpoint_path, load_checkpoint
+    from app.worker.checkpoint.files import checkpoint_path, load_checkpoint
     from app.worker.workload import build_loss, build_model
 
     loss_fn, out = build_loss(cfg), {}

@@ -45,7 +45,7 @@ from torch import nn
 
 from app.diagnostics.recorder import RECORDER
 from app.parallel import wrap_model
-from app.parallel.comm_hooks import HOOKS
+from app.parallel.ddp.comm_hooks import HOOKS
 from app.worker.allocator import return_freed_memory_to_the_os, trim
 from app.worker.dist import distributed, exit_process
 from app.worker.models import DeepMLP, TinyTransformer, count_parameter_tensors

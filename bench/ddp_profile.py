@@ -19,7 +19,7 @@ new order each repeat (the same order on both ranks); a phase's figure is the me
 rank's per-repeat median. The machine may be shared: read the ratios to PyTorch's row, not the milliseconds.
 
 Variants: ``no DDP`` (the bare model: no communication), ``ours`` and ``torch`` (25 MiB buckets, fp32 on the wire),
-``ours bf16`` and ``torch bf16`` (the same, with ``app.parallel.comm_hooks.bf16_compress_hook``). Beside them, one
+``ours bf16`` and ``torch bf16`` (the same, with ``app.parallel.ddp.comm_hooks.bf16_compress_hook``). Beside them, one
 all-reduce of the model's gradients alone in fp32, bf16 and fp16 (gloo's), and in bf16 by exchange (ours): the most
 a 16-bit wire can save here.
 """
@@ -39,8 +39,8 @@ import torch.distributed as dist
 from torch import nn
 
 from app.parallel import wrap_model
-from app.parallel.buckets import GradBucket
-from app.parallel.comm_hooks import HOOKS, Exchange
+from app.parallel.ddp.buckets import GradBucket
+from app.parallel.ddp.comm_hooks import HOOKS, Exchange
 from app.worker.dist import distributed, exit_process
 from bench.ddp_bench import describe, mlp_workload, transformer_workload
 from bench.provenance import describe_output, load_average, output_path, provenance

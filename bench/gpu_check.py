@@ -136,8 +136,8 @@ def check_timing(cycles: int) -> dict:
     import torch
     import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hooks
 
-    from app.parallel.comm_hooks import allreduce_hook
     from app.parallel.ddp import DistributedDataParallel as Ours
+    from app.parallel.ddp.comm_hooks import allreduce_hook
     from app.parallel.probes import OursCommProbe, TorchCommProbe
 
     def delayed(hook):
@@ -185,8 +185,8 @@ def check_hooks(steps: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from app.parallel.comm_hooks import HOOKS
     from app.parallel.ddp import DistributedDataParallel as Ours
+    from app.parallel.ddp.comm_hooks import HOOKS
 
     base = build()
     x, y = batch(0)

@@ -89,12 +89,12 @@ def _wrap(owner, attr: str, log: PhaseLog, name) -> None:
 
 def install(log: PhaseLog) -> None:
     """Wrap the worker's phases: the workload check, the model build, resume, each step, the save, the checksum."""
-    from app.worker import step_kinds, workload
-    from app.worker.checkpoint import Checkpointer
+    from app.worker import steps, workload
+    from app.worker.checkpoint.checkpointer import Checkpointer
     from app.worker.trainer import Trainer
 
     _wrap(workload, "check_workload", log, "workload check")  # app.train imports it at call time: the wrapper
-    _wrap(step_kinds, "build_step", log, "construction")
+    _wrap(steps, "build_step", log, "construction")
     _wrap(Checkpointer, "resume", log, "resume")
     _wrap(Trainer, "run_step", log, lambda _self, i: "first step" if i == _self.first_step else "later steps")
     _wrap(Trainer, "save", log, "checkpoint save")

@@ -1,5 +1,5 @@
 """The pipeline bubble, measured: each stage's idle share against GPipe's (S−1)/(M+S−1), for S = 2, 4 stages and
-M = 1, 2, 4, 8 micro-batches, on PyTorch's schedules (``app.parallel.pipeline``), gloo on CPU, world size S.
+M = 1, 2, 4, 8 micro-batches, on PyTorch's schedules (``app.parallel.pipeline.stages``), gloo on CPU, world size S.
 
     make pipeline-bubble                                     # both compute kinds: 2-6 minutes on 2 cores
     .venv/bin/python -m bench.pipeline_bubble --compute emulated --steps 3
@@ -44,7 +44,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")  # files only: no display on servers and CI
     import matplotlib.pyplot as plt
 
-    from app.parallel.pipeline import theoretical_bubble
+    from app.parallel.pipeline.stages import theoretical_bubble
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     colors = {2: "tab:blue", 4: "tab:orange"}

@@ -60,7 +60,7 @@ def train(directory: Path, world: int, dtype: str, args) -> float:
 
 def distance(a: Path, b: Path, step: int) -> dict:
     """max |Δparam| and |θa − θb| / |θa| between the two runs' checkpoints of ``step``."""
-    from app.worker.checkpoint_files import checkpoint_path, load_checkpoint
+    from app.worker.checkpoint.files import checkpoint_path, load_checkpoint
 
     pa = load_checkpoint(checkpoint_path(a, step))["model"]
     pb = load_checkpoint(checkpoint_path(b, step))["model"]

@@ -8,10 +8,10 @@ parameters: where sharding pays most. This process spawns each world (real ranks
 per rank) and every rank runs every variant:
 
     ddp           app.parallel.ddp (gradient_as_bucket_view: the gradient exists once) + torch.optim.AdamW
-    zero1         the same DDP + app.parallel.zero.ZeroRedundancyOptimizer(AdamW)
+    zero1         the same DDP + app.parallel.zero.stage1.ZeroRedundancyOptimizer(AdamW)
     torch zero1   torch's DDP (gradient_as_bucket_view) + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)
-    zero2         app.parallel.sharded_grad.ShardedGradDataParallel + its AdamW over the shards
-    zero3         app.parallel.fsdp.FullyShardedDataParallel (each Linear a unit) + AdamW over the shards
+    zero2         app.parallel.zero.stage2.ShardedGradDataParallel + its AdamW over the shards
+    zero3         app.parallel.zero.stage3.FullyShardedDataParallel (each Linear a unit) + AdamW over the shards
     torch fsdp2   torch.distributed.fsdp.fully_shard on each Linear, then the root + AdamW
 
 Measured, per rank (the heavier rank's figure):
@@ -69,9 +69,9 @@ class Variant:
         from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
         from app.parallel.ddp import DistributedDataParallel
-        from app.parallel.fsdp import FullyShardedDataParallel
-        from app.parallel.sharded_grad import ShardedGradDataParallel
-        from app.parallel.zero import ZeroRedundancyOptimizer
+        from app.parallel.zero.stage1 import ZeroRedundancyOptimizer
+        from app.parallel.zero.stage2 import ShardedGradDataParallel
+        from app.parallel.zero.stage3 import FullyShardedDataParallel
 
         self.name, self.model = name, copy.deepcopy(base)
         if name in ("ddp", "zero1"):

@@ -60,19 +60,19 @@ def T(*tests: str) -> tuple[str, ...]:
 
 # The curated list. Keep each `find` as short as stays unique, and the tests as few as catch it (speed).
 MUTANTS: list[Mutant] = [
-    # -- the DDP wrapper (app/parallel/ddp.py, reducer.py) ---------------------------------------------------------
+    # -- the DDP wrapper (app/parallel/ddp/module.py, reducer.py) --------------------------------------------------
     Mutant(
         "ddp-no-divide-by-world-size",
         "gradients summed over ranks, not averaged: every step is world_size times too big",
-        "app/parallel/reducer.py",
-        "torch.tensor(1.0 / self._divisor, dtype=b._params[0].dtype)",
-        "torch.tensor(1.0, dtype=b._params[0].dtype)",
+        "app/parallel/ddp/reducer.py",
+        "torch.tensor(1.0 / self._divisor, dtype=b.params[0].dtype)",
+        "torch.tensor(1.0, dtype=b.params[0].dtype)",
         T("tests/integration/test_ddp.py::test_matches_single_process_training_step_by_step"),
     ),
     Mutant(
         "ddp-bucket-order-differs-by-rank",
         "odd ranks bucket parameters in another order: all-reduces pair up different gradients",
-        "app/parallel/reducer.py",
+        "app/parallel/ddp/reducer.py",
         "self._build_buckets(list(reversed(range(len(self._params)))))",
         "self._build_buckets(list(range(len(self._params))) if dist.get_rank() % 2 "
         "else list(reversed(range(len(self._params)))))",
@@ -81,7 +81,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ddp-no-initial-broadcast",
         "ranks keep their own initial weights instead of rank 0's: they drift apart forever",
-        "app/parallel/ddp.py",
+        "app/parallel/ddp/module.py",
         "[p.data for p in module.parameters()] + buffers, src=self._src_rank",
         "[], src=self._src_rank",
         T("tests/integration/test_ddp.py::test_matches_single_process_training_step_by_step"),
@@ -89,7 +89,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ddp-no-sync-ignored",
         "no_sync() still all-reduces every backward: accumulation costs K syncs per step",
-        "app/parallel/ddp.py",
+        "app/parallel/ddp/module.py",
         "self.require_backward_grad_sync = False",
         "self.require_backward_grad_sync = True",
         T("tests/integration/test_accum.py::test_gradients_sync_once_per_effective_step"),
@@ -97,7 +97,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ddp-first-bucket-not-capped",
         "the first bucket is as big as the others (25 MiB), so its all-reduce starts late in backward",
-        "app/parallel/ddp.py",
+        "app/parallel/ddp/module.py",
         "FIRST_BUCKET_BYTES = 1024 * 1024",
         "FIRST_BUCKET_BYTES = 1024 * 1024 * 1024",
         T("tests/integration/test_ddp_api.py::test_buckets_are_cut_like_pytorchs"),
@@ -105,7 +105,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ddp-bucket-closes-past-its-cap",
         "a bucket closes only once it exceeds its cap, not when it reaches it: buckets differ from PyTorch's",
-        "app/parallel/buckets.py",
+        "app/parallel/ddp/buckets.py",
         "if current_bytes >= cap:",
         "if current_bytes > cap:",
         T("tests/integration/test_ddp_api.py::test_buckets_are_cut_like_pytorchs"),
@@ -119,11 +119,11 @@ MUTANTS: list[Mutant] = [
         "weight = grad_scale if scale_loss else 1.0",
         T("tests/integration/test_accum.py::test_one_batch_of_16_equals_4_micro_batches_of_4"),
     ),
-    # -- checkpoints (app/worker/checkpoint.py) ------------------------------------------------------------------------
+    # -- checkpoints (app/worker/checkpoint/checkpointer.py) --------------------------------------------------
     Mutant(
         "ckpt-written-in-place",
         "the checkpoint is written straight to its final name: a crash mid-write leaves a torn newest file",
-        "app/worker/checkpoint_files.py",
+        "app/worker/checkpoint/files.py",
         'tmp = d / f".{final.name}.tmp-{os.getpid()}"',
         "tmp = final",
         T("tests/unit/test_checkpoint.py"),
@@ -131,7 +131,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ckpt-no-fsync",
         "the bytes are not forced to disk before the rename: a power loss can leave an empty newest file",
-        "app/worker/checkpoint_files.py",
+        "app/worker/checkpoint/files.py",
         "os.fsync(f.fileno())",
         "f.flush()",
         T("tests/unit/test_checkpoint.py::test_the_bytes_are_durable_before_the_name_and_the_name_before_returning"),
@@ -139,7 +139,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ckpt-no-directory-fsync",
         "the rename is not made durable: after a power loss the newest checkpoint may be missing",
-        "app/worker/checkpoint_files.py",
+        "app/worker/checkpoint/files.py",
         "        _fsync_dir(d)\n",
         "        pass\n",
         T("tests/unit/test_checkpoint.py::test_the_bytes_are_durable_before_the_name_and_the_name_before_returning"),
@@ -147,7 +147,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ckpt-digest-not-checked",
         "a checkpoint with flipped bits is loaded as if it were good",
-        "app/worker/checkpoint_files.py",
+        "app/worker/checkpoint/files.py",
         'if digest(state) != state["digest"]:',
         "if False:",
         T("tests/unit/test_checkpoint.py::test_flipped_bits_are_detected"),
@@ -155,7 +155,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ckpt-rng-not-restored",
         "a resumed run draws other random numbers than the straight run would have",
-        "app/worker/checkpoint.py",
+        "app/worker/checkpoint/checkpointer.py",
         'torch.set_rng_state(rng["cpu"][ctx.rank].cpu())',
         "pass",
         T("tests/integration/test_resume.py::test_resume_restores_every_ranks_own_rng_stream"),
@@ -281,7 +281,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "dtype-ignored",
         "dtype=float64 accepted but the model trains in float32 (the chaos proof would compare float32 runs)",
-        "app/worker/steps.py",
+        "app/worker/steps/ddp.py",
         "self.model = model.to(ctx.device, dtype)",
         "self.model = model.to(ctx.device)",
         T("tests/integration/test_invariance.py::test_in_float64_the_world_size_changes_nothing_but_the_last_bits"),
@@ -308,7 +308,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "zero1-scheduler-lr-ignored",
         "ZeRO-1 steps every partition at the lr it was built with: an LR scheduler or a hand-set group lr is ignored",
-        "app/parallel/zero.py",
+        "app/parallel/zero/stage1.py",
         '            local.update({k: v for k, v in group.items() if k != "params"})\n'
         "        self.optim.step(**kwargs)",
         "            pass\n        self.optim.step(**kwargs)",
@@ -321,7 +321,7 @@ MUTANTS: list[Mutant] = [
         "zero1-state-dict-groups-overlap",
         "ZeRO-1's consolidated state dict numbers every group's parameters from 0: with two groups, state lands on "
         "the wrong parameters",
-        "app/parallel/zero.py",
+        "app/parallel/zero/stage1.py",
         "            start += n\n",
         "            start += 0\n",
         T(
@@ -332,7 +332,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "zero2-second-backward-replaces-the-first",
         "ZeRO-2: of two synchronised backwards before one step, only the last one's gradient is kept",
-        "app/parallel/sharded_grad.py",
+        "app/parallel/zero/stage2.py",
         "b.shard.grad = chunk if b.shard.grad is None else b.shard.grad.add_(chunk)",
         "b.shard.grad = chunk",
         T("tests/integration/test_zero.py::test_zero2_adds_up_two_synchronised_backwards_before_one_step"),
@@ -340,7 +340,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "join-final-model-from-the-highest-rank",
         "join() ends with every rank holding the highest rank's model, even when that rank stopped training early",
-        "app/parallel/join.py",
+        "app/parallel/ddp/join.py",
         "common_rank(ddp, candidate=is_last_joiner)",
         "common_rank(ddp, candidate=True)",
         T(
@@ -351,7 +351,7 @@ MUTANTS: list[Mutant] = [
         "sparse-table-none-on-a-rank-that-looked-up-nothing",
         "a sparse table this rank looked up no rows of keeps p.grad None: the others' rows never reach it, the ranks "
         "drift apart",
-        "app/parallel/sparse_grads.py",
+        "app/parallel/ddp/sparse.py",
         "if p.grad is not None or grad._nnz():",
         "if p.grad is not None:",
         T(
@@ -405,7 +405,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "checkpoint-runs-pickled-code",
         "a checkpoint is unpickled in full: one holding more than tensors loads (and could run code)",
-        "app/worker/checkpoint_files.py",
+        "app/worker/checkpoint/files.py",
         'state = torch.load(path, map_location="cpu", weights_only=True)',
         'state = torch.load(path, map_location="cpu", weights_only=False)',
         T("tests/unit/test_invariants.py::test_every_torch_load_loads_weights_only"),
@@ -414,7 +414,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "zero1-optimizer-state-gauge-reads-zero",
         "ddp_zero_optimizer_state_bytes reads 0 under zero1 (the wrapper's own, empty, state is counted)",
-        "app/worker/sharded_step.py",
+        "app/worker/steps/zero.py",
         "tensor_bytes(p.grad for p in params), optimizer_state_bytes(self.optimizer.optim)",
         "tensor_bytes(p.grad for p in params), optimizer_state_bytes(self.optimizer)",
         T("tests/integration/test_train_sharded.py::test_zero1_and_zero3_memory_gauges_read_what_each_rank_holds"),
@@ -422,7 +422,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "zero3-parameter-gauge-counts-the-model",
         "ddp_zero_parameter_bytes under zero3 counts the bare model, not the 1/N shards the rank keeps",
-        "app/worker/sharded_step.py",
+        "app/worker/steps/zero.py",
         "return tensor_bytes(shards), tensor_bytes(s.grad for s in shards), optimizer_state_bytes(self.optimizer)",
         "return tensor_bytes(self.model.parameters()), tensor_bytes(s.grad for s in shards), "
         "optimizer_state_bytes(self.optimizer)",
@@ -474,7 +474,7 @@ MUTANTS: list[Mutant] = [
         "join-accepts-skip-all-reduce-unused-params",
         "join() takes a DDP with skip_all_reduce_unused_params, whose skipped buckets a joined rank cannot tell: a "
         "hang instead of the documented one-line refusal",
-        "app/parallel/join.py",
+        "app/parallel/ddp/join.py",
         '"skip_all_reduce_unused_params": ddp.skip_all_reduce_unused_params,',
         '"skip_all_reduce_unused_params": False,',
         T(
@@ -485,7 +485,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "join-disabled-still-refuses",
         "join(enable=False) refuses a comm hook or static_graph although it shadows nothing",
-        "app/parallel/join.py",
+        "app/parallel/ddp/join.py",
         "if enable and refused:",
         "if refused:",
         T("tests/integration/test_ddp_join.py::test_join_refuses_what_it_cannot_shadow_in_one_line[hook]"),
@@ -493,7 +493,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ddp-skip-unused-flags-still-all-reduced",
         "skip_all_reduce_unused_params=True still all-reduces the used flags every step",
-        "app/parallel/unused.py",
+        "app/parallel/ddp/reducer.py",
         "if not self.skip_all_reduce_unused_params:",
         "if True:",
         T(
@@ -504,7 +504,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ddp-skip-unused-buckets-still-reduced",
         "skip_all_reduce_unused_params=True still all-reduces buckets that hold only unused parameters",
-        "app/parallel/reducer.py",
+        "app/parallel/ddp/reducer.py",
         "if self.skip_all_reduce_unused_params and unused and set(bucket.param_indices) <= set(unused):",
         "if False:",
         T(
@@ -515,7 +515,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "zero1-closure-loss-dropped",
         "ZeroRedundancyOptimizer.step(closure) runs the closure but returns None, not its loss",
-        "app/parallel/zero.py",
+        "app/parallel/zero/stage1.py",
         "loss = closure()",
         "closure()",
         T("tests/integration/test_zero.py::test_zero1_steps_with_a_closure_and_with_more_ranks_than_parameters"),
@@ -604,7 +604,7 @@ MUTANTS: list[Mutant] = [
         "zero1-loaded-state-left-unplaced",
         "ZeRO-1 keeps a loaded state's tensors as they came: another dtype stays, and steps write into the caller's "
         "dict (the generated sample's survivor 23115c16eb)",
-        "app/parallel/zero.py",
+        "app/parallel/zero/stage1.py",
         "    if not isinstance(value, torch.Tensor):",
         "    if not not isinstance(value, torch.Tensor):",
         T("tests/integration/test_zero.py::test_zero1_loads_a_float64_state_into_float32_parameters_as_its_own_copy"),

@@ -67,8 +67,8 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
             "not real_prometheus",
         ),
     ),
-    (("app/worker/pipeline_*",), ("tests/integration/test_train_pipeline*.py",)),
-    (("app/worker/sharded_step*",), ("tests/integration/test_train_sharded*.py",)),
+    (("app/worker/steps/pipeline*",), ("tests/integration/test_train_pipeline*.py",)),
+    (("app/worker/steps/zero*",), ("tests/integration/test_train_sharded*.py",)),
     (
         ("app/worker/dist*", "app/worker/elastic*"),
         (
@@ -110,7 +110,7 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
         ("tests/unit/test_mutation_kills_parallel*.py", "tests/integration/test_tensor_parallel*.py"),
     ),
     (
-        ("app/parallel/probes*", "app/parallel/comm_stats*"),
+        ("app/parallel/probes*", "app/parallel/ddp/comm_stats*"),
         (
             "tests/unit/test_mutation_kills_worker*.py::test_comm_stats_read_before_any_step_say_nothing_was_sent",
             "tests/integration/test_metrics*.py::test_bus_bandwidth_is_nccl_tests_busbw_over_the_wall_time_span",
@@ -121,10 +121,10 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     ),
     (("app/parallel/pipeline*",), ("tests/integration/test_pipeline.py", "tests/integration/test_train_pipeline*.py")),
     # ZeRO and FSDP: their own tests against PyTorch's, not DDP's (which never imports them).
-    (("app/parallel/fsdp*",), ("tests/integration/test_fsdp*.py",)),
-    (("app/parallel/zero*", "app/parallel/sharded_grad*"), ("tests/integration/test_zero.py",)),
+    (("app/parallel/zero/stage3*",), ("tests/integration/test_fsdp*.py",)),
+    (("app/parallel/zero/stage1*", "app/parallel/zero/stage2*"), ("tests/integration/test_zero.py",)),
     (
-        ("app/parallel/sharded_checkpoint*",),
+        ("app/parallel/zero/checkpoint*", "app/parallel/zero/__init__*"),
         ("tests/integration/test_zero_checkpoint*.py", "tests/integration/test_train_sharded*.py"),
     ),
     (

@@ -23,6 +23,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from app.files import write_text_atomically
+
 PREFIX = "DDP_"
 DEFAULT_FILE = ".cluster.env"
 FILE_ENV = "CLUSTER_ENV_FILE"
@@ -53,9 +55,7 @@ def write_env_file(path: str | os.PathLike, environ: Mapping[str, str] = os.envi
     written = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     about = {FILE_ENV: str(path), WRITTEN_ENV: written, NAMES_ENV: " ".join(found)}
     lines = "".join(f"{key}={value}\n" for key, value in {**found, **about}.items())
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(lines)
-    os.replace(tmp, path)  # never half a file: a worker starting meanwhile reads the old one or the new one
+    write_text_atomically(path, lines)  # a worker starting meanwhile reads the old file or the new one, never half
     return path
 
 

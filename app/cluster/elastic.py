@@ -127,6 +127,10 @@ class Reporter:
             self._client = dist.TCPStore(*self.store, is_master=False, timeout=datetime.timedelta(seconds=10))
         return self._client
 
+    def forget_store(self) -> None:
+        """Drop the client and reader: they talk to a store that is gone; the next read opens a new one."""
+        self._read = self._client = None
+
     def job_started(self) -> bool:
         state = self.state()
         return state is not None and bool(state.participants or state.complete or state.round > 0)
@@ -300,28 +304,7 @@ def install_agent(reporter: Reporter) -> None:
     class ReportingAgent(LocalElasticAgent):
         def __init__(self, spec, *args, **kwargs):
             super().__init__(spec, *args, **kwargs)
-            close = spec.rdzv_handler.shutdown
-
-            def close_only_when_done() -> bool:
-                # launch_agent closes the job's rendezvous for good whenever this agent ends other than by a
-                # signal; one container giving up (restart budget spent, store lost) must not end the job for the
-                # others: only a finished job is closed.
-                return close() if reporter.succeeded else False
-
-            spec.rdzv_handler.shutdown = close_only_when_done
-            join = spec.rdzv_handler.next_rendezvous
-
-            def join_with_peers():
-                # Here, not earlier: the agent's own start-up (seconds on a busy machine) is behind every
-                # container, so they all join within a moment of each other.
-                settings = reporter.settings
-                if settings.peers and reporter.world == 0:
-                    reporter.wait_for_peers(settings.peers, settings.peers_wait_seconds)
-                if reporter.store:
-                    log.info("joining a world of job %r at %s:%d", reporter.run_id, *reporter.store)
-                return join()
-
-            spec.rdzv_handler.next_rendezvous = join_with_peers
+            hook_rendezvous_handler(spec.rdzv_handler, reporter)
 
         def run(self, *args, **kwargs):
             result = super().run(*args, **kwargs)
@@ -357,6 +340,30 @@ def install_agent(reporter: Reporter) -> None:
             reporter.exit_codes = exit_codes(self._pcontext)
 
     torch_patches.use_agent_class(ReportingAgent)
+
+
+def hook_rendezvous_handler(handler, reporter: Reporter) -> None:
+    """The agent's rendezvous handler with two of its calls wrapped: the job's rendezvous is closed only once the job
+    finished, and the first join waits for every replica's launcher (``LAUNCH_PEERS``)."""
+    close, join = handler.shutdown, handler.next_rendezvous
+
+    def close_only_when_done() -> bool:
+        # launch_agent closes the job's rendezvous for good whenever this agent ends other than by a signal; one
+        # container giving up (restart budget spent, store lost) must not end the job for the others: only a
+        # finished job is closed.
+        return close() if reporter.succeeded else False
+
+    def join_with_peers():
+        # Here, not earlier: the agent's own start-up (seconds on a busy machine) is behind every container, so
+        # they all join within a moment of each other.
+        settings = reporter.settings
+        if settings.peers and reporter.world == 0:
+            reporter.wait_for_peers(settings.peers, settings.peers_wait_seconds)
+        if reporter.store:
+            log.info("joining a world of job %r at %s:%d", reporter.run_id, *reporter.store)
+        return join()
+
+    handler.shutdown, handler.next_rendezvous = close_only_when_done, join_with_peers
 
 
 def exit_codes(pcontext) -> dict[int, int | None]:

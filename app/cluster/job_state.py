@@ -22,11 +22,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from app.files import write_text_atomically
 from app.worker.config import ENV_PREFIX
 
 
@@ -39,9 +39,7 @@ def fingerprint(argv: Sequence[str], environ: Mapping[str, str]) -> str:
 def _write(path: Path, text: str) -> None:
     # Whole or not at all: a container killed mid-write must not leave a record the next one misreads.
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_text_atomically(path, text)
 
 
 def _read_json(path: Path) -> dict | None:

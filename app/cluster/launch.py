@@ -361,7 +361,7 @@ def run_rejoining(args, reporter: Reporter, store: tuple[str, int] | None) -> No
                 args.max_restarts,
             )
             wait_for_store(*store, lost_s)
-            reporter._read = reporter._client = None  # the old client talks to a store that is gone
+            reporter.forget_store()
             fresh_node_identity(reporter)  # the new store must not take this agent for its last incarnation
 
 

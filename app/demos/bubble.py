@@ -55,7 +55,7 @@ def measure_on_rank(rank: int, world: int, cfg: dict) -> list[dict]:
     """Run every (compute, schedule, M) of ``cfg`` on this rank's stage; per point, medians over the steps."""
     import torch.distributed as dist
 
-    from app.parallel.pipeline import build_pipeline_stage
+    from app.parallel.pipeline.stages import build_pipeline_stage
 
     points = []
     for compute in cfg["compute"]:
@@ -98,7 +98,7 @@ def measure_on_rank(rank: int, world: int, cfg: dict) -> list[dict]:
 
 def merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
     """One row per (compute, schedule, S, M): the theory and every stage's measured idle share."""
-    from app.parallel.pipeline import theoretical_bubble
+    from app.parallel.pipeline.stages import theoretical_bubble
 
     cores = os.cpu_count() or 1
     rows = []

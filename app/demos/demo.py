@@ -72,6 +72,25 @@ def main(argv=None) -> int:
         return run(args, ctx.rank, ctx.world_size)
 
 
+def reference_step(reference, ref_opt, model, x, y, world: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Rank 0's one-process step on the whole batch: its loss, what each rank's shard loss should have been, and the
+    largest parameter gap to the DDP model after the step (on other ranks: nothing, zeros)."""
+    shard_losses = torch.zeros(world)
+    if reference is None:
+        return torch.zeros(()), shard_losses, 0.0
+    b = x.shape[0] // world
+    with torch.no_grad():
+        out = reference(x)
+        for r in range(world):
+            shard_losses[r] = F.mse_loss(out[r * b : (r + 1) * b], y[r * b : (r + 1) * b])
+    ref_opt.zero_grad(set_to_none=True)
+    ref_loss = F.mse_loss(reference(x), y)
+    ref_loss.backward()
+    ref_opt.step()
+    max_dp = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    return ref_loss, shard_losses, max_dp
+
+
 def run(args: argparse.Namespace, rank: int, world: int) -> int:
     torch.manual_seed(rank)  # deliberately different per rank: the broadcast must fix it
     model = MiniMLP()
@@ -100,19 +119,7 @@ def run(args: argparse.Namespace, rank: int, world: int) -> int:
         loss.backward()  # gradients are averaged across ranks by the time this returns
         opt.step()
 
-        # What the reference (one process, same starting weights) says each rank's loss should have been.
-        shard_losses = torch.zeros(world)
-        max_dp = 0.0
-        if reference is not None:
-            with torch.no_grad():
-                out = reference(x)
-                for r in range(world):
-                    shard_losses[r] = F.mse_loss(out[r * b : (r + 1) * b], y[r * b : (r + 1) * b])
-            ref_opt.zero_grad(set_to_none=True)
-            ref_loss = F.mse_loss(reference(x), y)
-            ref_loss.backward()
-            ref_opt.step()
-            max_dp = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+        ref_loss, shard_losses, max_dp = reference_step(reference, ref_opt, model, x, y, world)
 
         losses = [torch.zeros(1) for _ in range(world)]
         dist.all_gather(losses, loss.detach().reshape(1))

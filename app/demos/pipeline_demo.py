@@ -84,7 +84,7 @@ def model_parallel_part(devices: list[str], steps: int, lr: float) -> tuple[bool
 def pipeline_on_rank(rank: int, world: int, cfg: dict) -> dict:
     """The pipeline parts on this rank: world 2 runs GPipe and 1F1B; world 4 runs data x pipeline. Then a short
     bubble measurement for S = world."""
-    from app.parallel.pipeline import build_pipeline_groups, build_pipeline_stage
+    from app.parallel.pipeline.stages import build_pipeline_groups, build_pipeline_stage
     from app.worker.models import DeepMLP
 
     out: dict = {}

@@ -30,9 +30,9 @@ import torch.nn.functional as F
 
 from app.demos.demo import global_batch
 from app.parallel.ddp import DistributedDataParallel
-from app.parallel.fsdp import FullyShardedDataParallel
-from app.parallel.sharded_grad import ShardedGradDataParallel
-from app.parallel.zero import ZeroRedundancyOptimizer
+from app.parallel.zero.stage1 import ZeroRedundancyOptimizer
+from app.parallel.zero.stage2 import ShardedGradDataParallel
+from app.parallel.zero.stage3 import FullyShardedDataParallel
 from app.worker.dist import distributed, exit_process
 from app.worker.models import MiniMLP, parameter_checksum
 

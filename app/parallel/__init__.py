@@ -1,14 +1,14 @@
-"""What this project teaches and measures, one idea per file, none of it importing the training worker.
+"""What this project teaches and measures, a package or file per way to parallelise, none of it importing the worker.
 
-- ``ddp.py``: ``DistributedDataParallel`` from scratch (broadcast, buckets, async all-reduce, ``no_sync``, ...)
-- ``comm_hooks.py``: comm hooks for it (plain all-reduce, fp16, bf16), PyTorch's signature
+- ``ddp/``: ``DistributedDataParallel`` from scratch (broadcast, buckets, async all-reduce, ``no_sync``, comm hooks,
+  join, sparse gradients)
 - ``accum.py``: the gradient-accumulation step (``accumulation_step``) and its recipe (``StepRecipe``: autocast,
   GradScaler, clipping)
 - ``probes.py``: what one step's communication cost, whichever wrapper did it
-- ``zero.py``: ZeRO stage 1, ``ZeroRedundancyOptimizer`` (optimizer state sharded), PyTorch's constructor
-- ``sharded_grad.py``: ZeRO stage 2, ``ShardedGradDataParallel`` (gradients reduce-scattered, state sharded)
-- ``fsdp.py``: ZeRO stage 3, ``FullyShardedDataParallel`` (parameters sharded too, gathered per unit)
-- ``sharded_checkpoint.py``: ``save_sharded`` / ``load_sharded`` for stages 1-3, reshardable to another world size
+- ``zero/``: ZeRO stages 1-3 (``ZeroRedundancyOptimizer``, ``ShardedGradDataParallel``, ``FullyShardedDataParallel``)
+  and their sharded checkpoints (``save_sharded`` / ``load_sharded``, reshardable to another world size)
+- ``pipeline/``: pipeline parallelism across ranks (GPipe, 1F1B) on ``torch.distributed.pipelining``
+- ``model_parallel.py``, ``tensor_parallel.py``, ``activation_checkpointing.py``: the other ways to split a model
 
 ``wrap_model`` is the one place that chooses between our wrapper and PyTorch's: the demo, the trainer and the
 benchmarks all call it.
@@ -61,14 +61,15 @@ def wrap_model(model: nn.Module, wrapper: str = "ours", *, bucket_cap_mb: float 
     raise ValueError(f"wrapper={wrapper!r}: choose one of {', '.join(WRAPPERS)}")
 
 
-# The ZeRO classes, importable from here without making ``import app.parallel`` import torch (see WRAPPERS).
+# The wrappers, importable from here without making ``import app.parallel`` import torch (see WRAPPERS).
 _LAZY = {
+    "DistributedDataParallel": "app.parallel.ddp",
     "ZeroRedundancyOptimizer": "app.parallel.zero",
-    "ShardedGradDataParallel": "app.parallel.sharded_grad",
-    "FullyShardedDataParallel": "app.parallel.fsdp",
-    "save_sharded": "app.parallel.sharded_checkpoint",
-    "load_sharded": "app.parallel.sharded_checkpoint",
-    "CheckpointError": "app.parallel.sharded_checkpoint",
+    "ShardedGradDataParallel": "app.parallel.zero",
+    "FullyShardedDataParallel": "app.parallel.zero",
+    "save_sharded": "app.parallel.zero",
+    "load_sharded": "app.parallel.zero",
+    "CheckpointError": "app.parallel.zero",
 }
 
 

@@ -131,7 +131,7 @@ def grad_accum_steps_for(global_batch: int, world_size: int, micro_batch: int) -
 @dataclass
 class StepResult:
     """What one ``accumulation_step`` computed on this rank (``PipelineStepResult`` is the pipeline's counterpart;
-    the worker's step kinds turn either into a ``StepOutcome``, app.worker.steps)."""
+    the worker's step kinds turn either into a ``StepOutcome``, app.worker.steps.base)."""
 
     loss: float  # mean loss over the samples of this rank's micro-batches (the unscaled value a user expects)
     samples: int  # samples this rank processed
@@ -217,6 +217,21 @@ def _any_rank_true(model: nn.Module, local: bool) -> bool:
     return bool(flag.item())
 
 
+def _stop_if_any_rank_nonfinite(model, optimizer, mean_loss: float, agree: Callable[[bool], bool] | None) -> None:
+    """Raise NonFiniteLossError on every rank, gradients dropped, if any rank's loss is NaN/inf (one all-reduce)."""
+    local = not math.isfinite(mean_loss)
+    agree = agree or (lambda flag: _any_rank_true(model, flag))
+    if agree(local):
+        optimizer.zero_grad(set_to_none=True)
+        where = "this rank" if local else f"another rank (here {mean_loss:.6g})"
+        raise NonFiniteLossError(
+            f"loss is {mean_loss if local else 'NaN/inf'} on {where}; every rank stops before "
+            f"the optimizer step so the parameters and the last checkpoint stay good. Lower the "
+            f"learning rate or check the data",
+            local=local,
+        )
+
+
 def accumulation_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -281,17 +296,8 @@ def accumulation_step(
         loss_sum = loss_sum + loss.detach().double() * sizes[i]
         syncs += 1 if has_no_sync and not skip_sync else 0
     mean_loss = float(loss_sum) / total
-    local = not math.isfinite(mean_loss)
-    agree = agree_nonfinite or (lambda flag: _any_rank_true(model, flag))
-    if check_finite and agree(local):
-        optimizer.zero_grad(set_to_none=True)
-        where = "this rank" if local else f"another rank (here {mean_loss:.6g})"
-        raise NonFiniteLossError(
-            f"loss is {mean_loss if local else 'NaN/inf'} on {where}; every rank stops before "
-            f"the optimizer step so the parameters and the last checkpoint stay good. Lower the "
-            f"learning rate or check the data",
-            local=local,
-        )
+    if check_finite:
+        _stop_if_any_rank_nonfinite(model, optimizer, mean_loss, agree_nonfinite)
     t3 = time.perf_counter()
     # Once per effective batch: momentum and Adam moments advance once, not K times.
     grad_norm, skipped = recipe.step(model, optimizer)

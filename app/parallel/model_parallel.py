@@ -17,7 +17,7 @@ Three questions decide how well it works:
   stage's measured forward+backward time on a sample input. The layer count need not divide evenly: 8 identical
   layers in 3 stages become 3+3+2 (earlier stages take the extra layer). More stages than layers is an error.
 - **How to keep devices busy.** Here they are not: one micro-batch walks the devices one after the other, so
-  with S devices each is idle (S−1)/S of the time. ``app.parallel.pipeline`` fixes that with micro-batches.
+  with S devices each is idle (S−1)/S of the time. ``app.parallel.pipeline.stages`` fixes that with micro-batches.
 - **How much crosses the wire.** ``ModelParallel.activation_bytes`` counts the activations moved at each stage
   boundary in the last forward (backward sends gradients of the same sizes the other way).
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.parallel.comm_stats import Clock
 from app.parallel.ddp import DistributedDataParallel
+from app.parallel.ddp.comm_stats import Clock
 
 
 @dataclass

@@ -79,85 +79,103 @@ class TrainMetrics:
         disable_created_metrics()  # no "_created" series: they double the series count and no dashboard reads them
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # CPU seconds and memory per rank: "which rank is starved?"
-        r = self.registry
-        label = ["rank"]
-
-        def hist(name, doc, buckets):
-            return Histogram(name, doc, label, registry=r, buckets=buckets).labels(rank=str(rank))
-
-        def gauge(name, doc):
-            return Gauge(name, doc, label, registry=r).labels(rank=str(rank))
-
-        def counter(name, doc):
-            # prometheus-client appends "_total" to a counter's name in the exposition.
-            return Counter(name.removesuffix("_total"), doc, label, registry=r).labels(rank=str(rank))
-
-        self.step = hist(
-            "ddp_step_duration_seconds", "Wall time of one optimizer step (all micro-batches)", STEP_BUCKETS
-        )
-        self.forward = hist("ddp_forward_duration_seconds", "Forward time per optimizer step", STEP_BUCKETS)
-        self.backward = hist(
-            "ddp_backward_duration_seconds",
-            "Backward time per optimizer step, overlapped communication included",
-            STEP_BUCKETS,
-        )
-        self.optimizer = hist("ddp_optimizer_duration_seconds", "optimizer.step() time", STEP_BUCKETS)
-        self.allreduce = hist(
-            "ddp_allreduce_duration_seconds", "One gradient bucket's all-reduce, launch to completion", COMM_BUCKETS
-        )
-        self.exposed = hist(
-            "ddp_exposed_comm_duration_seconds",
-            "Per step, seconds the end of backward waited on communication",
-            COMM_BUCKETS,
-        )
-        self.allreduce_bytes = counter("ddp_allreduce_bytes_total", "Bytes of gradient buckets all-reduced")
-        self.busbw = gauge(
-            "ddp_allreduce_bus_bandwidth_bytes_per_second",
-            "Last step's all-reduce bus bandwidth: algbw * 2(n-1)/n (nccl-tests' busbw), "
-            "algbw = bytes / (first bucket's launch to last bucket's completion)",
-        )
-        self.samples = counter("ddp_samples_total", "Samples processed by this rank")
-        self.optimizer_steps = counter("ddp_optimizer_steps_total", "Optimizer steps taken")
-        self.syncs = counter("ddp_gradient_syncs_total", "Backward passes that synchronised gradients")
-        self.loss = gauge("ddp_loss", "Last step's mean loss on this rank")
-        self.lr = gauge("ddp_learning_rate", "Learning rate of the last step")
-        self.world = gauge("ddp_world_size", "Processes in the training job")
-        self.heartbeat = gauge("ddp_last_step_timestamp_seconds", "Unix time of the last finished step")
-        self.checkpoint = hist(
-            "ddp_checkpoint_duration_seconds", "Time to write one checkpoint (rank 0)", CHECKPOINT_BUCKETS
-        )
-        self.last_checkpoint = gauge("ddp_last_checkpoint_step", "Optimizer step of the last checkpoint")
-        # The global step (checkpointed steps included) next to its target: once every worker is gone, their last
-        # values tell a crashed job (step < target) from a finished one, which ddp_optimizer_steps_total cannot.
-        self.global_step = gauge("ddp_step", "Global optimizer step reached, steps restored from a checkpoint included")
-        self.target_steps = gauge("ddp_target_steps", "Configured number of optimizer steps (the steps field)")
-        Gauge(
-            "ddp_rank_info", "Where this rank runs (value always 1)", ["rank", "local_rank", "node", "host"], registry=r
-        ).labels(rank=str(rank), local_rank=str(local_rank), node=str(node), host=host or socket.gethostname()).set(1)
-        # The elastic picture: gauges a dashboard can annotate when they change.
-        self.min_world = gauge("ddp_min_world_size", "Smallest world the job may shrink to (torchrun --nnodes MIN)")
-        self.max_world = gauge("ddp_max_world_size", "Largest world the job may grow to (torchrun --nnodes MAX)")
-        self.restarts = gauge("ddp_elastic_restarts", "Restarts of this rank's agent (TORCHELASTIC_RESTART_COUNT)")
-        self.generation = gauge("ddp_world_generation", "Worlds this job has formed, this one included")
-        self.reformation = gauge(
-            "ddp_reformation_seconds",
-            "Time lost in the last re-formation: newest checkpoint written -> this world's first step (0 if fresh)",
-        )
-        self.redone = counter("ddp_steps_redone_total", "Steps trained again after a resume")
-        # Set on the rank that was itself told to stop (SIGTERM: `docker compose stop`, a scale-down, a pod deleted)
-        # and kept up a few seconds for a scrape: its container then leaves on purpose, and DDPRankDown stays quiet.
-        self.stop_requested = gauge("ddp_stop_requested", "1 once this rank was told to stop: a planned departure")
+        self._rank = str(rank)
+        self._timing_series()
+        self._progress_series()
+        where = ["rank", "local_rank", "node", "host"]
+        Gauge("ddp_rank_info", "Where this rank runs (value always 1)", where, registry=self.registry).labels(
+            rank=str(rank), local_rank=str(local_rank), node=str(node), host=host or socket.gethostname()
+        ).set(1)
+        self._elastic_series()
         cuda = torch.device("cuda", local_rank) if torch.cuda.is_available() else None
-        self.throughput = ThroughputSeries(r, str(rank), cuda)  # samples/s, MFU, memory, last collective (its module)
+        # samples/s, MFU, memory, the last collective (their module)
+        self.throughput = ThroughputSeries(self.registry, self._rank, cuda)
         self.world.set(world_size)
         self.min_world.set(world_size)
         self.max_world.set(world_size)
         self.generation.set(1)
         self.world_size = world_size
-        self._rank = str(rank)
         self._pipeline: dict | None = None
         self._zero: dict | None = None
         self._server = None
+
+    def _hist(self, name: str, doc: str, buckets) -> Histogram:
+        return Histogram(name, doc, ["rank"], registry=self.registry, buckets=buckets).labels(rank=self._rank)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, ["rank"], registry=self.registry).labels(rank=self._rank)
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        # prometheus-client appends "_total" to a counter's name in the exposition.
+        return Counter(name.removesuffix("_total"), doc, ["rank"], registry=self.registry).labels(rank=self._rank)
+
+    def _timing_series(self) -> None:
+        """Where a step's time goes: forward, backward, optimizer, each bucket's all-reduce, exposed communication."""
+        self.step = self._hist(
+            "ddp_step_duration_seconds", "Wall time of one optimizer step (all micro-batches)", STEP_BUCKETS
+        )
+        self.forward = self._hist("ddp_forward_duration_seconds", "Forward time per optimizer step", STEP_BUCKETS)
+        self.backward = self._hist(
+            "ddp_backward_duration_seconds",
+            "Backward time per optimizer step, overlapped communication included",
+            STEP_BUCKETS,
+        )
+        self.optimizer = self._hist("ddp_optimizer_duration_seconds", "optimizer.step() time", STEP_BUCKETS)
+        self.allreduce = self._hist(
+            "ddp_allreduce_duration_seconds", "One gradient bucket's all-reduce, launch to completion", COMM_BUCKETS
+        )
+        self.exposed = self._hist(
+            "ddp_exposed_comm_duration_seconds",
+            "Per step, seconds the end of backward waited on communication",
+            COMM_BUCKETS,
+        )
+        self.allreduce_bytes = self._counter("ddp_allreduce_bytes_total", "Bytes of gradient buckets all-reduced")
+        self.busbw = self._gauge(
+            "ddp_allreduce_bus_bandwidth_bytes_per_second",
+            "Last step's all-reduce bus bandwidth: algbw * 2(n-1)/n (nccl-tests' busbw), "
+            "algbw = bytes / (first bucket's launch to last bucket's completion)",
+        )
+
+    def _progress_series(self) -> None:
+        """How far the run is: samples, steps, loss, learning rate, heartbeat, checkpoints."""
+        self.samples = self._counter("ddp_samples_total", "Samples processed by this rank")
+        self.optimizer_steps = self._counter("ddp_optimizer_steps_total", "Optimizer steps taken")
+        self.syncs = self._counter("ddp_gradient_syncs_total", "Backward passes that synchronised gradients")
+        self.loss = self._gauge("ddp_loss", "Last step's mean loss on this rank")
+        self.lr = self._gauge("ddp_learning_rate", "Learning rate of the last step")
+        self.world = self._gauge("ddp_world_size", "Processes in the training job")
+        self.heartbeat = self._gauge("ddp_last_step_timestamp_seconds", "Unix time of the last finished step")
+        self.checkpoint = self._hist(
+            "ddp_checkpoint_duration_seconds", "Time to write one checkpoint (rank 0)", CHECKPOINT_BUCKETS
+        )
+        self.last_checkpoint = self._gauge("ddp_last_checkpoint_step", "Optimizer step of the last checkpoint")
+        # The global step (checkpointed steps included) next to its target: once every worker is gone, their last
+        # values tell a crashed job (step < target) from a finished one, which ddp_optimizer_steps_total cannot.
+        self.global_step = self._gauge(
+            "ddp_step", "Global optimizer step reached, steps restored from a checkpoint included"
+        )
+        self.target_steps = self._gauge("ddp_target_steps", "Configured number of optimizer steps (the steps field)")
+
+    def _elastic_series(self) -> None:
+        """The elastic picture: gauges a dashboard can annotate when they change."""
+        self.min_world = self._gauge(
+            "ddp_min_world_size", "Smallest world the job may shrink to (torchrun --nnodes MIN)"
+        )
+        self.max_world = self._gauge("ddp_max_world_size", "Largest world the job may grow to (torchrun --nnodes MAX)")
+        self.restarts = self._gauge(
+            "ddp_elastic_restarts", "Restarts of this rank's agent (TORCHELASTIC_RESTART_COUNT)"
+        )
+        self.generation = self._gauge("ddp_world_generation", "Worlds this job has formed, this one included")
+        self.reformation = self._gauge(
+            "ddp_reformation_seconds",
+            "Time lost in the last re-formation: newest checkpoint written -> this world's first step (0 if fresh)",
+        )
+        self.redone = self._counter("ddp_steps_redone_total", "Steps trained again after a resume")
+        # Set on the rank that was itself told to stop (SIGTERM: `docker compose stop`, a scale-down, a pod deleted)
+        # and kept up a few seconds for a scrape: its container then leaves on purpose, and DDPRankDown stays quiet.
+        self.stop_requested = self._gauge(
+            "ddp_stop_requested", "1 once this rank was told to stop: a planned departure"
+        )
 
     def serve(self, port: int) -> None:
         self._server, _ = start_http_server(port, addr="0.0.0.0", registry=self.registry)

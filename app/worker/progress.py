@@ -2,9 +2,9 @@
 
 Names, one per concept (used the same way throughout the worker):
 
-- ``StepResult`` (app.parallel.accum) and ``PipelineStepResult`` (app.parallel.pipeline): what one step's
+- ``StepResult`` (app.parallel.accum) and ``PipelineStepResult`` (app.parallel.pipeline.stages): what one step's
   computation returned at the parallel layer;
-- ``StepOutcome`` (app.worker.steps): what a step kind's ``train_step`` measured on this rank;
+- ``StepOutcome`` (app.worker.steps.base): what a step kind's ``train_step`` measured on this rank;
 - ``StepRecord`` (here): a finished step as the progress log keeps it: its index, wall time, loss, samples;
 - ``step_index``: the number of the optimizer step (1-based once trained; ``Trainer.step_index``).
 

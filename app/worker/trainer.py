@@ -2,10 +2,10 @@
 
 ``Trainer.run()`` only calls components, each owning one job:
 
-- the step kind (app.worker.steps: ``DDPStep``, ``DataParallelStep``, ``PipelineStep``): one optimizer step over
-  this rank's share of the global batch, and the model/optimizer ``Stateful``s a checkpoint holds;
+- the step kind (app.worker.steps: ``DDPStep``, ``DataParallelStep``, ``PipelineStep``, the ZeRO stages): one
+  optimizer step over this rank's share of the global batch, and the model/optimizer ``Stateful``s a checkpoint holds;
 - ``StepControl`` (app.worker.control): the one control all-reduce per step, carrying the NaN/inf flag and the stop;
-- ``Checkpointer`` (app.worker.checkpoint): resume, cadence, RNG state, the final save;
+- ``Checkpointer`` (app.worker.checkpoint.checkpointer): resume, cadence, RNG state, the final save;
 - ``ProgressLog`` (app.worker.progress): rank 0's progress lines and the summary, one ``StepRecord`` per step;
 - ``TrainMetrics`` (app.worker.metrics): the ``/metrics`` endpoint.
 
@@ -29,12 +29,12 @@ from app.diagnostics.session import start_recording
 from app.diagnostics.throughput import StepFlops, tokens_per_sample
 from app.exit_codes import OK, PEER_STOPPED
 from app.parallel.accum import NonFiniteLossError
-from app.worker.checkpoint import Checkpointer
+from app.worker.checkpoint.checkpointer import Checkpointer
 from app.worker.config import TrainConfig
 from app.worker.control import StepControl, StopSignal
 from app.worker.dist import DistContext, WorldEnv
 from app.worker.progress import ProgressLog, StepRecord
-from app.worker.steps import TrainStep
+from app.worker.steps.base import TrainStep
 from app.worker.workload import model_name
 
 log = logging.getLogger("app.train")
@@ -51,7 +51,7 @@ class Trainer:
 
     Example::
 
-        step = build_step(cfg, ctx, grad_accum_steps, metrics)   # app.worker.step_kinds
+        step = build_step(cfg, ctx, grad_accum_steps, metrics)   # app.worker.steps
         code = Trainer(cfg, ctx, world, stop, metrics, step=step).run()
     """
 

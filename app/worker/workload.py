@@ -25,10 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from app.cli import first_line
 from app.parallel.activation_checkpointing import candidate_units, every_nth
 from app.specs import DATA_SPECS, LOSS_SPECS, MODEL_DATA, MODEL_LOSS, MODEL_SPECS, SpecError, build, builtin_name
 from app.specs import build_loss as build_loss_spec
 from app.specs import build_model as build_model_spec
+from app.worker.checkpoint.weights import WeightsError, load_model_state, read_model_state
 from app.worker.config import ConfigError, TrainConfig
 from app.worker.config.checks import activation_checkpointing_every
 from app.worker.data import Dataset
@@ -53,8 +55,15 @@ def data_spec(cfg: TrainConfig) -> tuple[str, dict[str, Any]]:
 
 
 def build_model(cfg: TrainConfig) -> nn.Module:
-    """The model ``cfg.model`` names, built with ``model_kwargs`` (seed the RNG first for equal ranks)."""
-    return _as_config_error("model", lambda: build_model_spec(cfg.model, cfg.model_kwargs))
+    """The model ``cfg.model`` names, built with ``model_kwargs`` (seed the RNG first for equal ranks), with the
+    weights of ``init_from`` if it names any (app.worker.weights: names and shapes must match)."""
+    model = _as_config_error("model", lambda: build_model_spec(cfg.model, cfg.model_kwargs))
+    if cfg.init_from:
+        try:
+            load_model_state(model, read_model_state(cfg.init_from), cfg.init_from)
+        except WeightsError as e:
+            raise ConfigError(f"init_from={cfg.init_from!r}: {first_line(str(e))}") from None
+    return model
 
 
 def checkpointed_units(cfg: TrainConfig, model: nn.Module) -> dict[str, nn.Module]:

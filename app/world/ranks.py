@@ -49,7 +49,7 @@ class World:
         self._server = socket.socket(socket.AF_UNIX)
         self._server.bind(os.path.join(self._tmp.name, "tasks"))
         self._server.listen(world_size)
-        main = getattr(sys.modules["__main__"].__spec__, "name", "")  # where a fn of `python -m pkg.mod` lives
+        main = getattr(getattr(sys.modules["__main__"], "__spec__", None), "name", "")  # `python -m pkg.mod`: pkg.mod
         common = [os.path.join(self._tmp.name, "tasks"), str(world_size), backend, self._tmp.name, main]
         self._procs = [
             start_module("app.world", str(r), *common, env=dict(os.environ), slot=r, pipes=False)

@@ -99,7 +99,7 @@ class Project:
 
     def final_parameters(self, step: int) -> dict:
         """The run's last checkpoint (copied out of its volume, loaded and digest-checked): name -> tensor."""
-        from app.worker.checkpoint_files import load_checkpoint
+        from app.worker.checkpoint.files import load_checkpoint
 
         container = self.workers()[0]["ID"]
         with tempfile.TemporaryDirectory() as tmp:
@@ -114,10 +114,10 @@ class Project:
 
 def consolidated(directory: Path, step: int) -> dict:
     """A ZeRO checkpoint's parameters, whole (name -> tensor): each shard's pieces (elements [lo, hi) of a flattened
-    parameter, app.parallel.sharded_checkpoint) copied into place; every shard's digest checked on the way."""
+    parameter, app.parallel.zero.checkpoint) copied into place; every shard's digest checked on the way."""
     import torch
 
-    from app.parallel.sharded_checkpoint import _read_shard, read_manifest
+    from app.parallel.zero.checkpoint import _read_shard, read_manifest
 
     manifest = read_manifest(directory)
     if manifest["extra"].get("step") != step:

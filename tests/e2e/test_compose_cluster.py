@@ -433,6 +433,7 @@ EVERY_SETTING = {
     "data_kwargs": "{}",
     "loss": "cross_entropy",
     "loss_kwargs": '{"label_smoothing": 0.05}',
+    "init_from": "",  # set and empty: a fresh run from the model's own initialisation (no weights file in the image)
     "steps": "6",
     "micro_batch": "8",
     "grad_accum_steps": "2",

@@ -7,7 +7,7 @@
   Rank 0 logs which modules it checkpoints, once.
 - zero3 with its shard units *inside* the checkpointed blocks (``units=[nn.LayerNorm]``: each block's two norms):
   the recomputation in backward runs a unit's forward hooks again, which gather it (backward needs it anyway) and
-  must not free it (app.parallel.fsdp ``_after_unit_forward``): parameters after 3 steps equal the plain run's, and
+  must not free it (stage3 ``_after_unit_forward``): parameters after 3 steps equal the plain run's, and
   so do the bytes all-gathered (a free there would cost one more all-gather per unit and micro-batch).
 
 Run: ``python -m pytest tests/integration/test_activation_checkpointing.py`` (minutes on 2 cores: 10 worker runs).
@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.parallel.activation_checkpointing import candidate_units, checkpoint_modules
-from app.parallel.fsdp import FullyShardedDataParallel
+from app.parallel.zero.stage3 import FullyShardedDataParallel
 from app.worker.models import TinyTransformer
+from app.world import run_world
 from tests.trainer_run import describe, finished, run_ranks, worker_args
-from tests.world import run_world
 
 pytestmark = pytest.mark.timeout(1800)
 # 3 steps of 2 micro-batches of 8 sequences per rank: enough for a wrong gradient to move the checksum.

@@ -14,8 +14,8 @@ import subprocess
 import pytest
 import torch
 
+from app.world import run_world
 from tests.trainer_run import run_module
-from tests.world import run_world
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -23,7 +23,7 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 def _train_three_steps(rank: int, world: int, parallel: str, wrapper: str) -> dict:
     from app.worker.config import TrainConfig
     from app.worker.dist import DistContext
-    from app.worker.step_kinds import build_step
+    from app.worker.steps import build_step
 
     cfg = TrainConfig(parallel=parallel, wrapper=wrapper, device="cpu", dataset_size=256, micro_batch=16)
     ctx = DistContext(rank, rank, world, torch.device("cpu"), "gloo")

@@ -18,13 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from app.parallel import reducer as reducer_module
-from app.parallel.comm_hooks import allreduce_hook
-from app.parallel.ddp import FIRST_BUCKET_BYTES
 from app.parallel.ddp import DistributedDataParallel as DDP
+from app.parallel.ddp import reducer as reducer_module
+from app.parallel.ddp.comm_hooks import allreduce_hook
+from app.parallel.ddp.module import FIRST_BUCKET_BYTES
 from app.parallel.probes import OursCommProbe, TorchCommProbe
 from app.worker.models import DeepMLP, MiniMLP
-from tests.world import run_world
+from app.world import run_world
 
 TOL = 1e-6
 MiB = 1024 * 1024

@@ -1,6 +1,6 @@
 """16-bit gradients on the wire with our wrapper: the average is taken in fp32 and rounded once, the same on every rank.
 
-With a compression hook (``app.parallel.comm_hooks``) our wrapper casts each gradient into a 16-bit bucket, and on
+With a compression hook (``app.parallel.ddp.comm_hooks``) our wrapper casts each gradient into a 16-bit bucket, and on
 CPU the hook averages it by direct exchange (``Exchange``): each rank averages its part of the bucket in fp32 and
 rounds once. So the gradient every rank ends with is the exact average of the 16-bit gradients, rounded once to
 16 bits (at world 2 exactly; beyond, within one rounding). Real gloo ranks, at world sizes 2 and 3 (parts of
@@ -17,9 +17,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from app.parallel.comm_hooks import bf16_compress_hook, fp16_compress_hook
 from app.parallel.ddp import DistributedDataParallel as DDP
-from tests.world import run_world
+from app.parallel.ddp.comm_hooks import bf16_compress_hook, fp16_compress_hook
+from app.world import run_world
 
 HOOKS = {torch.bfloat16: bf16_compress_hook, torch.float16: fp16_compress_hook}
 

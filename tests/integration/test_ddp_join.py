@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from app.parallel.comm_hooks import allreduce_hook
 from app.parallel.ddp import DistributedDataParallel as DDP
-from tests.world import run_world
+from app.parallel.ddp.comm_hooks import allreduce_hook
+from app.world import run_world
 
 
 class Net(nn.Module):

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from app.parallel.ddp import DistributedDataParallel as DDP
-from tests.world import run_world
+from app.world import run_world
 
 ROWS, DIM = 50, 6
 
@@ -103,7 +103,7 @@ def sparse_against_torch(rank, world, tied, accumulate, idle_table, one_rank_tab
         "emb_grad_sparse": ours.module.emb.weight.grad.is_sparse,
         "idle_grad": None if not idle_table else ours.module.idle.weight.grad,
         "sparse_kept_out_of_buckets": all(
-            id(ours.module.bag.weight) != id(p) for b in ours.reducer.buckets for p in b._params
+            id(ours.module.bag.weight) != id(p) for b in ours.reducer.buckets for p in b.params
         ),
         "grads_present": sum(g is not None for g in grads),
         "rare_rows": None if not one_rank_table else ours.module.rare.weight.grad.coalesce().indices().tolist(),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.worker.checkpoint_files import checkpoint_path, load_checkpoint
+from app.worker.checkpoint.files import checkpoint_path, load_checkpoint
 from tests.trainer_run import describe, finished, run_process, run_ranks, worker_args
 
 # Eight runs of the real worker (one to four processes each): minutes on a loaded machine.

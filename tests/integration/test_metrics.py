@@ -24,8 +24,8 @@ from app.parallel.ddp import DistributedDataParallel
 from app.parallel.probes import CommSample, OursCommProbe, TorchCommProbe
 from app.worker.metrics import TrainMetrics
 from app.worker.models import MiniMLP
+from app.world import run_world
 from tests.trainer_run import finish, free_port, start_ranks, start_torchrun, wait_for_lines, worker_args
-from tests.world import run_world
 
 CONTRACT = {  # name in the exposition -> type
     "ddp_step_duration_seconds": "histogram",
@@ -126,7 +126,7 @@ def test_torch_ddp_bus_bandwidth_uses_first_launch_to_last_completion(probes):
 
 def test_our_ddp_bus_bandwidth_uses_the_wrappers_comm_span(probes):
     if not probes[0]["has_span"]:
-        pytest.skip("app.parallel.ddp.CommStats has no last_comm_span_seconds yet: bus bandwidth falls back to the sum")
+        pytest.skip("our CommStats has no last_comm_span_seconds yet: bus bandwidth falls back to the sum")
     for rank in probes:
         _check_span(rank["ours"], rank["n_buckets"], rank["grad_bytes"])
         assert sum(rank["ours"]["waits"]) == pytest.approx(rank["ours"]["wait_total"], rel=1e-9), rank["ours"]
@@ -303,7 +303,7 @@ def test_a_resumed_world_counts_its_generation_and_the_steps_it_redoes(tmp_path)
         **common,
     )
     assert "resumed from" in err and "step-00000005.pt" in err, err[-3000:]
-    from app.worker.checkpoint_files import checkpoint_path, load_checkpoint
+    from app.worker.checkpoint.files import checkpoint_path, load_checkpoint
 
     written = load_checkpoint(checkpoint_path(tmp_path, 5))["wall_time"]
     for rank, v in enumerate(values):

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.world import run_world
+from app.world import run_world
 
 LOSS_TOLERANCE = 1e-5
 PARAM_TOLERANCE = 1e-6
@@ -30,7 +30,7 @@ def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def train_and_compare(rank: int, world: int, schedule: str, stages: int, micro: int, steps: int) -> dict:
     """``world // stages`` replicas of a ``stages``-stage pipeline vs one process on the whole batch."""
-    from app.parallel.pipeline import build_pipeline_groups, build_pipeline_stage
+    from app.parallel.pipeline.stages import build_pipeline_groups, build_pipeline_stage
     from app.worker.models import DeepMLP
 
     torch.manual_seed(0)  # the same whole model on every rank: each keeps its slice
@@ -117,7 +117,7 @@ def test_data_x_pipeline_two_replicas_of_two_stages(schedule):
 
 
 def merged_state_dict(rank: int, world: int) -> dict:
-    from app.parallel.pipeline import build_pipeline_stage, merge_state_dicts
+    from app.parallel.pipeline.stages import build_pipeline_stage, merge_state_dicts
     from app.worker.models import DeepMLP
 
     torch.manual_seed(0)
@@ -166,7 +166,7 @@ def test_merged_stage_state_dicts_load_into_the_bare_model_and_back():
 
 
 def bad_inputs(rank: int, world: int) -> list[str]:
-    from app.parallel.pipeline import build_pipeline_stage
+    from app.parallel.pipeline.stages import build_pipeline_stage
     from app.worker.models import DeepMLP, MiniMLP
 
     def message(fn) -> str:

@@ -1,7 +1,7 @@
 """The recipe under ZeRO-2 and ZeRO-3 (gradients sharded across ranks) against our DDP, on 2 real gloo ranks.
 
 What sharding changes for the recipe: no rank holds the whole gradient. Clipping must take the global norm over
-every rank's shards (``clip_grad_norm_`` of the wrappers, app.parallel.sharded_grad.clip_sharded_grad_norm_), and
+every rank's shards (``clip_grad_norm_`` of the wrappers, app.parallel.zero.stage2.clip_sharded_grad_norm_), and
 an fp16 overflow lands in one rank's shard only, so the GradScaler must agree across ranks (torch's
 ``ShardedGradScaler``) or the ranks would step differently. Each case trains 4 steps of MiniMLP in 2 micro-batches
 per rank, SGD with momentum (AdamW would hide a wrong clip: it divides each gradient by its own RMS), against our
@@ -20,10 +20,10 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from app.parallel.accum import StepRecipe, accumulation_step
 from app.parallel.ddp import DistributedDataParallel as DDP
-from app.parallel.fsdp import FullyShardedDataParallel
-from app.parallel.sharded_grad import ShardedGradDataParallel
+from app.parallel.zero.stage2 import ShardedGradDataParallel
+from app.parallel.zero.stage3 import FullyShardedDataParallel
 from app.worker.models import MiniMLP
-from tests.world import run_world
+from app.world import run_world
 
 STEPS, PER_RANK, MICRO = 4, 16, 8
 TOL = 1e-6
@@ -141,8 +141,8 @@ def ddp_recipe(tmp_path_factory):
 def test_each_stage_runs_the_recipe_as_ddp_and_resumes_its_schedule(tmp_path, ddp_recipe, stage):
     import json
 
-    from app.parallel.sharded_checkpoint import MANIFEST
-    from app.worker.checkpoint_files import checkpoint_path, load_checkpoint
+    from app.parallel.zero.checkpoint import MANIFEST
+    from app.worker.checkpoint.files import checkpoint_path, load_checkpoint
     from tests.integration.test_train_sharded import STEPS, TOLERANCE, _max_diff, sharded_params
     from tests.integration.test_train_sharded import _train as train_worker
 

@@ -14,8 +14,9 @@ import time
 
 import torch
 
-from app.worker.checkpoint_files import checkpoint_path, list_checkpoints, load_checkpoint
+from app.worker.checkpoint.files import checkpoint_path, list_checkpoints, load_checkpoint
 from app.worker.models import MiniMLP, parameter_checksum
+from app.world import run_world
 from tests.trainer_run import (
     clean_env,
     describe,
@@ -33,7 +34,6 @@ from tests.trainer_run import (
     wait_for_log,
     worker_args,
 )
-from tests.world import run_world
 
 
 def test_two_ranks_train_mini_mlp_with_accumulation():
@@ -364,7 +364,7 @@ def _train_with_a_new_kind(rank: int, world: int, directory: str) -> dict:
     from app.worker.control import StopSignal
     from app.worker.dist import DistContext
     from app.worker.metrics import NoMetrics
-    from app.worker.step_kinds import build_step
+    from app.worker.steps import build_step
     from app.worker.trainer import Trainer
 
     cfg = TrainConfig(steps=6, checkpoint_dir=directory, checkpoint_every=3, metrics_port=0, log_every=3)
@@ -376,7 +376,7 @@ def _train_with_a_new_kind(rank: int, world: int, directory: str) -> dict:
 
 
 def test_a_new_step_kind_plugs_into_the_trainer_unchanged(tmp_path):
-    """What the step protocol promises (app.worker.steps): a kind that offers only its members trains, checkpoints
+    """What the step protocol promises (app.worker.steps.base): a kind that offers only its members trains, checkpoints
     and finishes under the one Trainer, which asks nothing else of it."""
     out = run_world(_train_with_a_new_kind, 2, str(tmp_path), timeout=180)
     assert [o["code"] for o in out] == [0, 0]

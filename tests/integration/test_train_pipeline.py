@@ -15,7 +15,7 @@ import subprocess
 import pytest
 import torch
 
-from app.worker.checkpoint_files import list_checkpoints, load_checkpoint
+from app.worker.checkpoint.files import list_checkpoints, load_checkpoint
 from app.worker.models import MiniMLP
 from tests.trainer_run import (
     describe,

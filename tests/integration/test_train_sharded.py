@@ -1,4 +1,4 @@
-"""The worker's ZeRO step kinds (``--parallel zero1|zero2|zero3``, app.worker.sharded_step), run for real.
+"""The worker's ZeRO step kinds (``--parallel zero1|zero2|zero3``, app.worker.steps.zero), run for real.
 
 - Each stage trains like ``parallel=ddp``: the same 8 steps of a global batch of 50 on 2 ranks; every rank prints
   the same FINISHED checksum, and the final parameters (read back from the sharded checkpoint's files) agree with a
@@ -8,7 +8,11 @@
   4-rank run ends. In float64 (worlds 4 and 3 add in another order; in float32 that drifts, see test_invariance.py);
   measured max |Δparam| 5.6e-17 after 12 steps, ``FLOAT64_TOLERANCE`` allows 1e-12. Without the sampler position
   restored on resume the difference is 1.2e-02: the comparison sees which batches the resumed run took.
-- A checkpoint of another stage or kind, or a shard that no longer matches the manifest: ``config error: ...``, one
+- A run moves between kinds: ddp (2 ranks) -> zero2 (3) -> ddp (4) ends where 12 uninterrupted ddp steps end
+  (float64, ``FLOAT64_TOLERANCE``), zero3 resumes ddp's checkpoint within ``TOLERANCE`` of ddp throughout, ddp
+  resumes zero3's, and ``python -m app.export`` turns the sharded checkpoint into a safetensors file the bare model
+  loads, equal to the shards.
+- A checkpoint of another stage, or a shard that no longer matches the manifest: ``config error: ...``, one
   line, exit 2, and the checkpoint directory unchanged. So is an ``fsdp_units`` naming no module.
 - A save the disk refuses stops every zero2 rank with the ddp path's one line (naming checkpoint_dir, the cause and
   the file) and exit 74, as ``parallel=ddp`` does (tests/integration/test_resume.py): no traceback, no retry.
@@ -31,8 +35,8 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from app.parallel.sharded_checkpoint import MANIFEST
-from app.worker.checkpoint_files import checkpoint_path, load_checkpoint
+from app.parallel.zero.checkpoint import MANIFEST
+from app.worker.checkpoint.files import checkpoint_path, load_checkpoint
 from app.worker.config import ConfigError, TrainConfig
 from app.worker.metrics import TrainMetrics
 from app.worker.models import MiniMLP
@@ -41,6 +45,7 @@ from tests.trainer_run import (
     finish,
     finished,
     free_port,
+    run_module,
     run_process,
     run_ranks,
     start_ranks,
@@ -149,11 +154,45 @@ def test_a_checkpoint_of_another_stage_is_refused(tmp_path, zero2_world4):
     assert "saved by ZeRO stage 2, this run is stage 3" in error, error
 
 
-def test_a_sharded_checkpoint_is_refused_by_ddp_and_a_ddp_one_by_zero(tmp_path, zero2_world4, reference):
-    sharded = _copy(zero2_world4["top"] / "resharded", tmp_path / "sharded")
-    assert "holds a sharded checkpoint" in _refused(sharded, parallel="ddp")
-    plain = _copy(reference, tmp_path / "plain")
-    assert "holds step-*.pt checkpoints" in _refused(plain, parallel="zero2")
+@pytest.fixture(scope="module")
+def ddp_float64(tmp_path_factory) -> Path:
+    """12 uninterrupted ddp steps on 2 ranks in float64: where a run moved between kinds must end."""
+    top = tmp_path_factory.mktemp("ddp64")
+    _train(top, 2, steps=12, parallel="ddp", dtype="float64")
+    return top
+
+
+def test_a_run_moves_ddp_to_zero2_to_ddp_across_world_sizes_and_ends_where_ddp_ends(tmp_path, ddp_float64):
+    d = tmp_path / "moved"
+    _train(d, 2, steps=4, parallel="ddp", dtype="float64")
+    log = _train(d, 3, steps=8, parallel="zero2", dtype="float64")  # the plain step-4 file, cut into 3 shards
+    assert re.search(r"resumed from \S+step-00000004\.pt \(step 4, epoch \d+, saved by a world of 2", log), log
+    log = _train(d, 4, steps=12, parallel="ddp", dtype="float64")  # the sharded step 8, consolidated on 4 ranks
+    assert re.search(r"resumed from \S+manifest\.json \(step 8, epoch \d+, saved by a world of 3", log), log
+    moved = load_checkpoint(checkpoint_path(d, 12))["model"]
+    whole = load_checkpoint(checkpoint_path(ddp_float64, 12))["model"]
+    diff = _max_diff(dict(moved), dict(whole))
+    print(f"max |Δparam| ddp(2) -> zero2(3) -> ddp(4) vs ddp(2) throughout, float64, 12 steps: {diff:.3g}")
+    assert diff < FLOAT64_TOLERANCE, f"max |Δparam| {diff:.3g}: the optimizer state or data position was lost"
+
+
+def test_zero3_resumes_a_ddp_checkpoint_and_ddp_resumes_zero3s_and_the_export_loads_bare(tmp_path, reference):
+    d = tmp_path / "moved"
+    _train(d, 2, steps=4, parallel="ddp")
+    _train(d, 2, steps=STEPS, parallel="zero3")
+    ddp = load_checkpoint(checkpoint_path(reference, STEPS))["model"]
+    diff = _max_diff(sharded_params(d), {k: v for k, v in ddp.items()})
+    assert diff < TOLERANCE, f"zero3 from ddp's step 4: max |Δparam| {diff:.3g} vs ddp throughout"
+    exported = tmp_path / "model.safetensors"
+    done = run_module("app.export", str(d), str(exported))
+    assert done.returncode == 0 and "exported" in done.stdout, describe(done)
+    from safetensors.torch import load_file
+
+    model = MiniMLP()
+    model.load_state_dict(load_file(exported))  # the bare model, no wrapper, strict
+    assert _max_diff(dict(model.state_dict()), sharded_params(d)) == 0
+    log = _train(d, 2, steps=STEPS + 4, parallel="ddp")
+    assert re.search(rf"resumed from \S+manifest\.json \(step {STEPS}", log), log
 
 
 def test_a_shard_that_does_not_match_the_manifest_is_refused(tmp_path, zero2_world4):
@@ -240,7 +279,7 @@ def test_zero2_metrics_after_a_short_run():
 
 def _zero_gauges_after_a_step(rank: int, world: int, parallel: str) -> dict:
     from app.worker.dist import DistContext
-    from app.worker.step_kinds import build_step
+    from app.worker.steps import build_step
 
     cfg = TrainConfig(parallel=parallel, micro_batch=4, metrics_port=0)
     metrics = TrainMetrics(rank=rank, local_rank=rank, world_size=world, node=str(rank))
@@ -257,7 +296,7 @@ def _zero_gauges_after_a_step(rank: int, world: int, parallel: str) -> dict:
 def test_zero1_and_zero3_memory_gauges_read_what_each_rank_holds(parallel):
     """The bytes each rank keeps (zero2's exact values: test_zero2_metrics_after_a_short_run): AdamW's two moments
     of what the rank steps, plus its step counters; between them, the ranks hold one copy of that state."""
-    from tests.world import run_world
+    from app.world import run_world
 
     world = 2
     params = list(MiniMLP().parameters())

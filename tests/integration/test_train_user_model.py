@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.worker.checkpoint_files import checkpoint_path, load_checkpoint
+from app.worker.checkpoint.files import checkpoint_path, load_checkpoint
 from tests.trainer_run import clean_env, describe, finished, run_process, torchrun
 
 pytestmark = pytest.mark.timeout(600)

@@ -8,11 +8,14 @@ working world. And ``spawn_world``'s forked ranks see the caller's environment o
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 
 from app.world import WorldFailed, run_world, spawn_world
+from tests.trainer_run import REPO, clean_env
 
 
 def _rank_1_dies(rank: int, world: int) -> int:
@@ -54,3 +57,16 @@ def test_spawn_world_ranks_see_the_callers_environment_as_it_is_at_each_call(mon
     assert spawn_world(_rank_world_and_variable, 2, "SPAWN_WORLD_PROBE") == [(0, 2, "first"), (1, 2, "first")]
     monkeypatch.setenv("SPAWN_WORLD_PROBE", "second")
     assert spawn_world(_rank_world_and_variable, 2, "SPAWN_WORLD_PROBE") == [(0, 2, "second"), (1, 2, "second")]
+
+
+def test_a_function_of_a_module_run_with_dash_m_reaches_its_ranks():
+    # The ranks' own __main__ is app.world's: a function pickled as __main__.fn is looked up in the caller's module.
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.integration.world_main_probe"],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "[(0, 2), (1, 2)]", out.stderr[-3000:]

@@ -21,11 +21,11 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 from app.parallel.ddp import DistributedDataParallel as DDP
-from app.parallel.fsdp import FullyShardedDataParallel
-from app.parallel.sharded_grad import ShardedGradDataParallel
-from app.parallel.zero import ZeroRedundancyOptimizer, partition_by_size
+from app.parallel.zero.stage1 import ZeroRedundancyOptimizer, partition_by_size
+from app.parallel.zero.stage2 import ShardedGradDataParallel
+from app.parallel.zero.stage3 import FullyShardedDataParallel
 from app.worker.models import MiniMLP, parameter_checksum
-from tests.world import run_world
+from app.world import run_world
 
 # Measured (docs/sharding.md): over 4 AdamW steps at lr 1e-2, stages 1-3, worlds 2 and 4, with and without
 # accumulation, the worst |dparam| against one process was 6.0e-8 (fp32 sums in another order), against our DDP and

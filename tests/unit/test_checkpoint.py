@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import app.worker.checkpoint_files
-from app.worker.checkpoint_files import (
+import app.worker.checkpoint.files
+from app.worker.checkpoint.files import (
     checkpoint_path,
     directory_problem,
     list_checkpoints,
@@ -158,13 +158,13 @@ def test_read_only_checkpoint_dir_is_refused_for_an_unprivileged_user():
         rw.mkdir(mode=0o777)
         os.chmod(rw, 0o777)  # the umask may have removed bits
         code = (
-            "import os, sys; from app.worker.checkpoint_files import directory_problem; "
+            "import os, sys; from app.worker.checkpoint.files import directory_problem; "
             f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY}); "
             "print(directory_problem(sys.argv[1])); print(directory_problem(sys.argv[2]))"
         )
         result = subprocess.run(
             [sys.executable, "-c", code, str(ro), str(rw)],
-            cwd=Path(app.worker.checkpoint_files.__file__).parents[1],
+            cwd=Path(app.worker.checkpoint.files.__file__).parents[1],
             capture_output=True,
             text=True,
             timeout=120,
@@ -183,7 +183,7 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoint_newest_and_loadable(tm
         f.truncate(f.tell() // 2)  # half the bytes reached the file, then the process died
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(app.worker.checkpoint_files.torch, "save", crash_mid_write)
+    monkeypatch.setattr(app.worker.checkpoint.files.torch, "save", crash_mid_write)
     with pytest.raises(OSError):
         save_checkpoint(tmp_path, state(20), keep=3)
     monkeypatch.undo()
@@ -245,7 +245,7 @@ def test_a_rank_that_cannot_read_rank_0s_choice_names_the_shared_storage(tmp_pat
     # checkpoint_dir on each node's own disk: rank 0 finds step 4, its peer has no such file (or another one).
     from types import SimpleNamespace
 
-    from app.worker.checkpoint import Checkpointer
+    from app.worker.checkpoint.checkpointer import Checkpointer
 
     path = tmp_path / "step-00000004.pt"
     if content is not None:

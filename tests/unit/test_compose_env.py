@@ -69,7 +69,7 @@ def test_the_env_file_holds_every_ddp_name_raw_and_says_what_it_is(tmp_path):
     }
     assert lines[FILE_ENV] == str(path) and lines[NAMES_ENV] == "DDP_LR DDP_STEPS DDP_STESP"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", lines[WRITTEN_ENV])
-    assert not list(tmp_path.glob(".*.tmp")), "the temporary file is renamed into place"
+    assert not list(tmp_path.glob(".*.tmp*")), "the temporary file is renamed into place"
     write_env_file(path, {"DDP_SEED": "1"})  # replaced whole: yesterday's settings do not linger
     assert "DDP_STEPS" not in path.read_text() and "DDP_SEED=1" in path.read_text()
 

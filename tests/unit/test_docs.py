@@ -294,3 +294,51 @@ def test_the_figure_check_catches_what_it_should() -> None:
     )
     found = [f.split("'")[1] for f in measured_figures(page)]
     assert found == ["1.04×", "85.1 ms", "57.7 MiB", "64%", "2.98e-08", "0.45"]
+
+
+DOC_IMPORT = re.compile(r"^\s*from (app(?:\.\w+)*) import \(?([\w, ]+(?:as \w+)?)", re.M)
+DOC_MODULE = re.compile(r"(?:python -m |import )(app(?:\.\w+)+)")
+
+
+def doc_imports() -> set[tuple[str, str]]:
+    """Every ``from app... import name`` and ``python -m app...`` / ``import app...`` the docs show a user."""
+    found = set()
+    for path in doc_files():
+        text = path.read_text(encoding="utf-8")
+        for module, names in DOC_IMPORT.findall(text):
+            found |= {(module, n.split(" as ")[0].strip()) for n in names.split(",") if n.strip()}
+        found |= {(module, "") for module in DOC_MODULE.findall(text)}
+    return found
+
+
+def test_the_docs_show_public_imports():
+    shown = doc_imports()
+    assert ("app.parallel.ddp", "DistributedDataParallel") in shown and ("app.parallel", "wrap_model") in shown
+
+
+@pytest.mark.parametrize("module,name", sorted(doc_imports()), ids=lambda v: v or "module")
+def test_every_import_the_docs_show_works(module, name):
+    """A moved or renamed module must keep the names the docs teach (the drop-in's one-line import included)."""
+    import importlib
+
+    imported = importlib.import_module(module)
+    assert not name or hasattr(imported, name), f"the docs import {name} from {module}, which has no such name"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "wrap_model",
+        "DistributedDataParallel",
+        "ZeroRedundancyOptimizer",
+        "ShardedGradDataParallel",
+        "FullyShardedDataParallel",
+        "save_sharded",
+        "load_sharded",
+        "CheckpointError",
+    ],
+)
+def test_the_wrappers_import_from_app_parallel(name):
+    import app.parallel
+
+    assert getattr(app.parallel, name).__name__ == name

@@ -57,16 +57,16 @@ def test_the_sample_takes_one_variant_per_site_and_at_most_every_site():
     [
         ("app/worker/config.py", "tests/unit/test_config*.py"),
         ("app/worker/config/fields.py", "tests/unit/test_config*.py"),  # config.py turned into a package
-        ("app/worker/steps.py", "tests/integration/test_train.py"),  # split out of the trainer
-        ("app/parallel/reducer.py", "tests/integration/test_ddp.py"),  # split out of ddp.py
+        ("app/worker/steps/ddp.py", "tests/integration/test_train.py"),  # split out of the trainer
+        ("app/parallel/ddp/reducer.py", "tests/integration/test_ddp.py"),  # split out of ddp.py
         ("app/parallel/accum.py", "tests/integration/test_accum*.py"),
         (
             "app/parallel/probes.py",
             "tests/integration/test_metrics*.py::test_our_ddp_bus_bandwidth_uses_the_wrappers_comm_span",
         ),
         ("app/cluster/k8s_launch.py", "tests/unit/test_k8s_launch*.py"),
-        ("app/parallel/fsdp.py", "tests/integration/test_fsdp*.py"),  # not DDP's tests: they never import it
-        ("app/parallel/sharded_grad.py", "tests/integration/test_zero.py"),
+        ("app/parallel/zero/stage3.py", "tests/integration/test_fsdp*.py"),  # not DDP's tests: they never import it
+        ("app/parallel/zero/stage2.py", "tests/integration/test_zero.py"),
         ("app/worker/data_files.py", "tests/unit/test_data_files*.py"),
         ("docker/prometheus/alerts.yml", "promtool test rules docker/prometheus/alerts.test.yml"),
     ],
@@ -131,11 +131,11 @@ def test_python_mutants_keep_their_ids_when_code_moves_to_another_file_of_the_ar
     from tools.mutation_gen import apply_python, python_candidates
 
     code = "from __future__ import annotations\n\n\ndef f(a: int | None, b):\n    return a < b\n"
-    (tmp_path / "app" / "parallel").mkdir(parents=True)
-    (tmp_path / "app/parallel/ddp.py").write_text(code)
-    (tmp_path / "app/parallel/reducer.py").write_text("# moved here\n\n" + code)
-    one = python_candidates(tmp_path, "app/parallel/ddp.py", {})
-    moved = python_candidates(tmp_path, "app/parallel/reducer.py", {})
+    (tmp_path / "app" / "parallel" / "ddp").mkdir(parents=True)
+    (tmp_path / "app/parallel/ddp/module.py").write_text(code)
+    (tmp_path / "app/parallel/ddp/reducer.py").write_text("# moved here\n\n" + code)
+    one = python_candidates(tmp_path, "app/parallel/ddp/module.py", {})
+    moved = python_candidates(tmp_path, "app/parallel/ddp/reducer.py", {})
     assert one and [c.id for c in one] == [c.id for c in moved]
     assert not any("int" in c.before for c in one), "an annotation is never evaluated: mutating it is equivalent"
     lt = next(c for c in one if c.operator == "core/ReplaceComparisonOperator_Lt_GtE")

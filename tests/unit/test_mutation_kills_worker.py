@@ -65,11 +65,11 @@ def test_every_histogram_resolves_its_quantiles_within_a_factor_of_4_over_its_do
 
 
 def test_a_step_taken_as_the_step_protocol_shows_it_trains_on_a_finite_loss():
-    # app/worker/steps.py's example leaves inject_nan out: the failure drill must be asked for, never the default.
+    # app/worker/steps/ddp.py's example leaves inject_nan out: the failure drill must be asked for, never the default.
     from app.worker.config import TrainConfig
     from app.worker.dist import DistContext
     from app.worker.metrics import NoMetrics
-    from app.worker.step_kinds import build_step
+    from app.worker.steps import build_step
 
     cfg = TrainConfig(steps=1, wrapper="none", metrics_port=0)
     step = build_step(cfg, DistContext(0, 0, 1, torch.device("cpu"), "gloo"), 1, NoMetrics())
@@ -100,7 +100,7 @@ def test_the_log_names_the_smallest_and_largest_share_of_an_uneven_global_batch(
     from app.worker.config import TrainConfig
     from app.worker.dist import DistContext
     from app.worker.metrics import NoMetrics
-    from app.worker.step_kinds import build_step
+    from app.worker.steps import build_step
 
     cfg = TrainConfig(steps=1, wrapper="none", metrics_port=0, effective_batch=50, micro_batch=8, dataset_size=200)
     step = build_step(cfg, DistContext(0, 0, 3, torch.device("cpu"), "gloo"), 3, NoMetrics())
@@ -129,7 +129,7 @@ def test_a_progress_line_averages_its_window_of_steps_to_the_hundredth_of_a_mill
 def test_comm_stats_read_before_any_step_say_nothing_was_sent():
     """What the metrics read from a wrapper that has not synchronised yet (the first scrape can come before the
     first step): zeros and no buckets, not a sentinel that a rate or a bandwidth would turn negative."""
-    from app.parallel.comm_stats import CommStats
+    from app.parallel.ddp.comm_stats import CommStats
 
     stats = CommStats()
     assert (stats.sync_calls, stats.buckets_reduced, stats.bytes_reduced) == (0, 0, 0)

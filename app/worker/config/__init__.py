@@ -34,7 +34,7 @@ from app.worker.config.schema import (
     SCHEDULE_CHOICES,
     TrainConfig,
 )
-from app.worker.config.world import WorldEnv
+from app.worker.config.torchrun_env import WorldEnv
 
 __all__ = [
     "CONFIG_ENV",

@@ -60,7 +60,7 @@ def check_workload(cfg) -> None:
         )
 
 
-# The step kinds that run the recipe (app.worker.steps.DDPStep and the ZeRO stages built on it).
+# The step kinds that run the recipe (app.worker.steps.ddp.DDPStep and the ZeRO stages built on it).
 RECIPE_KINDS = ("ddp", "zero1", "zero2", "zero3")
 
 

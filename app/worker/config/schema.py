@@ -32,7 +32,7 @@ from app.worker.config.timeouts import check_trainer_timeouts
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 PARALLEL_CHOICES = ("ddp", "pipeline", "dp", "zero1", "zero2", "zero3")
-ZERO_KINDS = ("zero1", "zero2", "zero3")  # the sharded step kinds (app.worker.sharded_step)
+ZERO_KINDS = ("zero1", "zero2", "zero3")  # the sharded step kinds (app.worker.steps.zero)
 SCHEDULE_CHOICES = ("gpipe", "1f1b")
 DTYPE_CHOICES = ("float32", "float64")
 # The recipe's settings (app.worker.recipe) and their defaults: what a kind other than ddp must leave alone.
@@ -70,6 +70,11 @@ class TrainConfig:
         "",
     )
     loss_kwargs: dict[str, Any] = _doc("keyword arguments for the loss (mapping; JSON in env/flag)", {})
+    init_from: str = _doc(
+        "start from these weights: a state_dict .pt or .safetensors file, or a checkpoint_dir of any kind "
+        '(ignored when checkpoint_dir holds a checkpoint to resume; "" = the model\'s own initialisation)',
+        "",
+    )
     steps: int = _doc("optimizer steps in the whole run (a resumed run continues up to this step)", 200)
     micro_batch: int = _doc("samples per forward/backward on one rank", 32)
     grad_accum_steps: int | None = _doc(
@@ -109,13 +114,14 @@ class TrainConfig:
     seq_len: int = _doc("tokens per sequence of the built-in data set (tiny_transformer, data unset only)", 32)
     # -- distribution ---------------------------------------------------------------------------------------------
     wrapper: str = _doc(
-        "data-parallel wrapper: ours (app.parallel.ddp) | torch (PyTorch's DDP) | none (world size 1 only)", "ours"
+        "data-parallel wrapper: ours (app.parallel.ddp) | torch (PyTorch's DDP) | none (world size 1 only)",
+        "ours",
     )
     bucket_cap_mb: float = _doc("DDP bucket size in MiB", 25.0)
     parallel: str = _doc(
         "how the ranks share the work: ddp (data parallel) | pipeline (one model stage per rank, "
-        "app.worker.pipeline_step) | dp (nn.DataParallel: one process, >= 2 GPUs) | zero1 (optimizer state "
-        "sharded) | zero2 (+ gradients) | zero3 (+ parameters: FSDP, CPU only); zero*: app.worker.sharded_step",
+        "app.worker.steps.pipeline) | dp (nn.DataParallel: one process, >= 2 GPUs) | zero1 (optimizer state "
+        "sharded) | zero2 (+ gradients) | zero3 (+ parameters: FSDP, CPU only); zero*: app.worker.steps.zero",
         "ddp",
     )
     fsdp_units: str = _doc(

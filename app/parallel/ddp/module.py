@@ -1,8 +1,8 @@
 """DistributedDataParallel from scratch: the lesson's wrapper, grown into a drop-in for PyTorch's.
 
-Three files (and the smaller ones they name: ``buckets.py``, ``unused.py``, ``sparse_grads.py``), read in this order:
+Three files (and the smaller ones they name: ``buckets.py``, ``unused.py``, ``sparse.py``), read in this order:
 
-- ``ddp.py`` (this one): the ``nn.Module`` front: PyTorch's constructor, the initial broadcast, ``forward``,
+- ``module.py`` (this one): the ``nn.Module`` front: PyTorch's constructor, the initial broadcast, ``forward``,
   ``no_sync()``, ``register_comm_hook``, the buffer sync; it decides *whether* a backward synchronises;
 - ``reducer.py``: the ``Reducer``: per-parameter hooks filling the buckets of ``buckets.py``, the asynchronous
   all-reduce, the write-back into ``p.grad``, unused parameters, static graph; it does the synchronising (PyTorch's
@@ -51,11 +51,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
-from app.parallel.comm_stats import Clock, CommStats
-from app.parallel.join import DDPJoinHook, common_rank, join_context, notify, tell_sync
-from app.parallel.module_sync import broadcast_coalesced, device_of, same_device, to_device
-from app.parallel.reducer import CommHook, GradBucket, Reducer
-from app.parallel.sparse_grads import sparse_gradient_params
+from app.parallel.ddp.comm_stats import Clock, CommStats
+from app.parallel.ddp.join import DDPJoinHook, common_rank, join_context, notify, tell_sync
+from app.parallel.ddp.module_sync import broadcast_coalesced, device_of, same_device, to_device
+from app.parallel.ddp.reducer import CommHook, GradBucket, Reducer
+from app.parallel.ddp.sparse import sparse_gradient_params
 
 __all__ = ["DistributedDataParallel", "GradBucket", "CommStats", "Clock", "Reducer", "CommHook"]
 
@@ -144,23 +144,14 @@ class DistributedDataParallel(nn.Module, Joinable):
     ):
         super().__init__()
         Joinable.__init__(self)  # join(): uneven inputs (join.py)
-        self._divide_by_initial_world_size = True
+        self.divide_by_initial_world_size = True
         _refuse_not_implemented(locals())
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "DistributedDataParallel needs an initialised process group: call "
                 "torch.distributed.init_process_group() first (torchrun sets its env:// variables)"
             )
-        first_bucket_capped = bucket_cap_mb is None
-        bucket_cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-        if dim != 0:
-            raise ValueError(
-                f"dim={dim}: inputs are never scattered (one device per process), so only dim=0 is accepted"
-            )
-        if check_reduction:
-            warnings.warn("check_reduction is deprecated and ignored, as in PyTorch", FutureWarning, stacklevel=2)
+        self.bucket_cap_bytes, self.first_bucket_cap_bytes = _bucket_caps(bucket_cap_mb, dim, check_reduction)
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
@@ -173,25 +164,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.static_graph = static_graph
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy = batched_grad_copy
-        self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
         self.bucket_bytes_cap = self.bucket_cap_bytes  # PyTorch's attribute name
-        self.first_bucket_cap_bytes = FIRST_BUCKET_BYTES if first_bucket_capped else self.bucket_cap_bytes
         self.require_backward_grad_sync = True  # False inside no_sync()
         # Whether the next forward starts by broadcasting rank 0's buffers (PyTorch's name and rule, see forward).
         self.require_forward_param_sync = True
 
-        # module.parameters() yields a tied (shared) parameter once, so it gets one hook and one bucket slot.
-        # Frozen parameters get no gradient: they are left out of buckets and hooks alike.
-        trainable = [p for p in module.parameters() if p.requires_grad]
-        sparse = sparse_gradient_params(module)  # nn.Embedding(sparse=True): reduced apart (sparse_grads.py)
-        self._params = [p for p in trainable if id(p) not in sparse]
-        self._param_names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
-        self._buffers_to_sync = list(module.buffers())
-        if not trainable:
-            raise ValueError(
-                "the module has no parameter that requires a gradient: there is nothing for "
-                "DistributedDataParallel to synchronise; run it unwrapped"
-            )
+        trainable, sparse_params = self._collect_parameters(module)
         self.device = trainable[0].device
         self.device_ids, self.output_device = self._check_devices(device_ids, output_device)
 
@@ -215,11 +193,27 @@ class DistributedDataParallel(nn.Module, Joinable):
             static_graph=static_graph,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             batched_grad_copy=batched_grad_copy,
-            sparse_params=[p for p in trainable if id(p) in sparse],
+            sparse_params=sparse_params,
         )
         self.stats: CommStats = self.reducer.stats
 
     # -- Construction helpers ------------------------------------------------------------------------------------------
+    def _collect_parameters(self, module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """Set the bucketed parameters, their names and the buffers to sync; return (trainable, sparse) parameters."""
+        # module.parameters() yields a tied (shared) parameter once, so it gets one hook and one bucket slot.
+        # Frozen parameters get no gradient: they are left out of buckets and hooks alike.
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        sparse = sparse_gradient_params(module)  # nn.Embedding(sparse=True): reduced apart (sparse.py)
+        self._params = [p for p in trainable if id(p) not in sparse]
+        self._param_names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
+        self._buffers_to_sync = list(module.buffers())
+        if not trainable:
+            raise ValueError(
+                "the module has no parameter that requires a gradient: there is nothing for "
+                "DistributedDataParallel to synchronise; run it unwrapped"
+            )
+        return trainable, [p for p in trainable if id(p) in sparse]
+
     def _check_devices(self, device_ids, output_device) -> tuple[list[int] | None, int | None]:
         """PyTorch's rules for ``device_ids``/``output_device``, plus: the one device must be the module's."""
         if device_ids is not None and len(device_ids) > 1:
@@ -306,7 +300,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Replace the default all-reduce of each bucket by ``hook(state, bucket) -> Future[Tensor]``, resolving to
-        the *averaged* gradients (``app.parallel.comm_hooks``; PyTorch's ``ddp_comm_hooks`` work too)."""
+        the *averaged* gradients (``app.parallel.ddp.comm_hooks``; PyTorch's ``ddp_comm_hooks`` work too)."""
         self.reducer.register_comm_hook(state, hook)
 
     def _set_static_graph(self) -> None:
@@ -329,11 +323,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     def join_process_group(self):
         return self.process_group
 
-    def _will_sync_buffers(self) -> bool:
+    def will_sync_module_buffers(self) -> bool:
         """Whether the next forward starts with the buffer broadcast (a joined rank's hook asks it too)."""
         return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._buffers_to_sync)
 
-    def _sync_buffers(self, still_training: bool = True) -> None:
+    def sync_module_buffers(self, still_training: bool = True) -> None:
         """Broadcast rank 0's buffers in place: each rank's forwards update BatchNorm's stats locally; rank 0's win."""
         self._buffers_to_sync = list(self.module.buffers())  # re-read, as PyTorch: a module may reassign a buffer
         src = self._src_rank
@@ -352,8 +346,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if self._join_config.enable:
             notify(self, sync)  # inside join(): the joined ranks match this iteration's collectives
-        if self._will_sync_buffers():
-            self._sync_buffers()
+        if self.will_sync_module_buffers():
+            self.sync_module_buffers()
         if self._join_config.enable:
             tell_sync(self, sync)
         output = self.module(*inputs, **kwargs)
@@ -374,6 +368,20 @@ def _refuse_not_implemented(arguments: dict) -> None:
             )
 
 
+def _bucket_caps(bucket_cap_mb: float | None, dim: int, check_reduction: bool) -> tuple[int, int]:
+    """(bucket cap, first bucket's cap) in bytes, by PyTorch's rules; the arguments it refuses, refused."""
+    if bucket_cap_mb is not None and bucket_cap_mb <= 0:
+        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+    if dim != 0:
+        raise ValueError(f"dim={dim}: inputs are never scattered (one device per process), so only dim=0 is accepted")
+    if check_reduction:
+        warnings.warn("check_reduction is deprecated and ignored, as in PyTorch", FutureWarning, stacklevel=3)
+    if bucket_cap_mb is None:  # PyTorch's default: 25 MiB, and a small first bucket so the first launch comes early
+        return int(DEFAULT_BUCKET_CAP_MB * 1024 * 1024), FIRST_BUCKET_BYTES
+    cap = int(bucket_cap_mb * 1024 * 1024)
+    return cap, cap
+
+
 def _buffer_sync_flags(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
     """(sync buffers before each forward, broadcast buffers at construction), by PyTorch 2.13's rules."""
     if broadcast_buffers is not None:
@@ -387,4 +395,5 @@ def _buffer_sync_flags(broadcast_buffers: bool | None, forward_sync_buffers: boo
         )
     if forward_sync_buffers is not None:
         return forward_sync_buffers, True
-    return (broadcast_buffers is None or bool(broadcast_buffers),) * 2  # None: True, as PyTorch
+    sync = broadcast_buffers is None or bool(broadcast_buffers)  # None: True, as PyTorch
+    return sync, sync

@@ -1,7 +1,7 @@
 """Which step kind a run uses: ``STEP_KINDS`` (``cfg.parallel`` -> kind) and ``build_step``, what ``app.train`` calls.
 
-The kinds live in ``app.worker.steps`` (ddp, dp), ``app.worker.pipeline_step`` (pipeline) and
-``app.worker.sharded_step`` (zero1-3); they import ``app.worker.steps`` for the shared protocol, and this module
+The kinds live one per file: ``ddp.py``, ``data_parallel.py`` (dp), ``pipeline.py`` and ``zero.py`` (zero1-3);
+they import ``base.py`` for the members every kind has (the ``TrainStep`` protocol), and this module
 imports them, so no two modules import each other. The pipeline and ZeRO kinds are imported on use: a ddp run needs
 neither the pipelining engine nor the sharding code.
 """
@@ -16,21 +16,23 @@ import torch
 from app.parallel.activation_checkpointing import checkpoint_modules
 from app.worker.config import TrainConfig
 from app.worker.dist import DistContext
-from app.worker.steps import DataParallelStep, DDPStep, TrainStep
+from app.worker.steps.base import TrainStep
+from app.worker.steps.data_parallel import DataParallelStep
+from app.worker.steps.ddp import DDPStep
 from app.worker.workload import build_loss, build_model, checkpointed_units
 
 log = logging.getLogger("app.train")
 
 
 def _pipeline_step(*args, **kwargs):
-    from app.worker.pipeline_step import PipelineStep
+    from app.worker.steps.pipeline import PipelineStep
 
     return PipelineStep(*args, **kwargs)
 
 
 def _sharded_step(stage: str) -> Callable[..., TrainStep]:
     def build(*args, **kwargs):
-        from app.worker.sharded_step import STAGES
+        from app.worker.steps.zero import STAGES
 
         return STAGES[stage](*args, **kwargs)
 

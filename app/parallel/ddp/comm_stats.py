@@ -1,6 +1,6 @@
 """What our DistributedDataParallel did on the wire, and the clock it was timed with.
 
-Third and last file of the wrapper (read ``ddp.py``, then ``reducer.py``, then this): the reducer stamps each
+Third and last file of the wrapper (read ``module.py``, then ``reducer.py``, then this): the reducer stamps each
 bucket's launch and completion with a ``Clock`` and hands one backward's timestamps to ``CommStats``, which the
 trainer's probe (``app/parallel/probes.py``) turns into Prometheus metrics. Nothing here talks to other ranks.
 """

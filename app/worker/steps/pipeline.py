@@ -30,14 +30,14 @@ import torch.distributed as dist
 from torch import nn
 
 from app.parallel.accum import NonFiniteLossError
-from app.parallel.pipeline import build_pipeline_groups, build_pipeline_stage, merge_state_dicts
+from app.parallel.pipeline.stages import build_pipeline_groups, build_pipeline_stage, merge_state_dicts
 from app.parallel.probes import NoCommProbe
-from app.worker.checkpoint import CheckpointMismatch
+from app.worker.checkpoint.checkpointer import CheckpointMismatch
 from app.worker.config import TrainConfig
 from app.worker.data import GlobalBatches
 from app.worker.dist import DistContext
 from app.worker.models import parameter_checksum
-from app.worker.steps import MicroBatches, StepOutcome
+from app.worker.steps.base import MicroBatches, StepOutcome
 from app.worker.workload import build_dataset, build_model
 
 log = logging.getLogger("app.train")

@@ -1,10 +1,10 @@
 """ZeRO stage 2 from scratch: gradients and optimizer state sharded, parameters still whole on every rank.
 
-Stage 1 (``zero.py``) still all-reduces the *full* gradient onto every rank, although each rank steps only 1/N of
+Stage 1 (``stage1.py``) still all-reduces the *full* gradient onto every rank, although each rank steps only 1/N of
 the parameters and needs only 1/N of the gradient. Stage 2 reduce-scatters instead: the same bytes on the wire as
 an all-reduce's first half, and each rank ends up holding only the summed gradient of its own shard.
 
-    1. the trainable parameters are cut into buckets (reverse order, <= bucket_cap_mb, as in ``ddp.py``); each
+    1. the trainable parameters are cut into buckets (reverse order, <= bucket_cap_mb, as in ``app.parallel.ddp``); each
        bucket's parameters are laid end to end in one flat buffer, padded to a multiple of N, and ``p.data``
        becomes a view of it. Rank r owns chunk r of every bucket: its *shard*, what its optimizer steps;
     2. as backward produces each gradient, a hook copies it into the bucket's flat gradient and frees ``p.grad``;
@@ -41,8 +41,8 @@ import torch.distributed as dist
 from torch import nn
 
 from app.diagnostics import collectives as recorded
-from app.parallel.module_sync import broadcast_coalesced
-from app.parallel.zero import refuse_unshardable
+from app.parallel.ddp.module_sync import broadcast_coalesced
+from app.parallel.zero.stage1 import refuse_unshardable
 
 DEFAULT_BUCKET_CAP_MB = 25
 
@@ -109,7 +109,7 @@ class FlatShard:
     """Parameters laid end to end (padded to a multiple of ``world_size``); this rank owns one equal chunk.
 
     Offsets are those of the unpadded concatenation, the same for every world size: that is what lets a sharded
-    checkpoint saved on 4 ranks be cut again for 3 (``sharded_checkpoint.py``).
+    checkpoint saved on 4 ranks be cut again for 3 (``checkpoint.py``).
     """
 
     def __init__(self, params: list[torch.Tensor], names: list[str], rank: int, world_size: int):
@@ -184,7 +184,7 @@ class ShardedGradDataParallel(nn.Module):
     Args:
         module: the model, on one device; its trainable parameters must share one dtype.
         process_group: the group to shard over; ``None`` is the default (world) group.
-        bucket_cap_mb: bucket size in MiB (a bucket closes once it holds at least this much, as in ``ddp.py``).
+        bucket_cap_mb: bucket size in MiB (a bucket closes once it holds at least this much, as in DDP).
             Bigger buckets: fewer collectives, later first launch. Each bucket is padded to a multiple of N.
         init_sync: broadcast rank 0's parameters and buffers at construction (``False``: the ranks agree already).
 

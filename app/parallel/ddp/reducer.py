@@ -1,6 +1,6 @@
 """The reducer of our DistributedDataParallel: gradients into buckets, buckets all-reduced while backward runs.
 
-Second of three files (read ``ddp.py`` first, this next, ``comm_stats.py`` last). ``ddp.py`` decides *whether* a
+Second of three files (read ``module.py`` first, this next, ``comm_stats.py`` last). ``module.py`` decides *whether* a
 backward synchronises; this file does the synchronising, as PyTorch's C++ ``Reducer`` does for its DDP:
 
 1. at construction, parameters are grouped into flat ``GradBucket`` buffers (``buckets.py``), in reverse
@@ -14,9 +14,24 @@ backward synchronises; this file does the synchronising, as PyTorch's C++ ``Redu
 The hooks run once per parameter per step, on backward's critical path, so they do as little Python as possible:
 everything that can be computed once (views, slots, divisors) is, small gradients go into their bucket together
 (two calls per bucket, ``_copy_grouped``), and the copy back is one call per bucket.
-Unused parameters and ``static_graph`` (``unused.py``), ``gradient_as_bucket_view`` and sparse gradients
-(``sparse_grads.py``) are handled here too; ``no_sync()`` is not: a backward that was not prepared leaves ``p.grad``
+Unused parameters and ``static_graph`` (below), ``gradient_as_bucket_view`` and sparse gradients
+(``sparse.py``) are handled here too; ``no_sync()`` is not: a backward that was not prepared leaves ``p.grad``
 alone. Compressed buckets (a comm hook with a ``wire_dtype``, ``comm_hooks.py``) hold the gradients cast, not divided.
+
+**Unused parameters.** A bucket launches once every one of its parameters is ready, so a parameter whose hook never
+fires would hold its bucket, and every rank with it, forever. The reducer learns which parameters those are
+in one of two ways:
+
+- ``find_unused_parameters``: before each backward, by walking the autograd graph from forward's outputs
+  (``graph_walk.py``); they are marked ready at the first hook;
+- ``static_graph``: once, in the first iteration, from the hooks themselves, as PyTorch's does. That iteration
+  reduces nothing while backward runs: at its end the parameters whose hook never fired are the unused ones, every
+  bucket fills and launches, and later iterations reuse the set and the order the gradients arrived in. No graph
+  walk: a reentrant ``torch.utils.checkpoint`` recomputes its part of the graph during backward, out of a walk's
+  reach, and its parameters' hooks fire all the same.
+
+Then one small all-reduce of used flags tells every rank which parameters no rank used (their ``p.grad`` stays
+None, as in PyTorch).
 """
 
 from __future__ import annotations
@@ -30,12 +45,11 @@ import torch.distributed as dist
 from torch import nn
 
 from app.diagnostics import collectives as recorded
-from app.parallel.buckets import GradBucket, assign_buckets
-from app.parallel.comm_hooks import Exchange
-from app.parallel.comm_stats import BackwardTimes, Clock, CommStats
-from app.parallel.graph_walk import unused_parameters
-from app.parallel.sparse_grads import SparseGradients
-from app.parallel.unused import UnusedParameters
+from app.parallel.ddp.buckets import GradBucket, assign_buckets
+from app.parallel.ddp.comm_hooks import Exchange
+from app.parallel.ddp.comm_stats import BackwardTimes, Clock, CommStats
+from app.parallel.ddp.graph_walk import unused_parameters
+from app.parallel.ddp.sparse import SparseGradients
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 # Gradients up to this many elements are copied into their bucket in one grouped call (see Reducer._grouped):
@@ -43,7 +57,7 @@ CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 GROUP_NUMEL = 64 * 1024
 
 
-class Reducer(UnusedParameters):
+class Reducer:
     """Buckets, hooks and the all-reduce of one wrapped module's gradients (PyTorch's ``Reducer``, in Python).
 
     ``DistributedDataParallel`` builds one and calls ``prepare_for_backward(outputs)`` after each synchronising
@@ -106,12 +120,12 @@ class Reducer(UnusedParameters):
         slot: list = [None] * len(self._params)  # parameter index -> (its bucket, its slot, grouped)
         for b in buckets:
             # In the gradients' dtype: a float64 one gives the same bits but a kernel 1.5x slower on small gradients.
-            b.scale = torch.tensor(1.0 / self._divisor, dtype=b._params[0].dtype)
+            b.scale = torch.tensor(1.0 / self._divisor, dtype=b.params[0].dtype)
             # PyTorch's batched_grad_copy: copy all, then divide the buffer (a compressed one keeps its fused cast).
             b.batched = self.batched_grad_copy and not b.compressed and not self.gradient_as_bucket_view
             self._fill_slots(b, slot)
         # Full-precision bytes (what the stats and logs report, compressed or not).
-        self._bucket_sizes = [sum(p.numel() * p.element_size() for p in b._params) for b in buckets]
+        self._bucket_sizes = [sum(p.numel() * p.element_size() for p in b.params) for b in buckets]
         return buckets, slot
 
     def _fill_slots(self, bucket: GradBucket, slot: list) -> None:
@@ -120,14 +134,14 @@ class Reducer(UnusedParameters):
         spans: list[list[int]] = []
         lending = not (bucket.compressed or self.gradient_as_bucket_view)
         bucket.lendable = []
-        for k, (index, view, start) in enumerate(zip(bucket.param_indices, bucket._views, bucket._offsets)):
+        for k, (index, view, start) in enumerate(zip(bucket.param_indices, bucket.views, bucket.offsets)):
             grouped = self._grouped(bucket, view)
             slot[index] = (bucket, view, grouped)
             if grouped and spans and spans[-1][1] == start:
                 spans[-1][1] += view.numel()
             elif grouped:
                 spans.append([start, start + view.numel()])
-            elif lending and bucket._params[k].is_contiguous():
+            elif lending and bucket.params[k].is_contiguous():
                 bucket.lendable.append(k)
         bucket.grouped_spans = [bucket.buffer()[start:end] for start, end in spans]
 
@@ -152,6 +166,10 @@ class Reducer(UnusedParameters):
     def buckets(self) -> tuple[GradBucket, ...]:
         """The current buckets, in launch order (read-only: static_graph may rebuild them after iteration 1)."""
         return tuple(self._buckets)
+
+    @property
+    def has_comm_hook(self) -> bool:
+        return self._comm_hook is not None
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         if self._comm_hook is not None:
@@ -189,7 +207,7 @@ class Reducer(UnusedParameters):
         self._locally_unused: list[int] = []  # unused (below) and no gradient accumulated under no_sync()
         self._plan_lending()  # (after the line above: the last backward's futures no longer hold any tensor)
         # Not reached by this forward's graph (find_unused_parameters); static graph: the set its first iteration's
-        # hooks told (unused.py), as PyTorch's, without a walk (blind to a reentrant checkpoint's inner graph).
+        # hooks told (_mark_learned), as PyTorch's, without a walk (blind to a reentrant checkpoint's inner graph).
         self._learning = self.static_graph and self._static_unused is None
         walk = self.find_unused_parameters and not self.static_graph
         self._unused = unused_parameters(outputs, self._params) if walk else (self._static_unused or [])
@@ -222,7 +240,7 @@ class Reducer(UnusedParameters):
         if grad is None:
             view.zero_()
         elif grouped:  # (never lent: such a slot is never p.grad)
-            self._grouped_grads[bucket._index].append((view, grad))  # copied with the rest of its group, below
+            self._grouped_grads[bucket.position].append((view, grad))  # copied with the rest of its group, below
         elif grad.data_ptr() == view.data_ptr():
             # p.grad is its slot (gradient_as_bucket_view, or lent by an earlier backward and kept since by
             # zero_grad(set_to_none=False) or no_sync()): autograd accumulated straight into the bucket.
@@ -241,16 +259,16 @@ class Reducer(UnusedParameters):
                 # Lent (see _plan_lending): freed now, the tensor autograd made lends its memory, still in cache,
                 # to the next gradient backward computes.
                 param.grad = view.detach()
-        self._pending[bucket._index] -= 1
-        if self._pending[bucket._index] == 0:
-            if self._grouped_grads[bucket._index]:
+        self._pending[bucket.position] -= 1
+        if self._pending[bucket.position] == 0:
+            if self._grouped_grads[bucket.position]:
                 self._copy_grouped(bucket)
             self._launch_ready_buckets()
 
     def _copy_grouped(self, bucket: GradBucket) -> None:
         """A full bucket's grouped gradients into their slots, in two calls whatever their number."""
-        views, grads = map(list, zip(*self._grouped_grads[bucket._index]))
-        self._grouped_grads[bucket._index] = []  # the gradients may be freed once backward no longer holds them
+        views, grads = map(list, zip(*self._grouped_grads[bucket.position]))
+        self._grouped_grads[bucket.position] = []  # the gradients may be freed once backward no longer holds them
         if bucket.batched:
             torch._foreach_copy_(views, grads)  # PyTorch's batched_grad_copy: a copy, then divide the buffer
             if self._divides:
@@ -347,8 +365,8 @@ class Reducer(UnusedParameters):
         """
         self._lend = [False] * len(self._params)
         for b in self._buckets:
-            grads = [b._params[k].grad for k in b.lendable]
-            kept = [g is not None and g.data_ptr() == b._views[k].data_ptr() for g, k in zip(grads, b.lendable)]
+            grads = [b.params[k].grad for k in b.lendable]
+            kept = [g is not None and g.data_ptr() == b.views[k].data_ptr() for g, k in zip(grads, b.lendable)]
             if b.lendable and b.shared_elsewhere(lent=sum(kept)):
                 b.renew()
                 self._fill_slots(b, self._slot)
@@ -358,7 +376,7 @@ class Reducer(UnusedParameters):
     def _write_back(self, bucket: GradBucket, globally_used: list[bool] | None) -> None:
         """Make ``p.grad`` hold the bucket's averages: copied, in one call per bucket, into every ``p.grad`` that is
         not its slot already (gradient_as_bucket_view, a slot lent in this backward or kept since)."""
-        params, views = bucket._params, bucket._views
+        params, views = bucket.params, bucket.views
         if globally_used is None and not bucket.lendable:  # every parameter used, none can be its slot
             if not self.gradient_as_bucket_view:  # (with it, every p.grad is its slot already)
                 torch._foreach_copy_([p.grad for p in params], views)  # one call (and cast) for the whole bucket
@@ -380,6 +398,48 @@ class Reducer(UnusedParameters):
         if copy_to:
             torch._foreach_copy_(copy_to, copy_from)
 
+    # Unused parameters and static_graph (see the module's docstring).
+
+    def _mark_learned(self) -> None:
+        """End of static_graph's first backward: what arrived is used, the rest unused; mark all ready, in the
+        order they arrived (unused first, as find_unused_parameters marks them), which launches every bucket."""
+        arrived = list(dict.fromkeys(self._arrival_order))  # (a reentrant checkpoint may fire a hook twice)
+        seen = set(arrived)
+        self._unused = [i for i in range(len(self._params)) if i not in seen]
+        self._locally_unused = [i for i in self._unused if self._params[i].grad is None]
+        self._arrival_order = self._unused + arrived
+        for index in self._arrival_order:
+            self._mark_ready(index)
+
+    def _globally_used_flags(self) -> list[bool] | None:
+        """Which parameters some rank used (only those get a gradient); ``None`` when all are, by construction."""
+        if self._static_used_flags is not None:
+            return self._static_used_flags  # static graph: the first iteration's answer holds for every iteration
+        if not (self.find_unused_parameters or self.static_graph):
+            return None
+        used = torch.ones(len(self._params), dtype=torch.int32, device=self.device)
+        used[self._locally_unused] = 0  # not reached by this forward and no gradient accumulated under no_sync()
+        if not self.skip_all_reduce_unused_params:
+            # One tiny extra all-reduce, as in PyTorch. int32 rather than bool: NCCL and gloo both SUM int32.
+            dist.all_reduce(used, op=dist.ReduceOp.SUM, group=self.process_group)
+        return used.bool().tolist()
+
+    def _learn_static_graph(self, globally_used: list[bool] | None) -> None:
+        """End of the first iteration under static_graph: keep what it found, rebuild buckets in arrival order."""
+        self._static_unused = list(self._unused)
+        self._static_used_flags = globally_used if globally_used is not None else [True] * len(self._params)
+        # Every rank must bucket identically (collectives match by call order): rank 0's order is the order.
+        order = torch.tensor(self._arrival_order, dtype=torch.int64, device=self.device)
+        dist.broadcast(order, src=self._src_rank, group=self.process_group)
+        if order.tolist() == [i for b in self._buckets for i in b.param_indices]:
+            return  # gradients arrived in bucket order already
+        self._buckets, self._slot = self._build_buckets(order.tolist())
+        if self.gradient_as_bucket_view:
+            with torch.no_grad():
+                for index, p in enumerate(self._params):
+                    if p.grad is not None:  # a slot of the old buckets: move it into the new ones
+                        p.grad = self._slot[index][1].copy_(p.grad)
+
 
 def _grad_hook(reducer: weakref.ref, index: int):
     def hook(param: torch.Tensor) -> None:
@@ -388,7 +448,7 @@ def _grad_hook(reducer: weakref.ref, index: int):
             return  # inside no_sync(): leave the local gradient to accumulate in p.grad
         if not self._callback_queued:
             self._first_hook()
-        if index is None:  # (a sparse gradient: reduced once backward ends, see sparse_grads.py)
+        if index is None:  # (a sparse gradient: reduced once backward ends, see sparse.py)
             return
         if self._learning:
             self._arrival_order.append(index)  # (the reduction waits for the end of backward: _mark_learned)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
 from app.diagnostics import collectives as recorded
-from app.parallel.module_sync import broadcast_coalesced
+from app.parallel.ddp.module_sync import broadcast_coalesced
 
 SYNC_FLAG = "DDP join: does this step sync"  # one source on both sides: a joined rank's shadow and a training rank
 
@@ -37,7 +37,7 @@ def join_context(
 ):
     """``DistributedDataParallel.join``: PyTorch's ``Join`` context manager over ``ddp`` alone."""
     options = {
-        "a comm hook": ddp.reducer._comm_hook is not None,
+        "a comm hook": ddp.reducer.has_comm_hook,
         "static_graph": ddp.static_graph,
         "skip_all_reduce_unused_params": ddp.skip_all_reduce_unused_params,
     }
@@ -60,12 +60,12 @@ class DDPJoinHook(JoinHook):
 
     def __init__(self, ddp, divide_by_initial_world_size: bool):
         self.ddp = ddp
-        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+        ddp.divide_by_initial_world_size = divide_by_initial_world_size
 
     def main_hook(self) -> None:
         ddp = self.ddp
-        if ddp._will_sync_buffers():
-            ddp._sync_buffers(still_training=False)
+        if ddp.will_sync_module_buffers():
+            ddp.sync_module_buffers(still_training=False)
         sync = torch.zeros(1, device=ddp.device)
         recorded.all_reduce(sync, SYNC_FLAG, group=ddp.process_group)
         ddp.require_forward_param_sync = bool(sync.item())  # as after the others' forward
@@ -92,7 +92,7 @@ def notify(ddp, sync: bool) -> None:
     the divisor it sets), then, after the buffers, whether this iteration synchronises (steps 1 and 3 above)."""
     work = Join.notify_join_context(ddp)
     if work is not None and sync:  # (set each time: an earlier join() may have divided otherwise)
-        divide_by_all = ddp._divide_by_initial_world_size
+        divide_by_all = ddp.divide_by_initial_world_size
         ddp.reducer.set_divisor(ddp.world_size if divide_by_all else int(work.get_future().wait()[0].item()))
 
 

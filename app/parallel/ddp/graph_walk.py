@@ -1,7 +1,7 @@
 """Which parameters a forward's output reaches: the autograd-graph walk behind ``find_unused_parameters``.
 
 The reducer (``reducer.py``) walks the graph after a forward to learn which parameters will get no gradient in the
-coming backward, so that their buckets still complete; ``fsdp.py`` finds the tensors of a forward's output the same
+coming backward, so that their buckets still complete; ZeRO stage 3 finds the tensors of a forward's output the same
 way, to hook its backward.
 """
 

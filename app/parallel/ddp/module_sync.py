@@ -1,7 +1,7 @@
 """What our DDP moves besides gradients: module state broadcast from one rank, forward inputs moved to the device.
 
-``ddp.py`` broadcasts parameters and buffers at construction and buffers before forwards, ``join.py`` the final
-model, ``sharded_grad.py`` (and through it FSDP) the initial one: all through ``broadcast_coalesced``.
+``module.py`` broadcasts parameters and buffers at construction and buffers before forwards, ``join.py`` the final
+model, ZeRO stage 2 (and through it stage 3) the initial one: all through ``broadcast_coalesced``.
 """
 
 from __future__ import annotations

@@ -17,9 +17,10 @@ named by the bare model's parameter names, so the layout on load need not match 
 each rank reads the pieces overlapping what it now holds, from whichever of the 4 files have them (one file at a
 time: no rank ever holds more than a few shards' worth of state).
 
-Every file is written atomically (temporary file, fsync, rename) and the manifest only after every shard is on disk,
-so a crash mid-save leaves either the old manifest (whose digests then reject the new files) or the new one. Nothing
-is copied to save it, nor held twice to load it. Anything wrong on load raises a one-line ``CheckpointError``.
+Every file is written atomically (app.files: temporary file, fsync, rename, directory fsync) and the manifest only
+after every shard is on disk, so a crash mid-save leaves either the old manifest (whose digests then reject the new
+files) or the new one. Nothing is copied to save it, nor held twice to load it. Anything wrong on load raises a
+one-line ``CheckpointError``.
 
     save_sharded(directory, model, optimizer, extra={"step": step})   # on every rank, collectively
     extra = load_sharded(directory, model, optimizer)                  # on every rank, any world size
@@ -31,6 +32,8 @@ import errno
 import hashlib
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,9 +41,10 @@ import torch.distributed as dist
 from torch import nn
 
 from app.cli import first_line
-from app.parallel.fsdp import FullyShardedDataParallel
-from app.parallel.sharded_grad import ShardedGradDataParallel
-from app.parallel.zero import ZeroRedundancyOptimizer
+from app.files import write_atomically
+from app.parallel.zero.stage1 import ZeroRedundancyOptimizer
+from app.parallel.zero.stage2 import ShardedGradDataParallel
+from app.parallel.zero.stage3 import FullyShardedDataParallel
 
 FORMAT = "ddp-cluster.sharded-checkpoint.v1"
 MANIFEST = "manifest.json"
@@ -110,21 +114,6 @@ def _sharded_names(model: nn.Module, optimizer, stage: int) -> set[str]:
     return {n for n, p in _bare(model).named_parameters(remove_duplicate=False) if id(p) in ids}
 
 
-def _atomic_write(path: Path, write):
-    """``write(file)`` into a temporary file beside ``path``, fsync, rename: ``path`` is whole or absent. Returns
-    what ``write`` returned."""
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            result = write(f)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename makes it visible: a crash never leaves half a file
-        os.replace(tmp, path)
-        return result
-    finally:
-        tmp.unlink(missing_ok=True)  # a full disk keeps no half-written file
-
-
 class _Hashing:
     """A file that hashes what is written through it: the shard's digest without its bytes held in memory."""
 
@@ -185,7 +174,7 @@ def save_sharded(directory, model: nn.Module, optimizer, extra: dict | None = No
     name = f"shard-{rank:05d}-of-{world:05d}-{token[0]}.pt"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        digest = _atomic_write(directory / name, lambda f: _save_hashed(payload, f))
+        digest = write_atomically(directory / name, lambda f: _save_hashed(payload, f))
         mine = {"rank": rank, "file": name, "sha256": digest}
         mine["pieces"] = {n: [p["lo"], p["hi"]] for n, p in pieces.items()}
     except OSError as e:
@@ -219,7 +208,7 @@ def _write_manifest(directory: Path, model, optimizer, stage: int, world: int, e
     }
     try:
         text = json.dumps(manifest, indent=1, default=str).encode()
-        _atomic_write(directory / MANIFEST, lambda f: f.write(text))
+        write_atomically(directory / MANIFEST, lambda f: f.write(text))
     except OSError as e:
         return f"{directory / MANIFEST} (rank 0)", _why(e)
     listed = {s["file"] for s in shards}
@@ -275,15 +264,19 @@ def _read_shard(directory: Path, shard: dict) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def load_sharded(directory, model: nn.Module, optimizer, process_group=None) -> dict:
+def load_sharded(directory, model: nn.Module, optimizer, process_group=None, source: Consolidated | None = None):
     """Load a checkpoint from ``save_sharded`` onto this world (any size); returns the ``extra`` saved with it.
 
     Collective. Raises ``CheckpointError`` (on every rank, before anything is changed) on a checkpoint from
     another stage, a shard whose digest differs from the manifest's, or a parameter the checkpoint lacks.
+    ``source``: a whole (consolidated) state instead of the files in ``directory`` (then only named in errors): a
+    plain checkpoint resumed by a ZeRO stage, read as if one rank had saved it under this stage.
     """
     directory = Path(directory)
     try:
-        manifest, stage, entries, state, buffers, scalars, replicated = _read_for_this_rank(directory, model, optimizer)
+        manifest, read = (read_manifest(directory), None) if source is None else source.as_manifest(model, optimizer)
+        loaded = _read_for_this_rank(directory, model, optimizer, manifest, read)
+        manifest, stage, entries, state, buffers, scalars, replicated = loaded
         error = None
     except Exception as e:  # noqa: BLE001 (any rank's failure must reach every rank, or the others would hang)
         error = str(e) if isinstance(e, CheckpointError) else f"{directory}: {type(e).__name__}: {e}"
@@ -305,9 +298,10 @@ def _agree(error: str | None, process_group) -> None:
         raise CheckpointError(first_line(first))
 
 
-def _read_for_this_rank(directory: Path, model: nn.Module, optimizer):
-    """Read and check everything this rank will hold; change nothing yet."""
-    manifest = read_manifest(directory)
+def _read_for_this_rank(directory: Path, model: nn.Module, optimizer, manifest: dict, read=None):
+    """Read and check everything this rank will hold; change nothing yet. ``read(shard)``: a shard's payload
+    (None: its file in ``directory``, checked against its digest)."""
+    read = read or (lambda shard: _read_shard(directory, shard))
     stage = stage_of(model, optimizer)
     if manifest["stage"] != stage:
         raise CheckpointError(
@@ -327,7 +321,7 @@ def _read_for_this_rank(directory: Path, model: nn.Module, optimizer):
         overlaps = [n for n, (lo, hi) in shard["pieces"].items() if n in needed and _overlap((lo, hi), needed[n])]
         if not overlaps and shard["rank"] != 0:
             continue  # a file with nothing for this rank is never read
-        payload = _read_shard(directory, shard)  # one file at a time: its tensors are dropped after the copy
+        payload = read(shard)  # one file at a time: its tensors are dropped after the copy
         if shard["rank"] == 0:
             replicated = payload.get("replicated", {})
         for name in overlaps:
@@ -370,7 +364,9 @@ def _copy_piece(piece: dict, want: tuple[int, int], at: tuple[int, int, int], bu
         if key not in buffers[entry]:
             buffers[entry][key] = torch.zeros_like(buffers[entry]["param"])
         buffers[entry][key][dst] = tensor[src].to(buffers[entry][key].dtype)
-    scalars[entry].update(piece["scalars"])
+    # A copy per entry: two of this world's entries may take pieces of one saved entry, and AdamW adds 1 to ``step``
+    # in place, once per entry holding it.
+    scalars[entry].update({k: v.clone() if torch.is_tensor(v) else v for k, v in piece["scalars"].items()})
     return hi - lo
 
 
@@ -395,6 +391,77 @@ def _resync(model: nn.Module, optimizer, stage: int) -> None:
     """Each rank loaded what it steps; bring the replicated copies up to date (stage 3 has none)."""
     if stage == 1:
         with torch.no_grad():
-            optimizer._broadcast_partitions()
+            optimizer.broadcast_partitions()
     elif stage == 2:
         model.gather_parameters()
+
+
+@dataclass
+class Consolidated:
+    """A whole training state, by parameter name, on one process: what ``consolidate`` reads from a sharded
+    checkpoint, or a plain checkpoint's model and optimizer state put in the same terms.
+
+    ``model``: the bare model's state dict (tied parameters once, under their first name); ``optimizer``: each
+    parameter's optimizer state by name (tensors shaped like the parameter, scalars such as AdamW's ``step``);
+    ``param_groups``: the optimizer's hyperparameters, per group, without their parameters; ``extra``: what the run
+    saved beside them (step, data position, RNG states).
+    """
+
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, dict]
+    param_groups: list[dict]
+    extra: dict
+
+    def as_manifest(self, model: nn.Module, optimizer) -> tuple[dict, Callable[[dict], dict]]:
+        """A manifest and reader under which ``load_sharded`` loads this state as one rank's save for ``model``'s
+        stage: one shard holding every parameter whole."""
+        stage = stage_of(model, optimizer)
+        shapes = {n: shape for n, shape in _param_shapes(model, stage).items() if n in self.model}
+        pieces = {}
+        for name in shapes:
+            flat = self.model[name].reshape(-1)
+            state = self.optimizer.get(name, {})
+            shaped = {k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == self.model[name].shape}
+            tensors = {"param": flat} | {k: state[k].reshape(-1) for k in shaped}
+            scalars = {k: v for k, v in state.items() if k not in shaped}  # AdamW's step, a 0-dim tensor
+            pieces[name] = {"lo": 0, "hi": flat.numel(), "tensors": tensors, "scalars": scalars}
+        replicated = {k: v for k, v in self.model.items() if k not in shapes}
+        payload = {"pieces": pieces, "replicated": replicated}
+        shard = {"rank": 0, "file": "(whole state)", "pieces": {n: [0, p["hi"]] for n, p in pieces.items()}}
+        manifest = {"stage": stage, "world_size": 1, "params": shapes, "shards": [shard]}
+        manifest |= {"param_groups": self.param_groups, "extra": self.extra}
+        return manifest, lambda _shard: payload
+
+
+def consolidate(directory) -> Consolidated:
+    """The whole state of a sharded checkpoint on this one process (no process group), read one shard at a time.
+
+    The model's state needs the whole model's memory once, the optimizer's twice that for AdamW: for an export,
+    or a resume under plain DDP (which holds all of it anyway). ``CheckpointError`` on a missing or changed shard.
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    shapes = {name: torch.Size(shape) for name, shape in manifest["params"].items()}
+    flat: dict[str, dict[str, torch.Tensor]] = {name: {} for name in shapes}
+    scalars: dict[str, dict] = {name: {} for name in shapes}
+    filled = dict.fromkeys(shapes, 0)
+    replicated: dict = {}
+    for shard in manifest["shards"]:
+        payload = _read_shard(directory, shard)
+        replicated |= payload.get("replicated", {}) if shard["rank"] == 0 else {}
+        for name, piece in payload["pieces"].items():
+            for key, tensor in piece["tensors"].items():
+                whole = flat[name].setdefault(key, torch.empty(shapes[name].numel(), dtype=tensor.dtype))
+                whole[piece["lo"] : piece["hi"]] = tensor
+            # Each parameter its own copy: AdamW adds 1 to ``step`` in place, once per parameter holding it.
+            scalars[name].update({k: v.clone() if torch.is_tensor(v) else v for k, v in piece["scalars"].items()})
+            filled[name] += piece["hi"] - piece["lo"]
+        del payload  # one file's tensors at a time
+    for name, shape in shapes.items():
+        if filled[name] != shape.numel():
+            raise CheckpointError(
+                f"{directory}: the shards hold {filled[name]} of {shape.numel()} elements of {name!r}"
+            )
+    model = replicated | {name: flat[name].pop("param").view(shape) for name, shape in shapes.items()}
+    optimizer = {n: scalars[n] | {k: v.view(shapes[n]) for k, v in flat[n].items()} for n in shapes}
+    return Consolidated(model, optimizer, manifest["param_groups"], manifest.get("extra", {}))

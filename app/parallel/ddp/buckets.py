@@ -15,14 +15,14 @@ class GradBucket:
 
     Flattening is what makes buckets pay: one all-reduce of 25 MB costs about one latency floor, while a thousand
     all-reduces of 25 KB each pay it a thousand times. ``compressed`` (ours): the buffer holds each gradient already
-    divided by the world size and cast to the comm hook's ``wire_dtype`` (see ``app/parallel/comm_hooks.py``).
+    divided by the world size and cast to the comm hook's ``wire_dtype`` (see ``app/parallel/ddp/comm_hooks.py``).
     """
 
     def __init__(
         self, index: int, params: list[nn.Parameter], param_indices: list[int], is_last: bool, wire_dtype=None
     ):
-        self._index = index
-        self._params = params
+        self.position = index  # index() to a comm hook; the reducer reads it once per gradient, on its hot path
+        self.params = params
         self.param_indices = param_indices  # positions of our parameters in the wrapper's parameter list
         self._is_last = is_last
         numels = [p.numel() for p in params]
@@ -34,13 +34,13 @@ class GradBucket:
         self.lendable: list[int] = []  # positions whose slot the reducer may hand to p.grad (reducer._plan_lending)
         self.grouped_spans: list[torch.Tensor] = []  # the memory of slots copied together (reducer._copy_grouped)
         self.inbox: torch.Tensor | None = None  # where a compressed bucket's Exchange receives (comm_hooks.py)
-        self._offsets = offsets
+        self.offsets = offsets
         self._buffer = torch.zeros(sum(numels), dtype=wire_dtype or params[0].dtype, device=params[0].device)
-        self._views = self._make_views()
+        self.views = self._make_views()
 
     def _make_views(self) -> list[torch.Tensor]:
         # Views made once: slicing per gradient per step would cost Python time on the backward's critical path.
-        return [self._buffer[o : o + p.numel()].view_as(p) for o, p in zip(self._offsets, self._params)]
+        return [self._buffer[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
 
     # -- Lending slots to p.grad (reducer.py, _plan_lending) --------------------------------------------------------
     def shared_elsewhere(self, lent: int) -> bool:
@@ -51,16 +51,16 @@ class GradBucket:
         made here to ask (PyTorch's CUDA-graph trees ask the same way whether a storage is still in use).
         """
         users = torch._C._storage_Use_Count(self._buffer.untyped_storage()._cdata)
-        return users > 2 + len(self._views) + len(self.grouped_spans) + lent
+        return users > 2 + len(self.views) + len(self.grouped_spans) + lent
 
     def renew(self) -> None:
         """A new buffer and views for this bucket; the old memory stays with whoever still holds it."""
         self._buffer = torch.empty_like(self._buffer)  # every slot is written before the next all-reduce
-        self._views = self._make_views()
+        self.views = self._make_views()
 
     # -- PyTorch's GradBucket interface, what comm hooks may call ------------------------------------------------
     def index(self) -> int:
-        return self._index
+        return self.position
 
     def buffer(self) -> torch.Tensor:
         return self._buffer
@@ -72,10 +72,10 @@ class GradBucket:
         return self._is_last
 
     def parameters(self) -> list[nn.Parameter]:
-        return list(self._params)
+        return list(self.params)
 
     def gradients(self) -> list[torch.Tensor]:
-        return list(self._views)
+        return list(self.views)
 
     @property
     def nbytes(self) -> int:

@@ -1,6 +1,6 @@
 """ZeRO stage 1 from scratch: each rank keeps the optimizer state of 1/N of the parameters, not of all of them.
 
-Plain data parallelism (``ddp.py``) keeps, on every rank, the parameters, their gradients and the optimizer's
+Plain data parallelism (``app.parallel.ddp``) keeps, on every rank, the parameters, their gradients and the optimizer's
 state; with AdamW the state is two fp32 tensors per parameter (``exp_avg``, ``exp_avg_sq``), twice the parameters
 themselves. Every rank computes the same update from the same averaged gradient, so all N copies of that state are
 the same numbers. Stage 1 of ZeRO (Rajbhandari et al., 2020) keeps one copy, split over the ranks:
@@ -23,8 +23,8 @@ The constructor is ``torch.distributed.optim.ZeroRedundancyOptimizer``'s: swap t
     opt.step()                      # every rank's parameters equal again, each rank stepped 1/N of them
     opt.consolidate_state_dict(0)   # then opt.state_dict() on rank 0: the whole state, PyTorch's format
 
-Stage 2 (gradients sharded too) is ``sharded_grad.py``, stage 3 (parameters too) ``fsdp.py``; sharded checkpoints
-``sharded_checkpoint.py``; the proof ``tests/integration/test_zero.py``; the walk-through ``docs/sharding.md``.
+Stage 2 (gradients sharded too) is ``stage2.py``, stage 3 (parameters too) ``stage3.py``; sharded checkpoints
+``checkpoint.py``; the proof ``tests/integration/test_zero.py``; the walk-through ``docs/sharding.md``.
 Try it: ``torchrun --standalone --nproc-per-node=2 -m app.demos.zero_demo --stage 1``.
 """
 
@@ -100,7 +100,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if parameters_as_bucket_view or overlap_with_ddp:
             raise NotImplementedError(
                 "ZeroRedundancyOptimizer(parameters_as_bucket_view/overlap_with_ddp=True) is not implemented by "
-                "app.parallel.zero; leave them False or use torch.distributed.optim.ZeroRedundancyOptimizer"
+                "app.parallel.zero.stage1; leave them False or use torch.distributed.optim.ZeroRedundancyOptimizer"
             )
         super().__init__(params, defaults)  # builds self.param_groups over all parameters
         self.process_group = process_group
@@ -143,10 +143,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for group, local in zip(self.param_groups, self.optim.param_groups):
             local.update({k: v for k, v in group.items() if k != "params"})
         self.optim.step(**kwargs)
-        self._broadcast_partitions()
+        self.broadcast_partitions()
         return loss
 
-    def _broadcast_partitions(self) -> None:
+    def broadcast_partitions(self) -> None:
         """Every rank sends its updated parameters and receives the others': one flat broadcast per owner.
 
         At most two owners' flats are alive at once (each is 1/N of the model): launching all N and waiting at the
@@ -181,7 +181,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Gather every rank's optimizer state onto rank ``to`` (in the group), so ``state_dict()`` works there.
 
         As in PyTorch, this holds the whole state on one rank: for a checkpoint that never does, use
-        ``app.parallel.sharded_checkpoint``.
+        ``app.parallel.zero.checkpoint``.
         """
         index = {id(p): i for i, p in enumerate(self._all_params)}
         local = {index[id(p)]: self.optim.state[p] for p in self.owned_parameters() if self.optim.state.get(p)}

@@ -19,7 +19,7 @@ agreement through the Trainer's ``StepControl``. What each stage changes (app.pa
   exists to avoid), so every micro-batch reduce-scatters and adds into the shard's gradient. Units: each child of
   the root, or the classes named by ``fsdp_units``. CPU only (its buffers are CPU tensors).
 
-Checkpoints are sharded (``ShardedState``, saved by app.worker.checkpoint through app.parallel.sharded_checkpoint):
+Checkpoints are sharded (``ShardedState``, saved by app.worker.checkpoint through app.parallel.zero.checkpoint):
 every rank writes its own shard, rank 0 the manifest, and a world of another size cuts them again on load.
 FINISHED prints the whole model's checksum, the same on every rank (stage 3 gathers it first). The series
 ``ddp_zero_*`` (app.worker.metrics) are registered only by these kinds.
@@ -35,14 +35,15 @@ from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from app.parallel import wrap_model
-from app.parallel.fsdp import FullyShardedDataParallel
-from app.parallel.sharded_grad import ShardedGradDataParallel
-from app.parallel.zero import ZeroRedundancyOptimizer
-from app.worker.checkpoint import ShardedState
+from app.parallel.zero.stage1 import ZeroRedundancyOptimizer
+from app.parallel.zero.stage2 import ShardedGradDataParallel
+from app.parallel.zero.stage3 import FullyShardedDataParallel
+from app.worker.checkpoint.checkpointer import ShardedState
 from app.worker.config import ConfigError, TrainConfig
 from app.worker.dist import DistContext
 from app.worker.recipe import LRSchedule
-from app.worker.steps import DDPStep, MicroBatches, StepOutcome
+from app.worker.steps.base import MicroBatches, StepOutcome
+from app.worker.steps.ddp import DDPStep
 
 
 def tensor_bytes(tensors) -> int:
@@ -182,7 +183,7 @@ class Zero3Step(ShardedStep):
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.ctx.device.type != "cpu":
             raise ConfigError(
-                f"parallel=zero3 runs on the CPU only (app.parallel.fsdp's buffers are CPU tensors), this rank has "
+                f"parallel=zero3 runs on the CPU only (ZeRO stage 3's buffers are CPU tensors), this rank has "
                 f"{self.ctx.device}; set device=cpu, or use parallel=zero2"
             )
         return FullyShardedDataParallel(model, units=resolve_fsdp_units(model, self.cfg.fsdp_units))

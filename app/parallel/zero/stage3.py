@@ -1,6 +1,6 @@
 """ZeRO stage 3 (FSDP) from scratch: parameters, gradients and optimizer state all sharded over the ranks.
 
-Stage 2 (``sharded_grad.py``) still keeps every parameter whole on every rank. Stage 3 keeps only 1/N of them:
+Stage 2 (``stage2.py``) still keeps every parameter whole on every rank. Stage 3 keeps only 1/N of them:
 the model is cut into *units* (submodules you name, or each child of the root), and each unit's parameters live
 as one flat fp32 shard per rank. A unit exists whole only while it computes:
 
@@ -43,8 +43,8 @@ from torch import nn
 
 from app.diagnostics import collectives as recorded
 from app.parallel import checksum
-from app.parallel.graph_walk import tensors_in  # every tensor in a forward output, as the reducer walks it
-from app.parallel.sharded_grad import FlatShard, InFlight, broadcast_module_state, clip_sharded_grad_norm_
+from app.parallel.ddp.graph_walk import tensors_in  # every tensor in a forward output, as the reducer walks it
+from app.parallel.zero.stage2 import FlatShard, InFlight, broadcast_module_state, clip_sharded_grad_norm_
 
 
 class _Unit:
@@ -247,7 +247,7 @@ class FullyShardedDataParallel(nn.Module):
         """On rank 0, the bare model's ``state_dict()`` (fp32, unsharded); ``{}`` on the other ranks.
 
         Gathered one unit at a time, so no rank ever holds more than one whole unit beyond its result; the
-        optimizer's state is not touched (it stays sharded: see ``sharded_checkpoint.py``).
+        optimizer's state is not touched (it stays sharded: see ``checkpoint.py``).
         """
         values: dict[str, torch.Tensor] = {}
         for unit in self.units:

@@ -19,7 +19,7 @@ is reported with a warning naming it, renamed to ``step-XXXXXXXX.pt.corrupt`` (k
 as a checkpoint) and the next older one is tried. Pruning keeps the newest ``keep`` checkpoints up to and including
 the one just written and never deletes anything newer: a torn file with a higher step never pushes a good one out.
 
-The ``Checkpointer`` (app.worker.checkpoint) is what the training loop uses; this module is the file format:
+The ``Checkpointer`` (``checkpointer.py``) is what the training loop uses; this module is the file format:
 writing, listing, loading, validating and pruning ``step-*.pt`` files.
 """
 
@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from app.cli import first_line
+from app.files import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +88,6 @@ def digest(state: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # makes the rename itself durable, not just the file's bytes
-    finally:
-        os.close(fd)
-
-
 def directory_problem(directory: str | Path) -> str | None:
     """Create ``directory`` if missing and write a probe file in it: None when checkpoints can be written there,
     else why not (one line). Run at start-up, so a bad path fails before training rather than at the first save."""
@@ -127,16 +120,7 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], keep: int) -> 
     state = {**state, "format": FORMAT}
     state["digest"] = digest(state)
     final = checkpoint_path(d, int(state["step"]))
-    tmp = d / f".{final.name}.tmp-{os.getpid()}"  # same directory: os.replace must not cross file systems
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        _fsync_dir(d)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_atomically(final, lambda f: torch.save(state, f))
     prune(d, keep, newest=int(state["step"]))
     return final
 

@@ -1,17 +1,21 @@
 """The ``Checkpointer``: resume, cadence, every rank's RNG state, the save on rank 0 (the file format is
-app.worker.checkpoint_files).
+app.worker.checkpoint.files).
 
 ``Checkpointer`` is what the training loop talks to: it resumes every rank from the newest valid file (rank 0
 decides), says when a save is due (``should_save``), gathers every rank's RNG state and writes on rank 0. Loading
 maps every tensor to the CPU and lets ``load_state_dict`` place it: the model's tensors are copied onto the model's
 device, while AdamW's ``step`` counters stay on the CPU where AdamW keeps them (on a GPU they would cost host syncs).
 
-The ZeRO step kinds (``parallel=zero1|zero2|zero3``, app.worker.sharded_step) hand over a ``ShardedState`` instead:
-their checkpoint is ``app.parallel.sharded_checkpoint``'s, one shard per rank and ``manifest.json`` in
+The ZeRO step kinds (``parallel=zero1|zero2|zero3``, app.worker.steps.zero) hand over a ``ShardedState`` instead:
+their checkpoint is ``app.parallel.zero.checkpoint``'s, one shard per rank and ``manifest.json`` in
 ``checkpoint_dir`` (replaced whole by each save: one checkpoint, not ``keep``), the step, the sampler position, the
 RNG states, generation, wall time and global batch in the manifest's ``extra``. It resumes on any world size (the
-shards are cut again); a checkpoint of another stage or kind, or shards that do not match the manifest, is a
+shards are cut again); a checkpoint of another stage, or shards that do not match the manifest, is a
 ``CheckpointMismatch`` (exit 2) before anything is loaded or written.
+
+Across kinds: a ZeRO stage resumes a plain ``step-*.pt`` (every rank reads it whole and keeps its shard), and plain
+DDP resumes a sharded checkpoint (every rank consolidates it, one shard file at a time): ddp -> zero3 -> ddp, on any
+world size. The pipeline's checkpoints resume under the pipeline only.
 
 Try it: ``make run`` with ``DDP_CHECKPOINT_DIR=/tmp/ckpt``, stop it with Ctrl-C, run it again: it resumes.
 """
@@ -31,8 +35,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from app.parallel.sharded_checkpoint import MANIFEST, CheckpointError, ShardWriteError, load_sharded, save_sharded
-from app.worker.checkpoint_files import (
+from app.parallel.zero.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    ShardWriteError,
+    consolidate,
+    load_sharded,
+    read_manifest,
+    save_sharded,
+)
+from app.worker.checkpoint.files import (
     checkpoint_path,
     list_checkpoints,
     load_checkpoint,
@@ -40,6 +52,7 @@ from app.worker.checkpoint_files import (
     save_checkpoint,
     unusable_reason,
 )
+from app.worker.checkpoint.weights import WeightsError, consolidated_from_plain, plain_optimizer_state
 
 log = logging.getLogger(__name__)
 
@@ -137,11 +150,8 @@ class Checkpointer:
             return None
         if isinstance(self.model, ShardedState):
             return self._resume_sharded(self.model)
-        if (Path(self.directory) / MANIFEST).exists():  # every rank looks: the storage is shared, nobody waits
-            raise CheckpointMismatch(
-                f"checkpoint_dir={self.directory!r} holds a sharded checkpoint (parallel=zero1|zero2|zero3, "
-                f"{MANIFEST}); resume it with the zero stage that wrote it, or use another checkpoint_dir"
-            )
+        if self._newest_format() == "sharded":  # every rank looks: the storage is shared, nobody waits
+            return self._resume_from_sharded()
         ctx = self.ctx
         found = load_latest(self.directory) if ctx.is_main else None
         chosen = torch.tensor([found[1]["step"] if found else -1], dtype=torch.int64, device=ctx.device)
@@ -201,14 +211,9 @@ class Checkpointer:
     def _resume_sharded(self, sharded: ShardedState) -> Resumed | None:
         """Every rank loads its part of the sharded checkpoint (collective), cut for this world's size."""
         d = Path(self.directory)
-        if not (d / MANIFEST).exists():  # every rank looks (shared storage): all start fresh, or all load
-            if list_checkpoints(d):
-                raise CheckpointMismatch(
-                    f"checkpoint_dir={self.directory!r} holds step-*.pt checkpoints (parallel=ddp or pipeline), this "
-                    f"run is parallel={sharded.parallel} (sharded); resume with the parallel that wrote them, or use "
-                    f"another checkpoint_dir"
-                )
-            return None
+        newest = self._newest_format()  # every rank looks (shared storage): all start fresh, or all load
+        if newest != "sharded":
+            return self._resume_from_plain(sharded) if newest == "plain" else None
         try:
             # Raises on every rank, before anything is changed, on another stage, model or a changed shard.
             extra = load_sharded(d, sharded.model, sharded.optimizer)
@@ -221,12 +226,83 @@ class Checkpointer:
             )
         for group in sharded.optimizer.param_groups:
             group["lr"] = self.lr  # the configured lr wins, as for a plain checkpoint
+        return self._restore_extra(extra, d / MANIFEST)
+
+    def _restore_extra(self, extra: dict[str, Any], path: Path) -> Resumed:
+        """What a checkpoint saves beside the model and optimizer: the schedule, data position and RNG streams."""
         step = int(extra["step"])
         self._restore_recipe(extra, step)
         self.batches.load_state_dict(extra["data"])
-        rng = {kind: [_decode_rng(s) for s in states] for kind, states in extra["rng"].items()}
+        rng = {
+            kind: [_decode_rng(s) if isinstance(s, str) else s for s in states] for kind, states in extra["rng"].items()
+        }
         self._restore_rng(rng, step)
-        return self._resumed(extra, step, d / MANIFEST)
+        return self._resumed(extra, step, path)
+
+    # -- resume across kinds: a plain checkpoint under ZeRO, a sharded one under plain DDP -------------------------
+    def _resume_from_plain(self, sharded: ShardedState) -> Resumed:
+        """A ZeRO stage resumes the newest ``step-*.pt`` (rank 0 decides): every rank reads it whole and keeps its
+        shard. Costs the whole state in memory once on every rank, as the plain run that wrote it held it."""
+        found = load_latest(self.directory) if self.ctx.is_main else None
+        chosen = [int(found[1]["step"]) if found else -1]
+        dist.broadcast_object_list(chosen, src=0)
+        if chosen[0] < 0:
+            return None
+        path = checkpoint_path(self.directory, chosen[0])
+        state = found[1] if found is not None else self._load_on_peer(path)
+        self._check_model_name(state.get("model_name"))
+        try:
+            whole = consolidated_from_plain(state)
+            extra = load_sharded(path, sharded.model, sharded.optimizer, source=whole)
+        except (WeightsError, CheckpointError) as e:
+            raise CheckpointMismatch(
+                f"checkpoint_dir={self.directory!r}: {path.name} cannot resume under "
+                f"parallel={sharded.parallel}: {e}; resume with parallel=ddp"
+            ) from None
+        for group in sharded.optimizer.param_groups:
+            group["lr"] = self.lr
+        log.info(
+            "resuming parallel=%s from the plain checkpoint %s (cut into this world's shards)", sharded.parallel, path
+        )
+        return self._restore_extra(extra, path)
+
+    def _resume_from_sharded(self) -> Resumed:
+        """Plain DDP resumes a ZeRO stage's sharded checkpoint: every rank consolidates it (one shard at a time)."""
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise CheckpointMismatch(
+                f"checkpoint_dir={self.directory!r} holds a sharded checkpoint (parallel=zero1|zero2|zero3, "
+                f"{MANIFEST}); resume it with a zero stage or parallel=ddp, or use another checkpoint_dir"
+            )
+        try:
+            whole = consolidate(self.directory)
+        except CheckpointError as e:
+            raise CheckpointMismatch(f"checkpoint_dir={self.directory!r}: {e}") from None
+        self._check_model_name(whole.extra.get("model_name"))
+        self.model.load_state_dict(whole.model)
+        self.optimizer.load_state_dict(plain_optimizer_state(whole, self.model, self.optimizer))
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
+        log.info("resuming from the sharded checkpoint in %s (consolidated on every rank)", self.directory)
+        return self._restore_extra(whole.extra, Path(self.directory) / MANIFEST)
+
+    def _newest_format(self) -> str | None:
+        """ "plain" or "sharded": which of the two kinds of checkpoint in ``checkpoint_dir`` holds the later step
+        (a run that moved from one kind to the other leaves both); None when there is neither."""
+        plain = list_checkpoints(self.directory)
+        try:
+            sharded_step = int(read_manifest(self.directory).get("extra", {}).get("step", -1))
+        except CheckpointError:  # no manifest (or an unreadable one: the sharded resume says so if it is chosen)
+            sharded_step = -1 if not (Path(self.directory) / MANIFEST).exists() else float("inf")
+        if not plain and sharded_step < 0:
+            return None
+        return "sharded" if sharded_step > (plain[0][0] if plain else -1) else "plain"
+
+    def _check_model_name(self, name: str | None) -> None:
+        if name != self.model_name:
+            raise CheckpointMismatch(
+                f"checkpoint_dir={self.directory!r} holds {name} checkpoints but model={self.model_name}; use another "
+                f"checkpoint_dir or model"
+            )
 
     def _load_on_peer(self, path: Path) -> dict[str, Any]:
         try:
@@ -294,6 +370,7 @@ class Checkpointer:
             "world_size": ctx.world_size,
             "model": self.model.state_dict(),  # the bare model, never the wrapper: loads without DDP
             "optimizer": self.optimizer.state_dict(),
+            "param_names": self._optimizer_param_names(),  # what a ZeRO stage needs to resume it by name
             "data": self.batches.state_dict(),
             "rng": {"cpu": cpu, "cuda": cuda if ctx.device.type == "cuda" else []},
             "generation": self.generation,
@@ -303,6 +380,13 @@ class Checkpointer:
         state |= self._recipe_state()
         path = save_checkpoint(self.directory, state, keep=self.keep)
         return path, time.perf_counter() - t0
+
+    def _optimizer_param_names(self) -> list[str] | None:
+        """The name of each parameter the optimizer holds, in its order (None: a kind without one plain optimizer)."""
+        if not isinstance(self.optimizer, torch.optim.Optimizer) or not isinstance(self.model, torch.nn.Module):
+            return None
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return [names.get(id(p), "") for group in self.optimizer.param_groups for p in group["params"]]
 
     def _save_sharded(self, sharded: ShardedState, step: int, cpu: list, cuda: list) -> tuple[Path, float] | None:
         """Every rank writes its shard, rank 0 the manifest with what ``save`` puts in a plain checkpoint."""
