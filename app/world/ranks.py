@@ -7,7 +7,9 @@ Each rank is ``python -m app.world`` (``serve`` below) started by ``app.world.te
 template that has imported torch, or its own interpreter with ``LAUNCH_FORK=0``), given the caller's environment as it
 is at the world's start. It joins the group (gloo on CPU; NCCL with GPU r for rank r) through a file store in a
 temporary folder, then takes functions over a Unix socket until told to stop. ``fn`` must be a module-level function (it
-goes by reference): one in the caller's ``__main__`` works when that was run as ``python -m package.module``.
+goes by reference): one in the caller's ``__main__`` works when that was run as ``python -m package.module``, whose
+top-level code each rank then imports: guard the world's start with ``if __name__ == "__main__":``, as multiprocessing
+asks (a world started while a rank imports it is refused: without that, every rank would start a world of its own).
 
 A rank that raises fails the call with its traceback (``WorldFailed``); one that dies without a word (segfault, OOM
 killer) fails it at once, naming the rank and its exit code; ranks still busy at the deadline are killed and the call
@@ -40,10 +42,15 @@ class WorldFailed(RuntimeError):
     """A rank raised, died, or hung; ``str()`` names the rank and carries its traceback."""
 
 
+_unpickling: list[bool] = []  # non-empty while a rank imports the caller's function (and maybe its main module)
+
+
 class World:
     """``world_size`` ranks in one process group, waiting for functions to run."""
 
     def __init__(self, world_size: int, backend: str = "gloo"):
+        if _unpickling:
+            raise WorldFailed("a world started while a rank imported its function: guard it with if __name__ == ...")
         self.world_size = world_size
         self._tmp = tempfile.TemporaryDirectory(prefix="ddp-world-")
         self._server = socket.socket(socket.AF_UNIX)
@@ -51,9 +58,10 @@ class World:
         self._server.listen(world_size)
         main = getattr(getattr(sys.modules["__main__"], "__spec__", None), "name", "")  # `python -m pkg.mod`: pkg.mod
         common = [os.path.join(self._tmp.name, "tasks"), str(world_size), backend, self._tmp.name, main]
+        # Every rank from template 0: one torch import per process for every world, as a fork server's; a template per
+        # rank (the trainers' way, for their string-hash seeds) cost the tests a torch import per rank index.
         self._procs = [
-            start_module("app.world", str(r), *common, env=dict(os.environ), slot=r, pipes=False)
-            for r in range(world_size)
+            start_module("app.world", str(r), *common, env=dict(os.environ), pipes=False) for r in range(world_size)
         ]
         self._conns: dict[int, Connection] = {}
         self.ready = False
@@ -216,7 +224,11 @@ def serve(rank: int, path: str, world_size: int, backend: str, folder: str, main
     conn.send(("ready", None))
     while task := conn.recv_bytes():
         try:
-            fn, args = _Unpickler(task, main).load()
+            _unpickling.append(True)
+            try:
+                fn, args = _Unpickler(task, main).load()
+            finally:
+                _unpickling.clear()
             conn.send(("ok", pickle.dumps(fn(rank, world_size, *args))))
         except BaseException:
             conn.send(("err", traceback.format_exc()))
