@@ -226,8 +226,9 @@ MEMORY_DEMO_ARGS ?=
 memory-demo: venv image ## check: a user model killed for memory under ddp in 4 containers trains under zero2/3 in the same ones; table, PASS
 	$(PY) -m bench.memory_demo $(MEMORY_DEMO_ARGS)
 
-bench-startup: venv image ### bench: up -> first step of 4 workers, phase by phase; before/after the fixes, interleaved; JSON in bench/results/
+bench-startup: venv image ### bench: each start-up trick on vs off: compose up -> first step (4 workers), then a local world; JSON in bench/results/
 	IMAGE_NAME=ddp-cluster $(PY) -m bench.startup
+	$(PY) -m bench.local_startup
 
 e2e: venv docker-setup ## check: the end-to-end tests: image, compose up --scale worker=4, Prometheus, every dashboard query
 	$(PY) -m pytest -m e2e tests/e2e $(PYTEST_ARGS)

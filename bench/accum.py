@@ -25,15 +25,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime
 import json
-import os
-import pickle
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -314,55 +309,12 @@ def rank_main(rank: int, world: int, cfg: dict) -> dict:
     return report
 
 
-def _entry(rank: int, world: int, init_file: str, out_dir: str, cfg: dict) -> None:
-    torch.set_num_threads(1)  # ranks share this machine's cores: more BLAS threads per rank only fight each other
-    out = Path(out_dir) / f"rank{rank}"
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=120),
-        )
-        try:
-            report = rank_main(rank, world, cfg)
-        finally:
-            dist.destroy_process_group()
-        out.with_suffix(".pkl").write_bytes(pickle.dumps(report))
-    except BaseException:
-        out.with_suffix(".err").write_text(traceback.format_exc())
-        raise SystemExit(1) from None
-
-
 def run_ranks(world: int, cfg: dict, timeout: float) -> dict:
-    """Spawn the ranks, wait (bounded), return rank 0's report; a rank's failure raises with its traceback."""
-    from app.demos.world import forkserver_context
+    """The ranks on a fresh local world (app.world), waited for (bounded): rank 0's report; a rank's failure raises
+    ``WorldFailed`` with its traceback."""
+    from app.world import spawn_world
 
-    # Forked from a fork server that imported torch once, as app.demos.world.spawn_world's ranks (see there why).
-    ctx = forkserver_context()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_entry, args=(r, world, os.path.join(tmp, "store"), tmp, cfg), daemon=True)
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        # Poll rather than join: once a rank has failed, the others sit in a collective until gloo's timeout.
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline and not any(Path(tmp).glob("*.err")):
-            time.sleep(0.2)
-        for p in procs:
-            p.join(2.0)  # a failing rank is still writing its traceback
-            if p.is_alive():
-                p.kill()
-            p.join()
-        errors = sorted(Path(tmp).glob("*.err"))
-        if errors:
-            raise RuntimeError(f"{errors[0].stem} failed:\n{errors[0].read_text()}")
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"the ranks did not finish within --timeout {timeout:.0f}s; raise it or lower --steps")
-        return pickle.loads((Path(tmp) / "rank0.pkl").read_bytes())
+    return spawn_world(rank_main, world, cfg, timeout=timeout)[0]
 
 
 # -- in the parent: checks, table, JSON, plot ----------------------------------------------------------------------

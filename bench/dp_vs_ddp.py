@@ -114,7 +114,7 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
 
 
 def main(argv=None) -> int:
-    from app.demos.world import spawn_world
+    from app.world import spawn_world
     from tools.provenance import describe_output, load_average, output_path, provenance
 
     parser, args = parse_args(argv)

@@ -23,13 +23,13 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from tools.compose_project import ROOT, Project
+from tools.docker_cli import docker
 
 WORKERS = 4
 # bench/results/memory.json's model (bench.models.residual:ResidualStack, width 1536), 12 blocks instead of 16 to
@@ -166,7 +166,7 @@ def read_peak(container_id: str, root: Path = Path("/sys/fs/cgroup")) -> int | N
 def watch(ids: list[str], deadline_s: float) -> dict[str, int | None]:
     """Until every container of ``ids`` has exited: each one's cgroup peak, read every 0.2 s (the cgroup goes with
     the container, so the last reading is its peak up to 0.2 s before the end: a save and the checksum, no step)."""
-    full = docker("inspect", "-f", "{{.Id}}", *ids).split()
+    full = docker("inspect", "-f", "{{.Id}}", *ids).stdout.split()
     peaks: dict[str, int | None] = dict.fromkeys(full)
     deadline, next_look = time.monotonic() + deadline_s, 0.0
     while time.monotonic() < deadline:
@@ -174,21 +174,17 @@ def watch(ids: list[str], deadline_s: float) -> dict[str, int | None]:
             if (now := read_peak(i)) is not None:
                 peaks[i] = max(now, peaks[i] or 0)
         if time.monotonic() >= next_look:  # `docker inspect` takes a CPU share the workers need: every 2 s
-            if set(docker("inspect", "-f", "{{.State.Status}}", *full).split()) == {"exited"}:
+            if set(docker("inspect", "-f", "{{.State.Status}}", *full).stdout.split()) == {"exited"}:
                 return peaks
             next_look = time.monotonic() + 2.0
         time.sleep(0.2)
     raise TimeoutError(f"{len(ids)} workers not exited within {deadline_s:g} s")
 
 
-def docker(*args: str, timeout: float = 60) -> str:
-    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, check=True).stdout
-
-
 def container_report(container_id: str, peak: int | None) -> dict:
     """How one container ended: exit code, Docker restarts, its ERROR lines, its FINISHED line, its peak in MiB."""
-    state = json.loads(docker("inspect", container_id))[0]
-    logs = subprocess.run(["docker", "logs", container_id], capture_output=True, text=True, timeout=60)
+    state = json.loads(docker("inspect", container_id).stdout)[0]
+    logs = docker("logs", container_id, check=False)
     text = logs.stdout + logs.stderr
     killed = [KILLED.search(line) for line in text.splitlines() if "ERROR" in line]
     if peak is None and killed and killed[-1]:  # the launcher's own line carries the cgroup's peak

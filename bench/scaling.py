@@ -5,7 +5,7 @@
     .venv/bin/python -m bench.scaling --render-docs         # rewrite docs/scaling.md's block from the JSON
 
 1. Measure: all-reduce, reduce-scatter, all-gather and send/recv (gloo, CPU) over 4 KiB-64 MiB on fresh local
-   worlds of 2, 3 and 4 processes (``app.demos.world.spawn_world``). Repeats are interleaved (every size and
+   worlds of 2, 3 and 4 processes (``app.world.spawn_world``). Repeats are interleaved (every size and
    collective once per round, shuffled; more rounds below 4 MiB), a barrier precedes each timed call, a point is
    the slowest rank's time (send/recv: half a ping-pong between ranks 0 and 1), median over the rounds. In the same
    worlds: DDP steps of the project's models (``app.parallel.wrap_model``, ours, default buckets), interleaved, in
@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from bench import scaling_fit as model
 from bench.pipeline_bubble import OneLineParser  # one-line errors, exit 2: the house rule for bad input
+from tools.docker_cli import docker
 from tools.provenance import REPO, RESULTS, describe_output, load_average, output_path, provenance
 
 SCHEMA = "scaling.v2"
@@ -244,7 +245,7 @@ def predictions(sweep: dict, buckets: dict, fits: dict, fixed: dict, global_batc
 
 
 def measure(args) -> dict:
-    from app.demos.world import spawn_world
+    from app.world import spawn_world
 
     cfg = {
         "sizes": args.sizes,
@@ -311,10 +312,6 @@ def in_container(args) -> int:
     return 0
 
 
-def docker(*argv: str, timeout: float = 120) -> str:
-    return subprocess.run(["docker", *argv], capture_output=True, text=True, timeout=timeout, check=True).stdout
-
-
 def containers_ready() -> str | None:
     """None if Docker is up and has the project's image, else why the containers are skipped."""
     try:
@@ -348,8 +345,8 @@ def measure_containers(args) -> dict:
                 docker("run", *flags, "--entrypoint", "python", IMAGE, *entry, *rounds)
             ranks = []
             for name in names:
-                code = docker("wait", name, timeout=600).strip()
-                logs = subprocess.run(["docker", "logs", name], capture_output=True, text=True, timeout=60)
+                code = docker("wait", name, timeout=600).stdout.strip()
+                logs = docker("logs", name, check=False)
                 line = [s for s in logs.stdout.splitlines() if s.startswith(RESULT_TAG)]
                 if code != "0" or not line:
                     tail = " | ".join((logs.stdout + logs.stderr).splitlines()[-2:])
@@ -362,10 +359,10 @@ def measure_containers(args) -> dict:
     except (OSError, subprocess.SubprocessError) as exc:
         return {"skipped": f"failed: {exc}"}
     finally:  # whatever happened: no container or network of this run is left behind
-        leftover = docker("ps", "-aq", "--filter", f"name={tag}").split()
+        leftover = docker("ps", "-aq", "--filter", f"name={tag}").stdout.split()
         if leftover:
             docker("rm", "-f", *leftover)
-        subprocess.run(["docker", "network", "rm", tag], capture_output=True, timeout=60)
+        docker("network", "rm", tag, check=False)
     points = model.collective_points(per_world)
     fits = model.fit_all(points, usable_cores())
     summary = {"collectives": model.error_summary([p["error"] for p in points])}

@@ -28,10 +28,11 @@ path only when the workers wait for a healthy store.
 
 Variants (``--variant``, repeatable) are compose settings toggled by environment variable: ``before`` undoes the
 start-up fixes (STORE_CONDITION=service_healthy: the workers start once the store is healthy;
-TRAINER_DEFER_DYNAMO=0: the trainer imports torch._dynamo, as torch.optim does; LAUNCH_FORK_TRAINER=0: the launcher
+TRAINER_DEFER_DYNAMO=0: the trainer imports torch._dynamo, as torch.optim does; LAUNCH_FORK=0: the launcher
 starts its trainer as a new interpreter, which imports torch again, instead of forking it,
-app/cluster/forked_trainer.py), ``store_healthy`` only the first, ``exec_trainer`` only the third, ``now`` is
-compose.yaml as it is. (The first world's held last call, LAUNCH_FIRST_WORLD_HOLD_SECONDS, is on in all of them:
+app/cluster/forked_trainer.py), ``store_healthy`` only the first, ``eager_dynamo`` only the second,
+``exec_trainer`` only the third, ``now`` is compose.yaml as it is: each trick's saving is its variant's total
+minus ``now``'s. (The first world's held last call, LAUNCH_FIRST_WORLD_HOLD_SECONDS, is on in all of them:
 without it a loaded machine formed partial first worlds, tests/unit/test_first_world.py.) They run
 interleaved (each repeat runs every variant, in an order that alternates) so that the machine's load hits them
 alike; the table gives each phase's median over the repeats and the ratio of the totals.
@@ -43,7 +44,6 @@ Each project is taken down (``docker compose down -v``) whatever happens.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import re
 import statistics
@@ -53,6 +53,7 @@ import time
 
 from app.cli import first_line
 from tools.compose_project import Project, project_env
+from tools.docker_cli import STAMP, docker, stamp
 from tools.provenance import describe_output, load_average, write_result
 from tools.renderers.startup import phase_names
 
@@ -61,22 +62,26 @@ VARIANTS = {
     "before": (
         "the measured fixes undone: workers wait for a healthy store, the trainer is a new interpreter that "
         "imports torch and torch._dynamo",
-        {"STORE_CONDITION": "service_healthy", "TRAINER_DEFER_DYNAMO": "0", "LAUNCH_FORK_TRAINER": "0"},
+        {"STORE_CONDITION": "service_healthy", "TRAINER_DEFER_DYNAMO": "0", "LAUNCH_FORK": "0"},
     ),
     "store_healthy": (
         "only the store fix undone (STORE_CONDITION=service_healthy)",
         {"STORE_CONDITION": "service_healthy"},
     ),
     "exec_trainer": (
-        "only the trainer's fork undone (LAUNCH_FORK_TRAINER=0): a new interpreter, which imports torch again",
-        {"LAUNCH_FORK_TRAINER": "0"},
+        "only the trainer's fork undone (LAUNCH_FORK=0): a new interpreter, which imports torch again",
+        {"LAUNCH_FORK": "0"},
+    ),
+    "eager_dynamo": (
+        "only the deferred torch._dynamo undone (TRAINER_DEFER_DYNAMO=0): the trainer imports it, as torch.optim does",
+        {"TRAINER_DEFER_DYNAMO": "0"},
     ),
     "now": (
         "compose.yaml's defaults: workers start with the store, torch._dynamo deferred, the trainer forked",
         {},
     ),
 }
-DEFAULT_VARIANTS = ["before", "exec_trainer", "now"]
+DEFAULT_VARIANTS = ["before", "exec_trainer", "eager_dynamo", "now"]
 LAUNCHER_MILESTONES = [  # (phase ending at the last container's line, the line)
     ("launcher import", "] INFO trainer settings:"),
     ("agent + store", "] INFO waiting until every replica"),
@@ -86,26 +91,13 @@ LAUNCHER_MILESTONES = [  # (phase ending at the last container's line, the line)
 STARTUP = re.compile(r"\[rank 0\] INFO start-up: (.*) = ([\d.]+) s")
 PHASE = re.compile(r"([^,]+?) ([\d.]+) s")
 FIRST_STEP = re.compile(r"\[rank 0\] INFO step 1/")
-STAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?Z")
-
-
-def unix(text: str) -> float:
-    """Unix time of Docker's RFC 3339 stamp (nanoseconds cut to microseconds)."""
-    m = STAMP.search(text)
-    if not m:
-        raise ValueError(f"no timestamp in {text!r}")
-    whole = dt.datetime.fromisoformat(m[1]).replace(tzinfo=dt.timezone.utc).timestamp()
-    return whole + float("0." + (m[2] or "0"))
 
 
 def started_at(p: Project, service: str) -> list[float]:
     ids = p.compose("ps", "-a", "-q", service).stdout.split()
     if not ids:
         return []
-    out = subprocess.run(
-        ["docker", "inspect", "-f", "{{.State.StartedAt}}", *ids], capture_output=True, text=True, timeout=60
-    )
-    return [unix(line) for line in out.stdout.split()]
+    return [stamp(line) for line in docker("inspect", "-f", "{{.State.StartedAt}}", *ids).stdout.split()]
 
 
 def service_lines(p: Project, service: str) -> list[tuple[str, float, str]]:
@@ -115,7 +107,7 @@ def service_lines(p: Project, service: str) -> list[tuple[str, float, str]]:
     for line in out.splitlines():
         name, _, text = line.partition(" | ")
         if STAMP.match(text.strip()):
-            rows.append((name.strip(), unix(text), text))
+            rows.append((name.strip(), stamp(text), text))
     return rows
 
 
@@ -171,7 +163,7 @@ def one_run(args, variant: str, index: int) -> dict:
         )
         codes = [r["ExitCode"] for r in p.workers()]
         return {"variant": variant, "repeat": index, "up_returned_s": round(up_returned, 3), "exit_codes": codes, **run}
-    except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:  # a run that failed is a result too
+    except (RuntimeError, TimeoutError, subprocess.SubprocessError) as e:  # a run that failed is a result too
         why = first_line(e)[:300]
         return {"variant": variant, "repeat": index, "failed": why, "after_s": round(time.time() - t_up, 1)}
     finally:
@@ -226,7 +218,7 @@ def print_table(result: dict) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.startup", description=__doc__.splitlines()[0])
     p.add_argument(
-        "--variant", action="append", choices=list(VARIANTS), help="repeatable; default: before, exec_trainer, now"
+        "--variant", action="append", choices=list(VARIANTS), help="repeatable; default: " + ", ".join(DEFAULT_VARIANTS)
     )
     p.add_argument("--repeats", type=int, default=3, help="runs of each variant, interleaved")
     p.add_argument("--workers", type=int, default=4)

@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from app.demos.world import spawn_world
+from app.world import spawn_world
 from bench.ddp_bench import _proc_status, _reset_peak_rss, _return_freed_memory_to_the_os
 from tools.provenance import describe_output, load_average, output_path, provenance
 

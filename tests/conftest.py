@@ -141,9 +141,9 @@ def wait_for_docker_setup(status_file: Path, wait_s: float = DOCKER_SETUP_WAIT_S
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    from tests import world
+    from app.world import close_all
 
-    world.close_all()
+    close_all()
 
 
 @pytest.fixture(autouse=True)

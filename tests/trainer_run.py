@@ -2,7 +2,7 @@
 
 Every run has a timeout (a hang fails the test instead of blocking CI), one BLAS thread per rank, and none of the
 caller's ``DDP_*`` variables, so a developer's shell cannot change what a test sees. The plain processes are forked
-from a template that has imported torch (``ForkedWorker``; ``TESTS_FORK_WORKERS=0``: each its own interpreter), so
+from a template that has imported torch (``app.world.template``; ``LAUNCH_FORK=0``: each its own interpreter), so
 they skip the seconds of CPU that import costs each; ``run_ranks`` reads their output as a ``torchrun`` run's.
 
 When a worker fails a test, its whole output and exit code are kept: attached to the assertion message and written
@@ -22,30 +22,21 @@ kernel's ephemeral range and reserved across processes for a while (its docstrin
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import json
 import os
 import queue
-import random
 import re
-import resource
-import runpy
-import select
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from app.net import free_port  # the project's one; the tests import it from here too
+from app.world import template as world_template
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = world_template.REPO
 # How long a run or a wait may take before it counts as a hang. Generous on purpose: it only turns a hang into a
 # failure, and on a few cores shared by many processes, importing torch, forming the group and the first steps can
 # take minutes. Tests that promise a time bound assert it themselves.
@@ -156,225 +147,11 @@ def keep_output(cmd, code, stdout: str, stderr: str, note: str = "") -> str:
     return where + text
 
 
-# -- the workers' start: forked from a process that has imported torch ------------------------------------------------
-# Every worker a test starts pays `import torch` (seconds of CPU) before it does anything the test looks at, and the
-# suite is CPU-bound. So each is forked from a template process (a "zygote") that did that import once, then runs
-# `python -m app.train` (or the launcher) as a fresh interpreter would: its own argv, environment, cwd, stdio pipes,
-# rlimits and exit code, real signals to its pid; what it starts itself (the launcher's trainers) is exec'd as ever.
-# One template per rank index (rank r of every world comes from template r): as with separate interpreters, the
-# ranks of one run differ in their string-hash seed, so a set iterated in hash order on one rank and not another
-# still shows. TESTS_FORK_WORKERS=0 starts every worker as its own interpreter instead (not a DDP_* name: the cluster
-# forwards every DDP_* variable to its workers, which refuse one they do not know).
-FORK_SWITCH = "TESTS_FORK_WORKERS"
-FORK = os.environ.get(FORK_SWITCH, "1") != "0"
-_ZYGOTES: dict[int, subprocess.Popen] = {}
-_ZYGOTE_DIR: list[str] = []  # made on first use: every process importing this module is not a test process
-_RLIMITS = [getattr(resource, n) for n in ("RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_CORE", "RLIMIT_AS")]
-
-
-def _zygote(slot: int) -> str:
-    """The socket of template ``slot``, started (and waited ready) on first use; it exits when this process does."""
-    if not _ZYGOTE_DIR:
-        _ZYGOTE_DIR.append(tempfile.mkdtemp(prefix="ddp-cluster-zygote-"))
-    path = os.path.join(_ZYGOTE_DIR[0], f"slot-{slot}")
-    if slot not in _ZYGOTES or _ZYGOTES[slot].poll() is not None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # a template that died: its successor binds the same path
-        proc = subprocess.Popen(
-            [PYTHON, "-c", f"from tests.trainer_run import serve_forks; serve_forks({path!r})"],
-            cwd=REPO,
-            env=clean_env(),
-            stdin=subprocess.PIPE,  # its end of file (this process gone) ends the template
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        ready = proc.stdout.readline()
-        assert ready == "ready\n", f"the worker template did not start: {ready!r}, exit {proc.poll()}"
-        _ZYGOTES[slot] = proc
-    return path
-
-
-def _close_zygotes() -> None:
-    for proc in _ZYGOTES.values():
-        proc.stdin.close()
-        proc.wait(30)  # waited for: its workers' CPU time counts in this process's, as a direct child's would
-    _ZYGOTES.clear()
-    for folder in _ZYGOTE_DIR:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-atexit.register(_close_zygotes)
-
-
-def serve_forks(path: str) -> None:
-    """The template's loop: import torch once, then fork a worker per request and report each one's exit status."""
-    import torch  # noqa: F401 - the point: every worker forked from here has it
-
-    server = socket.socket(socket.AF_UNIX)
-    server.bind(path)
-    server.listen(64)
-    print("ready", flush=True)
-    waiting: dict[int, socket.socket] = {}  # worker pid -> the connection its status goes back on
-    while True:
-        readable, _, _ = select.select([server, sys.stdin], [], [], 0.05)
-        while waiting:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                break
-            _tell(waiting.pop(pid), os.waitstatus_to_exitcode(status))
-        if sys.stdin in readable and not sys.stdin.readline():
-            # The test process is gone (an xdist worker need not run its atexit): its workers are killed or will be.
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-                os.rmdir(os.path.dirname(path))  # the last template of that process out removes the folder
-            return
-        if server in readable:
-            conn, _ = server.accept()
-            request, fds = _receive(conn)
-            pid = os.fork()
-            if pid == 0:
-                _become_worker(request, fds, [server, conn, *waiting.values()])  # raises SystemExit at its end
-            for fd in fds:
-                os.close(fd)
-            _tell(conn, pid, close=False)
-            waiting[pid] = conn
-
-
-def _tell(conn: socket.socket, number: int, close: bool = True) -> None:
-    with contextlib.suppress(OSError):  # the test no longer asks (its process gone, or the worker object dropped)
-        conn.sendall(f"{number}\n".encode())
-    if close:
-        conn.close()
-
-
-def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
-    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-    size, _, body = data.partition(b"\n")
-    while len(body) < int(size):
-        body += conn.recv(1 << 20)
-    return json.loads(body), fds
-
-
-def _become_worker(request: dict, fds: list[int], inherited: list[socket.socket]) -> None:
-    """In the forked child: become ``python -m MODULE ARGS`` as the test asked for it. Never returns: it ends as that
-    interpreter would, by the module's own exit (app.train and the launcher end in os._exit) or its SystemExit or
-    exception leaving the interpreter (atexit handlers, a traceback and exit 1)."""
-    for s in inherited:
-        s.close()
-    for target, fd in enumerate(fds):  # stdin, stdout, stderr
-        os.dup2(fd, target)
-        os.close(fd)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    os.umask(request["umask"])
-    for which, limits in zip(_RLIMITS, request["rlimits"]):
-        resource.setrlimit(which, tuple(limits))
-    random.seed()  # the template's state would otherwise be every worker's
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
-    sys.argv = ["-m", *request["args"]]
-    sys.path[0] = request["cwd"]  # what `python -m` puts first
-    runpy.run_module(request.get("module", "app.train"), run_name="__main__", alter_sys=True)
-    raise SystemExit(0)  # the module's end: the interpreter's exit, not back into the template's loop
-
-
-def _umask() -> int:
-    """This process's umask, read without setting it (os.umask would, for a moment, for every thread)."""
-    with open("/proc/self/status") as f:
-        return int(next(line.split()[1] for line in f if line.startswith("Umask:")), 8)
-
-
-class ForkedWorker:
-    """A worker forked by a template, used as a ``subprocess.Popen`` of ``python -m MODULE ARGS`` is (text pipes):
-    ``pid``, ``args``, ``stdout``/``stderr``, ``returncode``, ``poll``/``wait``/``communicate``, signals."""
-
-    def __init__(self, args: Sequence[str], env: dict[str, str], slot: int = 0, module: str = "app.train"):
-        self.args = [PYTHON, "-m", module, *args]
-        self.returncode: int | None = None
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        self._conn = socket.socket(socket.AF_UNIX)
-        self._conn.connect(_zygote(slot))
-        body = json.dumps(
-            {
-                "module": module,
-                "args": list(args),
-                "env": env,
-                "cwd": str(REPO),
-                "umask": _umask(),
-                "rlimits": [resource.getrlimit(r) for r in _RLIMITS],
-            }
-        ).encode()
-        with open(os.devnull, "rb") as null:
-            socket.send_fds(self._conn, [f"{len(body)}\n".encode() + body], [null.fileno(), out_w, err_w])
-        os.close(out_w)
-        os.close(err_w)
-        # Open as long as the worker object is: read by the test, closed by communicate (as Popen's are).
-        self.stdout = open(out_r, errors="replace")  # noqa: SIM115
-        self.stderr = open(err_r, errors="replace")  # noqa: SIM115
-        self._buffer = b""
-        self.pid = int(self._line(None))
-        self._read: dict[str, list[str]] = {}
-        self._readers: list[threading.Thread] = []
-
-    def _line(self, timeout: float | None) -> str | None:
-        """The template's next line (a pid, then an exit status); None at its end; TimeoutExpired if none yet."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while b"\n" not in self._buffer:
-            left = None if deadline is None else max(deadline - time.monotonic(), 0)
-            if not select.select([self._conn], [], [], left)[0]:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            chunk = self._conn.recv(4096)
-            if not chunk:
-                return None
-            self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        return line.decode()
-
-    def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            line = self._line(timeout)
-            self.returncode = int(line) if line is not None else -signal.SIGKILL  # the template gone with it
-            self._conn.close()
-        return self.returncode
-
-    def poll(self) -> int | None:
-        try:
-            return self.wait(0)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
-        """Everything both pipes still hold, once the worker has exited (``TimeoutExpired`` if not within
-        ``timeout``; a later call goes on reading where this one stopped)."""
-        if not self._readers:
-            for name in ("stdout", "stderr"):
-                self._read[name] = []
-                stream, into = getattr(self, name), self._read[name]
-                reader = threading.Thread(target=lambda s=stream, i=into: i.append(s.read()), daemon=True)
-                reader.start()
-                self._readers.append(reader)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for reader in self._readers:
-            reader.join(None if deadline is None else max(deadline - time.monotonic(), 0))
-            if reader.is_alive():
-                raise subprocess.TimeoutExpired(self.args, timeout)
-        self.wait(None if deadline is None else max(deadline - time.monotonic(), 0))
-        self.stdout.close()
-        self.stderr.close()
-        return "".join(self._read["stdout"]), "".join(self._read["stderr"])
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):  # exited since: as Popen, nothing to signal
-                os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+# -- the workers' start: app.world.template forks each from a process that has imported torch (LAUNCH_FORK=0: each
+# its own interpreter). One template per rank index, so the ranks of one run differ in their string-hash seed.
+def start_module(module: str, *args: str, env: dict[str, str] | None = None, slot: int = 0):
+    """``python -m MODULE ARGS``, running, with text pipes: a ``ForkedWorker`` (``Popen`` if LAUNCH_FORK=0)."""
+    return world_template.start_module(module, *args, env=env or clean_env(), slot=slot)
 
 
 def torchrun(
@@ -396,7 +173,7 @@ def torchrun(
 def run_process(*args: str, timeout: float = HANG_TIMEOUT_S, env: dict[str, str] | None = None, **popen):
     """The worker as one plain process (``python -m app.train``), to its end: a world of one, or one rank given
     torchrun's variables in ``env``."""
-    if FORK and not popen:
+    if not popen:
         return run_module("app.train", *args, timeout=timeout, env=env)
     return subprocess.run(
         [PYTHON, "-m", "app.train", *args],
@@ -414,7 +191,7 @@ def run_module(
     module: str, *args: str, timeout: float = HANG_TIMEOUT_S, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """``python -m MODULE ARGS`` to its end, as ``subprocess.run`` with captured text output (killed and
-    ``TimeoutExpired`` past ``timeout``), forked from a template unless TESTS_FORK_WORKERS=0: the launcher's tests
+    ``TimeoutExpired`` past ``timeout``), forked from a template unless LAUNCH_FORK=0: the launcher's tests
     use it."""
     proc = start_module(module, *args, env=env)
     try:
@@ -422,21 +199,6 @@ def run_module(
     finally:
         kill([proc])
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def start_module(module: str, *args: str, env: dict[str, str] | None = None):
-    """``python -m MODULE ARGS``, running, with text pipes: a ``ForkedWorker`` (``Popen`` if TESTS_FORK_WORKERS=0)."""
-    if FORK:
-        return ForkedWorker(args, env or clean_env(), module=module)
-    return subprocess.Popen(
-        [PYTHON, "-m", module, *args],
-        cwd=REPO,
-        env=env or clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        errors="replace",
-    )
 
 
 def start_process(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -475,20 +237,7 @@ def start_ranks(
             MASTER_PORT=str(port),
             **extra_env,
         )
-        if FORK:
-            procs.append(ForkedWorker(args, env, slot=rank))
-            continue
-        procs.append(
-            subprocess.Popen(
-                [PYTHON, "-m", "app.train", *args],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                errors="replace",
-            )
-        )
+        procs.append(start_module("app.train", *args, env=env, slot=rank))
     return procs
 
 

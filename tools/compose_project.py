@@ -12,7 +12,6 @@ Here, not in tests/ or bench/, because both use it and bench/ never imports test
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
 import re
@@ -22,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.cluster.compose_env import with_env_file
+from tools.docker_cli import compose, docker, stamp
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP = re.compile(r"\[rank 0\] INFO step (\d+)/\d+ \| loss ([-\d.naif]+)")
@@ -30,16 +29,6 @@ WORLD = re.compile(r"\[rank 0\] INFO training .* world_size (\d+)")
 RESUMED = re.compile(r"\[rank 0\] INFO resumed from \S+ \(step (\d+)")
 JOINED = re.compile(r"\[launch (\w+)\] INFO joined a world of (\d+) as rank (\d+)")
 CHECKPOINT_MS = re.compile(r"checkpoint \S+ written in (\d+) ms")
-STAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?Z")
-
-
-def stamp(line: str) -> float | None:
-    """Unix time of a ``docker compose logs --timestamps`` line."""
-    m = STAMP.search(line)
-    if not m:
-        return None
-    whole = dt.datetime.fromisoformat(m[1]).replace(tzinfo=dt.timezone.utc).timestamp()
-    return whole + float("0." + (m[2] or "0"))
 
 
 @dataclass
@@ -51,18 +40,7 @@ class Project:
     log: list[str] = field(default_factory=list)
 
     def compose(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-        settings = Path(tempfile.gettempdir()) / f"{self.name}.cluster.env"  # DDP_* reach the workers through it
-        out = subprocess.run(
-            ["docker", "compose", "-p", self.name, *args],
-            cwd=ROOT,
-            env=with_env_file(self.env, settings),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        if check and out.returncode != 0:
-            raise RuntimeError(f"docker compose {' '.join(args)}: exit {out.returncode}: {out.stderr[-2000:]}")
-        return out
+        return compose(self.name, self.env, *args, timeout=timeout, check=check)
 
     def workers(self) -> list[dict]:
         out = self.compose("ps", "-a", "--format", "json").stdout.strip()
@@ -106,9 +84,7 @@ class Project:
 
         container = self.workers()[0]["ID"]
         with tempfile.TemporaryDirectory() as tmp:
-            subprocess.run(  # the whole volume: a ZeRO checkpoint is a manifest and one shard per rank
-                ["docker", "cp", f"{container}:/checkpoints/.", tmp], check=True, capture_output=True, timeout=120
-            )
+            docker("cp", f"{container}:/checkpoints/.", tmp, timeout=120)  # the whole volume: ZeRO's shards too
             if (Path(tmp) / "manifest.json").exists():
                 return consolidated(Path(tmp), step)
             return load_checkpoint(Path(tmp) / f"step-{step:08d}.pt")["model"]

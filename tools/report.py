@@ -35,7 +35,7 @@ from tools.renderers.mutants import render_mutants, render_mutation
 from tools.renderers.pipeline import render_pipeline_bubble
 from tools.renderers.scaling import render_block as render_scaling
 from tools.renderers.sharding import render_memory, render_zero
-from tools.renderers.startup import render_startup
+from tools.renderers.startup import render_startup, render_startup_local
 from tools.renderers.training import render_activation_checkpointing
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,6 +77,7 @@ RENDERERS = {
     "memory": render_memory,
     "corpus-curve": render_corpus_curve,
     "startup": render_startup,
+    "startup-local": render_startup_local,
     "activation-checkpointing": render_activation_checkpointing,
 }
 

@@ -5,7 +5,7 @@
     python -m app.check mypkg.models:build --model-kwargs '{"width": 64}' --data mypkg.data:tiny --loss torch.nn:MSELoss
     make check MODEL_SPEC=tiny_transformer CHECK_ARGS="--accum 2"
 
-N ranks (gloo on CPU, ``app.demos.world.spawn_world``) train the model with DDP (``app.parallel.wrap_model``, ours
+N ranks (gloo on CPU, ``app.world.spawn_world``) train the model with DDP (``app.parallel.wrap_model``, ours
 and PyTorch's), with gradient accumulation (``no_sync()`` on all but the last micro-batch, the loss divided by K), on
 the same global batch that one process trains on whole; ``make demo``'s table compares them after every optimizer
 step. On a mismatch the check names the parameters that diverge and the first step they do, and the likely cause

@@ -179,7 +179,7 @@ def prepare(args: argparse.Namespace):
 def run(args: argparse.Namespace, setup, model, data_note: str) -> int:
     from app.check.diagnose import compare, observe
     from app.check.runs import rank_main, run_reference
-    from app.demos.world import spawn_world
+    from app.world import spawn_world
 
     wrappers = ["ours", "torch"] if args.wrapper == "both" else [args.wrapper]
     if args.parallel in ("zero2", "zero3"):

@@ -30,17 +30,7 @@ import time
 from app import torch_patches
 from app.cluster.memory import OomWatch, oom_line
 from app.exit_codes import BAD_CONFIG, FAILED, OK, PEER_STOPPED, STORAGE_FAILED
-
-# The DNS name of every replica (compose: the service's name): the job's first world waits for all of them.
-PEERS = os.environ.get("LAUNCH_PEERS", "")
-PEERS_WAIT_SECONDS = float(os.environ.get("LAUNCH_PEERS_WAIT_SECONDS", "90"))
-# Before the first world, with every replica ready: how long after each arrival the rest are waited for (then the
-# world forms without them, as torch's last call would). Below join_timeout (compose.yaml: 120 s), so a member that
-# is in never times out waiting for one that is not coming.
-FIRST_WORLD_HOLD_SECONDS = float(os.environ.get("LAUNCH_FIRST_WORLD_HOLD_SECONDS", "30"))
-# A container can sit in the full world's redundancy list for a moment while a lost member's keep-alive expires;
-# longer than this, it is one container too many.
-REDUNDANT_GRACE_SECONDS = float(os.environ.get("LAUNCH_REDUNDANT_GRACE_SECONDS", "20"))
+from app.worker.config.launch import LaunchConfig
 
 log = logging.getLogger("app.cluster.launch")
 
@@ -91,8 +81,16 @@ def describe_exit(code: int) -> str:
 class Reporter:
     """Reads the rendezvous state at the store (torch's own c10d backend) to say who is in each world."""
 
-    def __init__(self, store: tuple[str, int] | None, run_id: str, workers: int | None, config=None):
+    def __init__(
+        self,
+        store: tuple[str, int] | None,
+        run_id: str,
+        workers: int | None,
+        config=None,
+        settings: LaunchConfig | None = None,
+    ):
         self.store, self.run_id, self.workers = store, run_id, workers
+        self.settings = settings or LaunchConfig()  # the launcher's LAUNCH_* settings (peers, waits, grace)
         self.config = config  # the trainer's TrainConfig, when the launcher checked it (for the advice on memory)
         self.me = socket.getfqdn()
         self._read = None  # state_reader, once the store is reached
@@ -248,7 +246,7 @@ class Reporter:
             state = self.state()
             extra = state is not None and any(self.is_me(n) for n in state.redundancy_list)
             since = (since or time.monotonic()) if extra else None
-            if since is not None and time.monotonic() - since > REDUNDANT_GRACE_SECONDS:
+            if since is not None and time.monotonic() - since > self.settings.redundant_grace_seconds:
                 log.error(
                     "this container is one more than the world's maximum of %d workers (MAX_WORKERS): it would "
                     "wait idle; scale to at most %d (docker compose up -d --scale worker=%d --no-recreate)",
@@ -279,8 +277,8 @@ def complete_first_world_when_full(reporter: Reporter) -> None:
     torch's c10d rendezvous completes at once only with MAX members; with fewer it waits ``last_call_timeout``
     after the MIN-th, for members that may still come. Before the first world, ``wait_for_peers`` knows how many
     will come (every replica is ready): when that many are in, nobody else is coming. Until then the last call is
-    held open ``FIRST_WORLD_HOLD_SECONDS`` from each arrival: on a machine far above its cores, adding four agents
-    to the state took longer than the last call (``make bench-startup`` at load 35), and the first world formed
+    held open ``LAUNCH_FIRST_WORLD_HOLD_SECONDS`` from each arrival: on a machine far above its cores, adding four
+    agents to the state took longer than the last call (``make bench-startup`` at load 35), and the first world formed
     with two while the other two, already joining, waited out join_timeout and exited 1. Later worlds (a container
     gone or come) keep torch's last call: there, the world may still be growing.
     """
@@ -292,7 +290,8 @@ def complete_first_world_when_full(reporter: Reporter) -> None:
             log.debug("all %d expected replicas are in: forming the first world now", reporter.expected)
             complete()
         elif state.deadline is not None:  # the last call runs (MIN members are in): hold it for the rest
-            held = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=FIRST_WORLD_HOLD_SECONDS)
+            hold = datetime.timedelta(seconds=reporter.settings.first_world_hold_seconds)
+            held = datetime.datetime.now(datetime.timezone.utc) + hold
             state.deadline = max(state.deadline, held)
 
     torch_patches.after_joining_participants(maybe_complete)
@@ -305,27 +304,7 @@ def install_agent(reporter: Reporter) -> None:
     class ReportingAgent(LocalElasticAgent):
         def __init__(self, spec, *args, **kwargs):
             super().__init__(spec, *args, **kwargs)
-            close = spec.rdzv_handler.shutdown
-
-            def close_only_when_done() -> bool:
-                # launch_agent closes the job's rendezvous for good whenever this agent ends other than by a
-                # signal; one container giving up (restart budget spent, store lost) must not end the job for the
-                # others: only a finished job is closed.
-                return close() if reporter.succeeded else False
-
-            spec.rdzv_handler.shutdown = close_only_when_done
-            join = spec.rdzv_handler.next_rendezvous
-
-            def join_with_peers():
-                # Here, not earlier: the agent's own start-up (seconds on a busy machine) is behind every
-                # container, so they all join within a moment of each other.
-                if PEERS and reporter.world == 0:
-                    reporter.wait_for_peers(PEERS, PEERS_WAIT_SECONDS)
-                if reporter.store:
-                    log.info("joining a world of job %r at %s:%d", reporter.run_id, *reporter.store)
-                return join()
-
-            spec.rdzv_handler.next_rendezvous = join_with_peers
+            hook_rendezvous_handler(spec.rdzv_handler, reporter)
 
         def run(self, *args, **kwargs):
             result = super().run(*args, **kwargs)
@@ -361,6 +340,30 @@ def install_agent(reporter: Reporter) -> None:
             reporter.exit_codes = exit_codes(self._pcontext)
 
     torch_patches.use_agent_class(ReportingAgent)
+
+
+def hook_rendezvous_handler(handler, reporter: Reporter) -> None:
+    """The agent's rendezvous handler with two of its calls wrapped: the job's rendezvous is closed only once the job
+    finished, and the first join waits for every replica's launcher (``LAUNCH_PEERS``)."""
+    close, join = handler.shutdown, handler.next_rendezvous
+
+    def close_only_when_done() -> bool:
+        # launch_agent closes the job's rendezvous for good whenever this agent ends other than by a signal; one
+        # container giving up (restart budget spent, store lost) must not end the job for the others: only a
+        # finished job is closed.
+        return close() if reporter.succeeded else False
+
+    def join_with_peers():
+        # Here, not earlier: the agent's own start-up (seconds on a busy machine) is behind every container, so
+        # they all join within a moment of each other.
+        settings = reporter.settings
+        if settings.peers and reporter.world == 0:
+            reporter.wait_for_peers(settings.peers, settings.peers_wait_seconds)
+        if reporter.store:
+            log.info("joining a world of job %r at %s:%d", reporter.run_id, *reporter.store)
+        return join()
+
+    handler.shutdown, handler.next_rendezvous = close_only_when_done, join_with_peers
 
 
 def exit_codes(pcontext) -> dict[int, int | None]:

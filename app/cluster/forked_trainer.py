@@ -10,7 +10,7 @@ and its exit code reaches the launchers as before (``app.cluster.elastic.exit_co
 
 Only ``-m app.train``, and only with a build of torch without CUDA or ROCm: a process that has touched a GPU cannot
 be forked (counting the devices does), and another script may end its process in ways the agent's hand-over of the
-return value cannot follow. Everything else, and ``LAUNCH_FORK_TRAINER=0``, starts a new interpreter, as torchrun.
+return value cannot follow. Everything else, and ``LAUNCH_FORK=0``, starts a new interpreter, as torchrun.
 A forked trainer is its launcher's child process, named ``app.train`` (ps, pgrep), with its launcher's command line.
 """
 
@@ -26,7 +26,6 @@ from app import torch_patches
 from app.worker.control import stop_requested
 
 TRAINER = "app.train"
-FORK_SWITCH = "LAUNCH_FORK_TRAINER"
 
 
 def runs_the_trainer(args) -> bool:
@@ -34,10 +33,10 @@ def runs_the_trainer(args) -> bool:
     return bool(args.module) and args.training_script == TRAINER
 
 
-def fork_trainers(args, environ=os.environ) -> bool:
+def fork_trainers(args, fork: bool = True) -> bool:
     """Have torchrun's ``run(args)`` fork ``-m app.train`` from this process (see the module's docstring); whether
-    it will."""
-    if environ.get(FORK_SWITCH, "1") == "0" or args.no_python or args.run_path:
+    it will. ``fork``: the launcher's ``LAUNCH_FORK`` (app.worker.config.launch)."""
+    if not fork or args.no_python or args.run_path:
         return False
     if not runs_the_trainer(args):
         return False

@@ -22,15 +22,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from app.files import write_text_atomically
 from app.worker.config import ENV_PREFIX
-
-STATE_DIR_ENV = "LAUNCH_STATE_DIR"
 
 
 def fingerprint(argv: Sequence[str], environ: Mapping[str, str]) -> str:
@@ -61,9 +58,9 @@ class JobState:
         self.container, self.digest = container, digest
 
     @classmethod
-    def from_environ(cls, run_id: str, container: str, digest: str, environ=os.environ) -> JobState:
-        root = environ.get(STATE_DIR_ENV, "").strip()
-        return cls(Path(root) if root else None, run_id, container, digest)
+    def in_dir(cls, state_dir: str, run_id: str, container: str, digest: str) -> JobState:
+        """The records under ``state_dir`` (``LAUNCH_STATE_DIR``; "" keeps none)."""
+        return cls(Path(state_dir) if state_dir else None, run_id, container, digest)
 
     def refused_before(self) -> str | None:
         """The reason this container was refused with these same settings, if it was."""

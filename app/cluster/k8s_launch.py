@@ -50,6 +50,8 @@ from app.cluster.forked_trainer import fork_trainers
 from app.cluster.memory import OomWatch, oom_line
 from app.exit_codes import BAD_CONFIG, FAILED, OK, OUT_OF_MEMORY, PEER_STOPPED, STOPPED_BY_SIGNAL
 from app.torch_patches import TorchChanged
+from app.worker.config import ConfigError
+from app.worker.config.launch import LaunchConfig
 
 log = logging.getLogger("app.cluster.k8s_launch")
 
@@ -156,7 +158,12 @@ def main(argv: list[str] | None = None) -> int:
             return FAILED
     set_omp_threads(args.nproc_per_node)
     try:
-        fork_trainers(args)
+        settings = LaunchConfig.from_environ()  # LAUNCH_FORK, and any LAUNCH_* typo named in one line
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return BAD_CONFIG
+    try:
+        fork_trainers(args, settings.fork)
     except TorchChanged as e:  # a torch its fork patch was not written for (app.torch_patches)
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.code

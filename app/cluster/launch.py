@@ -59,12 +59,8 @@ from app.cluster.job_state import JobState, fingerprint
 from app.exit_codes import BAD_CONFIG, FAILED, OK, STORAGE_FAILED
 from app.net import TcpUnreachable, wait_for_tcp
 from app.torch_patches import TorchChanged, check_torch
-
-STORE_WAIT_SECONDS = float(os.environ.get("LAUNCH_STORE_WAIT_SECONDS", "30"))
-# A store lost mid-run (crashed and restarted, or this container cut off its network) is waited for this long before
-# the agent joins it again: longer than the start-up wait, since the others may need a re-formation first.
-STORE_LOST_SECONDS = float(os.environ.get("LAUNCH_STORE_LOST_SECONDS", "120"))
-
+from app.worker.config import ConfigError
+from app.worker.config.launch import LaunchConfig
 
 log = logging.getLogger("app.cluster.launch")
 
@@ -259,7 +255,7 @@ def explain(e: Exception, store: tuple[str, int] | None, run_id: str) -> str:
     return f"{type(e).__name__}: {first_line(str(e))}"
 
 
-def job_state(argv: list[str]) -> JobState:
+def job_state(argv: list[str], settings: LaunchConfig) -> JobState:
     """This container's records for the job named by ``--rdzv-id``, read before the seconds-long torch import.
 
     --standalone draws a new id per run: nothing to find then (and nothing is kept).
@@ -268,13 +264,18 @@ def job_state(argv: list[str]) -> JobState:
     light.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default="none")
     light.add_argument("--standalone", action="store_true")
     known, _ = light.parse_known_args(argv)
-    environ = {} if known.standalone else os.environ
-    return JobState.from_environ(known.rdzv_id, socket.gethostname(), fingerprint(argv, os.environ), environ)
+    state_dir = "" if known.standalone else settings.state_dir
+    return JobState.in_dir(state_dir, known.rdzv_id, socket.gethostname(), fingerprint(argv, os.environ))
 
 
 def launch(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    job = job_state(argv)
+    try:
+        settings = LaunchConfig.from_environ()  # first: a bad one names itself before anything is read or written
+    except ConfigError as e:
+        log.error("%s", e)
+        return BAD_CONFIG
+    job = job_state(argv, settings)
     if (code := ending_already_known(job)) is not None:
         return code  # a restart with nothing to do ends here, in a second: before torch is imported
 
@@ -295,13 +296,13 @@ def launch(argv: list[str] | None = None) -> int:
             check_checkpoint_dir(config.checkpoint_dir)
         store = store_address(args)
         if store:
-            wait_for_store(*store, STORE_WAIT_SECONDS)
+            wait_for_store(*store, settings.store_wait_seconds)
     except (LaunchError, TorchChanged) as e:
         log.error("%s", e)
         if e.code == BAD_CONFIG:
             job.refuse(str(e))
         return e.code
-    reporter = Reporter(store, args.rdzv_id, workers, config)
+    reporter = Reporter(store, args.rdzv_id, workers, config, settings)
     fresh_node_identity(reporter)
     complete_first_world_when_full(reporter)
     install_agent(reporter)
@@ -343,7 +344,8 @@ def run_rejoining(args, reporter: Reporter, store: tuple[str, int] | None) -> No
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.run import run
 
-    fork_trainers(args)
+    fork_trainers(args, reporter.settings.fork)
+    lost_s = reporter.settings.store_lost_seconds
     for attempt in range(args.max_restarts + 1):
         try:
             return run(args)
@@ -354,11 +356,11 @@ def run_rejoining(args, reporter: Reporter, store: tuple[str, int] | None) -> No
             log.warning(
                 "%s; waiting up to %g s for the store, then joining again (%d of %d)",
                 explain(e, store, args.rdzv_id),
-                STORE_LOST_SECONDS,
+                lost_s,
                 attempt + 1,
                 args.max_restarts,
             )
-            wait_for_store(*store, STORE_LOST_SECONDS)
+            wait_for_store(*store, lost_s)
             reporter.forget_store()
             fresh_node_identity(reporter)  # the new store must not take this agent for its last incarnation
 

@@ -122,7 +122,7 @@ def merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
 
 def measure(cfg: dict, timeout: float = 600) -> list[dict]:
     """Spawn a world of each size in ``cfg["stages"]`` and return the merged rows."""
-    from app.demos.world import spawn_world
+    from app.world import spawn_world
 
     rows = []
     for stages in cfg["stages"]:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from app.cli import OneLineParser
-from app.demos.world import spawn_world
+from app.world import spawn_world
 
 # Measured on CPU: the pipeline's loss (mean of M micro-batch means) differs from the batch mean by ~1e-7, its
 # parameters from the reference's by ~1e-9 after 5 steps (fp32 sums in another order). Bars 10-100x above that; a

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.cluster_files import LOCAL_BASE, ROOT, SETUP_ENGINE
+from tools.docker_cli import docker
 
 # Test modules that start containers; others (static checks, promtool) run without Docker.
 DOCKER_MODULES = {
@@ -115,8 +116,8 @@ def docker_problem() -> str | None:
 
 def _docker(*args: str) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=30)
-    except subprocess.TimeoutExpired:
+        return docker(*args, timeout=30, check=False)
+    except subprocess.TimeoutExpired:  # an engine that hangs is one that does not answer
         return subprocess.CompletedProcess(args, 124, "", "timed out")
 
 

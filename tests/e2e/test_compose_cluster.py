@@ -33,16 +33,13 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import time
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
-from app.cluster.compose_env import FILE_ENV, with_env_file
 from app.net import free_port
 from tests.e2e.cluster_files import (
     COMPOSE,
@@ -55,6 +52,8 @@ from tests.e2e.cluster_files import (
 )
 from tests.e2e.conftest import STEP_PACE_SECONDS, build_settings
 from tests.e2e.drills.drill_faults import OOM_MEMORY, OOM_MODEL
+from tools import docker_cli
+from tools.docker_cli import docker, stamp
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -70,15 +69,6 @@ def unavailable(reason: str):
     if os.environ.get("CI") == "true":
         pytest.fail(f"{reason} (CI must run the e2e tests: .ci/run sets Docker up with make docker-setup)")
     pytest.skip(reason)
-
-
-def stamp(line: str) -> float | None:
-    """Unix time of a `docker compose logs --timestamps` line (RFC 3339 with nanoseconds)."""
-    m = re.search(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?Z", line)
-    if not m:
-        return None
-    whole = dt.datetime.fromisoformat(m[1]).replace(tzinfo=dt.timezone.utc).timestamp()
-    return whole + float("0." + (m[2] or "0"))
 
 
 @dataclass
@@ -113,24 +103,7 @@ class Compose:
         self, *args: str, timeout: float = 120, check: bool = True, env: dict[str, str] | None = None
     ) -> subprocess.CompletedProcess:
         run_env = {**self.env, **(env or {})}
-        if self.plain:
-            run_env.pop(FILE_ENV, None)  # `make e2e` exports make up's; a user's shell has none
-        else:
-            run_env = with_env_file(run_env, Path(tempfile.gettempdir()) / f"{self.project}.cluster.env")
-        result = subprocess.run(
-            ["docker", "compose", "-p", self.project, *args],
-            cwd=ROOT,
-            env=run_env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        if check and result.returncode != 0:
-            raise AssertionError(
-                f"docker compose {' '.join(args)} exited {result.returncode}:\n"
-                f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-            )
-        return result
+        return docker_cli.compose(self.project, run_env, *args, timeout=timeout, check=check, plain=self.plain)
 
     def containers(self) -> list[dict]:
         out = self("ps", "-a", "--format", "json").stdout.strip()
@@ -140,8 +113,7 @@ class Compose:
 
 
 def inspect(*ids: str) -> list[dict]:
-    out = subprocess.run(["docker", "inspect", *ids], capture_output=True, text=True, timeout=60, check=True).stdout
-    return json.loads(out)
+    return json.loads(docker("inspect", *ids).stdout)
 
 
 def wait_for_workers_to_exit(compose: Compose, since: float, deadline_s: float) -> bool:
@@ -177,9 +149,9 @@ def worker_targets_up(base: str) -> int:
 def cluster() -> ClusterRun:
     if shutil.which("docker") is None:
         unavailable("docker not installed: make docker-setup")
-    if subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode != 0:
+    if docker("info", timeout=30, check=False).returncode != 0:
         unavailable("no Docker engine answers: make docker-setup")
-    if subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30).returncode != 0:
+    if docker("compose", "version", timeout=30, check=False).returncode != 0:
         unavailable("docker compose (v2 plugin) missing: make docker-setup")
 
     base_image, compose_file = build_settings()  # as the Makefile chooses them
@@ -286,14 +258,14 @@ def cluster() -> ClusterRun:
         remove_image(compose.project)
         label = f"label=com.docker.compose.project={project}"
         for kind, cmd in {
-            "containers": ["docker", "ps", "-aq", "--filter", label],
-            "networks": ["docker", "network", "ls", "-q", "--filter", label],
-            "volumes": ["docker", "volume", "ls", "-q", "--filter", label],
+            "containers": ["ps", "-aq", "--filter", label],
+            "networks": ["network", "ls", "-q", "--filter", label],
+            "volumes": ["volume", "ls", "-q", "--filter", label],
         }.items():
-            left = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout.split()
+            left = docker(*cmd, check=False).stdout.split()
             run.leftovers[kind] = left
             if left and kind == "containers":  # never leave a stray container running, even on failure
-                subprocess.run(["docker", "rm", "-f", *left], capture_output=True, timeout=60)
+                docker("rm", "-f", *left, check=False)
 
     figures = {
         "build_s": round(run.build_s, 1),
@@ -386,10 +358,7 @@ def test_grafana_loads_the_provisioning():
     """Grafana with our provisioning: the datasource uid the panels name and the dashboard, through its API."""
     grafana = compose_services(COMPOSE)["grafana"]
     image = grafana["image"]
-    if (
-        shutil.which("docker") is None
-        or subprocess.run(["docker", "image", "inspect", image], capture_output=True, timeout=30).returncode != 0
-    ):
+    if shutil.which("docker") is None or docker("image", "inspect", image, timeout=30, check=False).returncode != 0:
         pytest.skip(
             f"Grafana cannot run here: {image} is not in the engine and no registry (nor a Debian "
             "package) provides it. The dashboard is proven instead by test_every_dashboard_query_returns_data "
@@ -434,13 +403,7 @@ def test_grafana_loads_the_provisioning():
             assert time.monotonic() < deadline, "Grafana did not become healthy in 90 s"
             time.sleep(2)
 
-        password = subprocess.run(
-            ["docker", "exec", name, "cat", "/var/lib/grafana/admin-password"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
+        password = docker("exec", name, "cat", "/var/lib/grafana/admin-password", timeout=30).stdout
         assert password != "admin"
         token = base64.b64encode(f"admin:{password}".encode()).decode()
 
@@ -454,7 +417,7 @@ def test_grafana_loads_the_provisioning():
         dash = get("/api/dashboards/uid/ddp-cluster")["dashboard"]
         assert len(dash["panels"]) >= 15
     finally:
-        subprocess.run(["docker", "rm", "-f", name], capture_output=True, timeout=60)
+        docker("rm", "-f", name, check=False)
 
 
 # -- every setting reaches every worker, no retries of what cannot be fixed, one finished job one ending ----------
@@ -517,7 +480,7 @@ EVERY_SETTING = {
 def small_project(name: str, plain: bool = False, **env: str) -> Compose:
     """A project of its own with the worker settings ``env`` (DDP_*, MAX_WORKERS, ...), its image built; ``plain``:
     run as a user types ``docker compose``, with no env file."""
-    if shutil.which("docker") is None or subprocess.run(["docker", "info"], capture_output=True).returncode:
+    if shutil.which("docker") is None or docker("info", check=False).returncode:
         unavailable("no Docker engine answers: make docker-setup")
     base_image, compose_file = build_settings()
     project = f"ddp-e2e-{name}-{os.getpid()}"
@@ -534,7 +497,7 @@ def small_project(name: str, plain: bool = False, **env: str) -> Compose:
 
 def remove_image(project: str) -> None:
     """The project's own image tag (compose.yaml names the image after the project); its layers stay cached."""
-    subprocess.run(["docker", "image", "rm", f"{project}:latest"], capture_output=True, timeout=120)
+    docker("image", "rm", f"{project}:latest", timeout=120, check=False)
 
 
 def worker_rows(compose: Compose) -> list[dict]:
@@ -563,9 +526,7 @@ def wait_until_settled(compose: Compose, count: int, deadline_s: float, settle_s
 
 def container_logs(container_id: str, since: float | None = None) -> str:
     after = ["--since", f"{since:.3f}"] if since is not None else []
-    out = subprocess.run(
-        ["docker", "logs", "--timestamps", *after, container_id], capture_output=True, text=True, timeout=60
-    )
+    out = docker("logs", "--timestamps", *after, container_id, check=False)
     return out.stdout + out.stderr
 
 
@@ -580,7 +541,7 @@ def settings_run() -> dict:
         logs = {s["Id"]: container_logs(s["Id"]) for s in first}
         # Start one worker again after its job has finished: it must not train (nor form a world) a second time.
         again, started = first[0]["Id"], time.time()
-        subprocess.run(["docker", "start", again], check=True, capture_output=True, timeout=60)
+        docker("start", again)
         second = wait_until_settled(compose, 2, 120)
         again_logs = container_logs(again, since=started)
         return {"first": first, "logs": logs, "second": second, "again": again, "again_logs": again_logs}
@@ -730,7 +691,7 @@ def test_one_container_too_many_is_refused_once_and_the_job_ends_once(spare_run)
 
 
 # The trainer is its launcher's child: forked from it (app.cluster.forked_trainer), its command line is the
-# launcher's own; started as a new interpreter (LAUNCH_FORK_TRAINER=0, a CUDA build), `python -u -m app.train`.
+# launcher's own; started as a new interpreter (LAUNCH_FORK=0, a CUDA build), `python -u -m app.train`.
 TRAINER = "child of app.cluster.launch"
 STORE = "app.cluster.rendezvous_store"
 
@@ -766,8 +727,7 @@ def kill_process(container: str, what: str, deadline_s: float = 120) -> None:
     deadline = time.monotonic() + deadline_s
     # A container that Docker is restarting refuses `exec` for a moment, and an agent between two worlds has no
     # trainer to kill: try again until it runs and kills one.
-    command = ["docker", "exec", container, "python", "-c", code]
-    while subprocess.run(command, capture_output=True, timeout=60).returncode:
+    while docker("exec", container, "python", "-c", code, check=False).returncode:
         assert time.monotonic() < deadline, f"cannot exec in {container[:12]} for {deadline_s} s"
         time.sleep(1)
 

@@ -52,6 +52,7 @@ import yaml
 
 from tests.e2e.conftest import STEP_PACE_SECONDS
 from tests.unit.test_k8s import ROOT, container, kustomize, quantity, render_pod
+from tools.docker_cli import docker
 
 # Bounded by DEADLINE_S once started; the rest is room for a cold `make image` under CI.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
@@ -72,10 +73,6 @@ NAMESPACE = "default"
 POD0_DELAY_S = 4.0  # pod 0 starts this long after the others
 DEADLINE_S = 180.0
 FINISHED = re.compile(r"^FINISHED rank=(\d+) world_size=(\d+) step=(\d+) checksum=([0-9a-f]{16})$", re.M)
-
-
-def docker(*args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, check=check)
 
 
 def require_docker_and_image() -> None:

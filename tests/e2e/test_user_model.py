@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from tests.e2e.test_compose_cluster import (
     wait_until_settled,
 )
 from tests.unit.test_k8s import ROOT, kustomize
+from tools.docker_cli import docker
 
 pytestmark = [pytest.mark.e2e, pytest.mark.docker, pytest.mark.timeout(1200)]
 
@@ -55,10 +55,6 @@ def copy_outside(tmp: Path) -> Path:
     for path in [copy, *copy.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
     return copy
-
-
-def docker(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -88,15 +84,15 @@ def runs(tmp_path_factory) -> dict:
         started = time.monotonic()
         out["derived_run"] = docker(
             "run", "--rm", "--name", name, "--read-only", "--tmpfs", "/tmp", "-e", "OMP_NUM_THREADS=1",
-            derived, *script, "/opt/user_model/train.py", "--steps=20", timeout=180,
+            derived, *script, "/opt/user_model/train.py", "--steps=20", timeout=180, check=False,
         )  # fmt: skip
         out["derived_run_s"] = time.monotonic() - started
         yield out
     finally:
-        docker("rm", "-f", f"{compose.project}-derived", timeout=60)
+        docker("rm", "-f", f"{compose.project}-derived", check=False)
         compose("down", "-v", "--remove-orphans", "--timeout", "20", timeout=180, check=False)
         remove_image(compose.project)
-        docker("image", "rm", derived, timeout=120)
+        docker("image", "rm", derived, timeout=120, check=False)
 
 
 def test_the_mounted_package_trains_on_every_replica_with_one_checksum(runs):

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from app.parallel.accum import NonFiniteLossError, accumulation_step, effective_batch_size, resolve_grad_accum_steps
 from app.parallel.ddp import DistributedDataParallel
 from app.worker.models import MiniMLP
+from app.world import run_world
 from bench import accum as bench_accum
-from tests.world import run_world
 
 K, MICRO = bench_accum.K, bench_accum.MICRO  # 4 micro-batches of 4: the claims' shape, from the bench
 

@@ -23,8 +23,8 @@ from torch import nn
 from app.parallel.activation_checkpointing import candidate_units, checkpoint_modules
 from app.parallel.zero.stage3 import FullyShardedDataParallel
 from app.worker.models import TinyTransformer
+from app.world import run_world
 from tests.trainer_run import describe, finished, run_ranks, worker_args
-from tests.world import run_world
 
 pytestmark = pytest.mark.timeout(1800)
 # 3 steps of 2 micro-batches of 8 sequences per rank: enough for a wrong gradient to move the checksum.

@@ -14,8 +14,8 @@ import subprocess
 import pytest
 import torch
 
+from app.world import run_world
 from tests.trainer_run import run_module
-from tests.world import run_world
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 

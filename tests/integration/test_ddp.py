@@ -17,7 +17,7 @@ from torch import nn
 from app.parallel.ddp import DistributedDataParallel as DDP
 from app.parallel.ddp.comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from app.worker.models import MiniMLP, TinyTransformer, parameter_checksum
-from tests.world import run_world
+from app.world import run_world
 
 PARAM_TOL = 1e-6
 

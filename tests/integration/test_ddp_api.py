@@ -24,7 +24,7 @@ from app.parallel.ddp.comm_hooks import allreduce_hook
 from app.parallel.ddp.module import FIRST_BUCKET_BYTES
 from app.parallel.probes import OursCommProbe, TorchCommProbe
 from app.worker.models import DeepMLP, MiniMLP
-from tests.world import run_world
+from app.world import run_world
 
 TOL = 1e-6
 MiB = 1024 * 1024

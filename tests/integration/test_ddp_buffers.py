@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from app.parallel.ddp import DistributedDataParallel as DDP
-from tests.world import run_world
+from app.world import run_world
 
 K = 3  # micro-batches per optimizer step: K-1 under no_sync(), the last one synchronising
 STEPS = 4

@@ -19,7 +19,7 @@ from torch import nn
 
 from app.parallel.ddp import DistributedDataParallel as DDP
 from app.parallel.ddp.comm_hooks import bf16_compress_hook, fp16_compress_hook
-from tests.world import run_world
+from app.world import run_world
 
 HOOKS = {torch.bfloat16: bf16_compress_hook, torch.float16: fp16_compress_hook}
 

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from app.parallel.ddp import DistributedDataParallel as DDP
 from app.parallel.ddp.reducer import GROUP_NUMEL
-from tests.world import run_world
+from app.world import run_world
 
 TOL = 1e-6
 WIDTH = 300  # a 300 x 300 weight (90,000 elements) is large (lent), its bias and the head's weight are small

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from app.parallel.ddp import DistributedDataParallel as DDP
 from app.parallel.ddp.comm_hooks import allreduce_hook
-from tests.world import run_world
+from app.world import run_world
 
 
 class Net(nn.Module):

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from app.parallel.ddp import DistributedDataParallel as DDP
-from tests.world import run_world
+from app.world import run_world
 
 ROWS, DIM = 50, 6
 

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from app.parallel.ddp import DistributedDataParallel as OurDDP
-from tests.world import run_world
+from app.world import run_world
 
 WRAPPERS = {"torch": TorchDDP, "ours": OurDDP}
 TOL = 1e-5

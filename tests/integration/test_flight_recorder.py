@@ -36,7 +36,7 @@ from app.diagnostics.doctor import summary_line
 from app.diagnostics.dumps import load
 from app.diagnostics.recorder import RECORDER, failure_reason, install_dump_signal
 from app.parallel.ddp import DistributedDataParallel as DDP
-from tests.world import run_world
+from app.world import run_world
 
 TIMEOUT_S = 5  # the drills' collective timeout: a hang ends within it
 EXTRA_AT_STEP = 3  # the step after whose backward rank 1 issues its extra collective

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from app.parallel.ddp import DistributedDataParallel as DDP
 from app.parallel.zero.stage3 import FullyShardedDataParallel
 from app.worker.models import Block, TinyTransformer, parameter_checksum
+from app.world import run_world
 from tests.integration.test_zero import (
     LR,
     PARAM_TOL,
@@ -27,7 +28,6 @@ from tests.integration.test_zero import (
     train_stage,
     wrap,
 )
-from tests.world import run_world
 
 # Measured (docs/sharding.md): bf16/fp16 compute against PyTorch's fully_shard with the same policy, 3 AdamW steps:
 # worst |dparam| 0 (the same roundings: both gather low-precision copies of fp32 shards and reduce-scatter

@@ -70,6 +70,25 @@ def test_a_setting_the_launcher_checks_exits_two_in_one_line(args, says):
     assert len(errors) == 1 and says in errors[0], out.stderr[-3000:]
 
 
+@pytest.mark.parametrize(
+    "variable, value, says",
+    [
+        ("LAUNCH_STORE_WAIT_SECONDS", "soon", "LAUNCH_STORE_WAIT_SECONDS='soon': must be a number of seconds >= 0"),
+        ("LAUNCH_PEERS_WAIT_SECONDS", "-5", "LAUNCH_PEERS_WAIT_SECONDS=-5.0: must be a number of seconds >= 0"),
+        ("LAUNCH_FORK", "yes", "LAUNCH_FORK='yes': must be 1 (on) or 0 (off)"),
+        ("LAUNCH_FORK_TRAINER", "0", "LAUNCH_FORK_TRAINER: no such launcher setting; did you mean LAUNCH_FORK?"),
+    ],
+)
+def test_a_bad_launch_variable_exits_two_naming_it_and_writes_nothing(tmp_path, variable, value, says):
+    state = tmp_path / "state"
+    env = {"LAUNCH_STATE_DIR": str(state), variable: value}
+    out = launch("--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:1", "-m", "app.train", **env)
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line.split("ERROR ", 1)[1] for line in out.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and errors[0].startswith(says), out.stderr
+    assert not state.exists()  # refused before anything is recorded: the fix is picked up by the next start
+
+
 def test_a_setting_only_the_trainer_can_check_still_exits_two_and_is_not_restarted():
     # effective_batch < world size is known only once the world is: the trainers exit 2, and so must the launcher,
     # without spending its restarts on a refusal that every restart would repeat (a checkpoint of another kind, a
@@ -143,11 +162,11 @@ def children(pid: int) -> dict[int, tuple[str, str]]:
 @pytest.mark.parametrize("fork", ["1", "0"])
 def test_the_trainers_are_forked_from_the_launcher_unless_told_not_to(tmp_path, fork):
     # Forked (app/cluster/forked_trainer.py), a trainer does not import torch again: it is the launcher's child,
-    # named app.train. LAUNCH_FORK_TRAINER=0: a new interpreter, `python -u -m app.train`, as plain torchrun.
+    # named app.train. LAUNCH_FORK=0: a new interpreter, `python -u -m app.train`, as plain torchrun.
     proc = start_launch(
         *("--standalone", "--nproc-per-node=2", "-m", "app.train", "--steps", "100000", "--metrics-port", "0"),
         *("--checkpoint-dir", str(tmp_path), "--log-every", "1000"),
-        LAUNCH_FORK_TRAINER=fork,
+        LAUNCH_FORK=fork,
     )
     try:
         wait_for_lines(proc, proc.stderr, "INFO step 1/", timeout=240)

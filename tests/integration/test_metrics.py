@@ -24,8 +24,8 @@ from app.parallel.ddp import DistributedDataParallel
 from app.parallel.probes import CommSample, OursCommProbe, TorchCommProbe
 from app.worker.metrics import TrainMetrics
 from app.worker.models import MiniMLP
+from app.world import run_world
 from tests.trainer_run import finish, free_port, start_ranks, start_torchrun, wait_for_lines, worker_args
-from tests.world import run_world
 
 CONTRACT = {  # name in the exposition -> type
     "ddp_step_duration_seconds": "histogram",

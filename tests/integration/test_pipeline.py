@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.world import run_world
+from app.world import run_world
 
 LOSS_TOLERANCE = 1e-5
 PARAM_TOLERANCE = 1e-6

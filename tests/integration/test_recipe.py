@@ -24,8 +24,8 @@ from app.worker.checkpoint.files import checkpoint_path, load_checkpoint
 from app.worker.config import TrainConfig
 from app.worker.models import MiniMLP
 from app.worker.recipe import LRSchedule, lr_factor
+from app.world import run_world
 from tests.trainer_run import describe, finish, finished, run_process, start_ranks, worker_args
-from tests.world import run_world
 
 STEPS, GLOBAL, MICRO = 4, 32, 8  # per rank of 2: 16 samples in 2 micro-batches of 8
 FP32_TOL = 1e-6  # fp32 paths: summation order only

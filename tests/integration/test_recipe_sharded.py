@@ -23,7 +23,7 @@ from app.parallel.ddp import DistributedDataParallel as DDP
 from app.parallel.zero.stage2 import ShardedGradDataParallel
 from app.parallel.zero.stage3 import FullyShardedDataParallel
 from app.worker.models import MiniMLP
-from tests.world import run_world
+from app.world import run_world
 
 STEPS, PER_RANK, MICRO = 4, 16, 8
 TOL = 1e-6

@@ -17,8 +17,8 @@ import torch
 from app.worker.checkpoint.checkpointer import Checkpointer
 from app.worker.checkpoint.files import checkpoint_path, list_checkpoints, load_checkpoint
 from app.worker.models import MiniMLP, parameter_checksum
+from app.world import run_world
 from tests.trainer_run import describe, finish, finished, run_process, run_ranks, start_ranks, worker_args
-from tests.world import run_world
 
 
 def test_unusable_checkpoint_dir_stops_every_rank_before_training(tmp_path):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.world import run_world
+from app.world import run_world
 
 TOLERANCE = 1e-6
 

@@ -16,6 +16,7 @@ import torch
 
 from app.worker.checkpoint.files import checkpoint_path, list_checkpoints, load_checkpoint
 from app.worker.models import MiniMLP, parameter_checksum
+from app.world import run_world
 from tests.trainer_run import (
     clean_env,
     describe,
@@ -33,7 +34,6 @@ from tests.trainer_run import (
     wait_for_log,
     worker_args,
 )
-from tests.world import run_world
 
 
 def test_two_ranks_train_mini_mlp_with_accumulation():

@@ -296,7 +296,7 @@ def _zero_gauges_after_a_step(rank: int, world: int, parallel: str) -> dict:
 def test_zero1_and_zero3_memory_gauges_read_what_each_rank_holds(parallel):
     """The bytes each rank keeps (zero2's exact values: test_zero2_metrics_after_a_short_run): AdamW's two moments
     of what the rank steps, plus its step counters; between them, the ranks hold one copy of that state."""
-    from tests.world import run_world
+    from app.world import run_world
 
     world = 2
     params = list(MiniMLP().parameters())

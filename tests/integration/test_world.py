@@ -1,6 +1,6 @@
-"""tests/world.py, the harness every multi-rank test stands on: a crashed rank is reported at once, by rank and exit
-code, instead of as a hang at the deadline; and the next call gets a fresh, working world. And
-``app.demos.world.spawn_world``'s forked ranks see the caller's environment of the moment.
+"""app.world, the one local-world launcher every multi-rank test, demo, bench and ``app.check`` stands on: a crashed
+rank is reported at once, by rank and exit code, instead of as a hang at the deadline; and the next call gets a fresh,
+working world. And ``spawn_world``'s forked ranks see the caller's environment of the moment.
 
     .venv/bin/python -m pytest tests/integration/test_world.py -q
 """
@@ -8,11 +8,14 @@ code, instead of as a hang at the deadline; and the next call gets a fresh, work
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 
-from tests.world import run_world
+from app.world import WorldFailed, run_world, spawn_world
+from tests.trainer_run import REPO, clean_env
 
 
 def _rank_1_dies(rank: int, world: int) -> int:
@@ -35,7 +38,7 @@ def test_a_rank_that_dies_fails_the_call_at_once_and_the_next_call_works():
     # not what is timed here.
     assert run_world(_sum_of_ranks, 2, timeout=120) == [1.0, 1.0]
     start = time.monotonic()
-    with pytest.raises(AssertionError, match=r"rank 1 died \(exit code 3\)"):
+    with pytest.raises(WorldFailed, match=r"rank 1 died \(exit code 3\)"):
         run_world(_rank_1_dies, 2, timeout=120)
     # Without the liveness check this waited the whole timeout (120 s) and then called it a hang.
     assert time.monotonic() - start < 30
@@ -48,11 +51,22 @@ def _rank_world_and_variable(rank: int, world: int, name: str) -> tuple:
 
 
 def test_spawn_world_ranks_see_the_callers_environment_as_it_is_at_each_call(monkeypatch):
-    # app.demos.world forks its ranks from a fork server that keeps the environment it started with; a variable set
-    # between two calls (a test's monkeypatch, a user's script) must still reach the second call's ranks.
-    from app.demos.world import spawn_world
-
+    # app.world forks its ranks from templates that keep the environment they started with; a variable set between
+    # two calls (a test's monkeypatch, a user's script) must still reach the second call's ranks.
     monkeypatch.setenv("SPAWN_WORLD_PROBE", "first")
     assert spawn_world(_rank_world_and_variable, 2, "SPAWN_WORLD_PROBE") == [(0, 2, "first"), (1, 2, "first")]
     monkeypatch.setenv("SPAWN_WORLD_PROBE", "second")
     assert spawn_world(_rank_world_and_variable, 2, "SPAWN_WORLD_PROBE") == [(0, 2, "second"), (1, 2, "second")]
+
+
+def test_a_function_of_a_module_run_with_dash_m_reaches_its_ranks():
+    # The ranks' own __main__ is app.world's: a function pickled as __main__.fn is looked up in the caller's module.
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.integration.world_main_probe"],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "[(0, 2), (1, 2)]", out.stderr[-3000:]

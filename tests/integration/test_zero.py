@@ -25,7 +25,7 @@ from app.parallel.zero.stage1 import ZeroRedundancyOptimizer, partition_by_size
 from app.parallel.zero.stage2 import ShardedGradDataParallel
 from app.parallel.zero.stage3 import FullyShardedDataParallel
 from app.worker.models import MiniMLP, parameter_checksum
-from tests.world import run_world
+from app.world import run_world
 
 # Measured (docs/sharding.md): over 4 AdamW steps at lr 1e-2, stages 1-3, worlds 2 and 4, with and without
 # accumulation, the worst |dparam| against one process was 6.0e-8 (fp32 sums in another order), against our DDP and

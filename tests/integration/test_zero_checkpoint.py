@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from app.parallel.zero.checkpoint import CheckpointError, load_sharded, save_sharded
+from app.world import run_world
 from tests.integration.test_zero import batch, build, full_parameters, wrap
-from tests.world import run_world
 
 GLOBAL_BATCH = 12  # divides by 4 and by 3: every rank's slice is equal on both worlds
 SAVE_AT, STEPS = 3, 6

@@ -17,7 +17,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
 )
 
-from app.cluster import elastic
 from app.cluster.elastic import Reporter, complete_first_world_when_full
 
 LAST_CALL = timedelta(seconds=15)  # compose.yaml's RDZV_LAST_CALL_SECONDS
@@ -61,8 +60,8 @@ def test_the_first_world_forms_once_every_ready_replica_is_in_and_holds_its_last
     for i in range(3):
         state = join(i)
         assert not state.complete, f"the first world formed with {i + 1} of the 4 ready replicas"
-    # torch's last call would end LAST_CALL after the first arrival; it is held FIRST_WORLD_HOLD_SECONDS from now.
-    hold = timedelta(seconds=elastic.FIRST_WORLD_HOLD_SECONDS)
+    # torch's last call would end LAST_CALL after the first arrival; it is held the LAUNCH_ setting from now.
+    hold = timedelta(seconds=reporter.settings.first_world_hold_seconds)
     assert (
         state.deadline
         > datetime.now(timezone.utc) + hold - timedelta(seconds=5)

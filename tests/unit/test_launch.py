@@ -99,23 +99,23 @@ def test_a_node_recognises_itself_and_only_itself():
 
 
 @pytest.mark.parametrize(
-    ("argv", "environ", "forked"),
+    ("argv", "fork", "forked"),
     [
-        (["-m", "app.train", "--steps", "5"], {}, True),
-        (["-m", "app.train"], {"LAUNCH_FORK_TRAINER": "0"}, False),  # told not to: a new interpreter, as torchrun
-        (["-m", "mypkg.train"], {}, False),  # another module may leave its process in ways the agent cannot follow
-        (["train.py"], {}, False),
-        (["--no-python", "app.train"], {}, False),
+        (["-m", "app.train", "--steps", "5"], True, True),
+        (["-m", "app.train"], False, False),  # LAUNCH_FORK=0: a new interpreter, as torchrun
+        (["-m", "mypkg.train"], True, False),  # another module may leave its process in ways the agent cannot follow
+        (["train.py"], True, False),
+        (["--no-python", "app.train"], True, False),
     ],
 )
-def test_only_app_train_is_forked_and_only_unless_told_not_to(argv, environ, forked, monkeypatch):
+def test_only_app_train_is_forked_and_only_unless_told_not_to(argv, fork, forked, monkeypatch):
     import torch.distributed.run as torchrun
 
     from app.cluster.forked_trainer import fork_trainers, run_trainer
 
     monkeypatch.setattr(torchrun, "run_script_path", torchrun.run_script_path)  # undone after the test
     args = torchrun.parse_args(["--standalone", "--nproc-per-node=2", *argv])
-    assert fork_trainers(args, environ) is forked
+    assert fork_trainers(args, fork) is forked
     _, cmd, cmd_args = torchrun.config_from_args(args)
     if forked:  # torchrun's own function entrypoint, forked: run_trainer("app.train", *the trainer's arguments)
         assert (cmd, cmd_args, args.start_method) == (run_trainer, ["app.train", "--steps", "5"], "fork")
@@ -133,7 +133,7 @@ def test_a_gpu_build_of_torch_starts_its_trainers_as_new_interpreters(monkeypatc
     monkeypatch.setattr(torchrun, "run_script_path", torchrun.run_script_path)
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     args = torchrun.parse_args(["--standalone", "-m", "app.train"])
-    assert not fork_trainers(args, {}) and not args.run_path
+    assert not fork_trainers(args) and not args.run_path
 
 
 def test_replicas_checking_one_checkpoint_dir_at_once_do_not_trip_over_each_other(tmp_path, monkeypatch):

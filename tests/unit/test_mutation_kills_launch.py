@@ -127,8 +127,9 @@ def test_help_is_left_to_torchrun_by_the_early_look_at_the_job_id(flag, capsys):
     """``launch --help`` must show torchrun's options: the parser that reads --rdzv-id before torch is imported
     must neither print its own two options nor exit."""
     from app.cluster.launch import job_state
+    from app.worker.config.launch import LaunchConfig
 
-    assert job_state([flag, "--rdzv-id", "job"]).dir is None  # no LAUNCH_STATE_DIR here: nothing kept
+    assert job_state([flag, "--rdzv-id", "job"], LaunchConfig()).dir is None  # no LAUNCH_STATE_DIR here: nothing kept
     assert capsys.readouterr().out == ""
 
 

@@ -119,7 +119,7 @@ def test_the_harness_switches_are_not_settings_that_the_cluster_forwards():
     """Every DDP_* variable of the caller reaches the compose workers, which refuse a name they do not know: a
     harness variable named DDP_* (as the Docker setup's status file once was) makes every compose test fail."""
     from app.cluster.compose_env import PREFIX
+    from app.worker.config.launch import LAUNCH_PREFIX
     from tests.conftest import DOCKER_SETUP_STATUS
-    from tests.trainer_run import FORK_SWITCH
 
-    assert not DOCKER_SETUP_STATUS.startswith(PREFIX) and not FORK_SWITCH.startswith(PREFIX)
+    assert not DOCKER_SETUP_STATUS.startswith(PREFIX) and not LAUNCH_PREFIX.startswith(PREFIX)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tests.e2e.drills.drill_kit import Drill, docker, inspect, wait_for
+from tests.e2e.drills.drill_kit import Drill, inspect, wait_for
 from tools.compose_project import JOINED, first_step_after
+from tools.docker_cli import docker
 
 # Kills the store's own python (not its init, PID 1, which ignores signals from inside): a crash, which the store's
 # `restart: unless-stopped` brings back. `docker kill` would be a manual stop: Docker restarts nothing after it.
@@ -124,7 +125,7 @@ def crash_store(d: Drill) -> None:
 
 def fill_disk(d: Drill) -> None:
     d.start(at_step=d.args.at_step)
-    d.notes["disk_after_fill"] = docker("exec", survivor(d), "sh", "-c", FILL_DISK).strip()
+    d.notes["disk_after_fill"] = docker("exec", survivor(d), "sh", "-c", FILL_DISK).stdout.strip()
     d.fault()
 
 
@@ -135,7 +136,7 @@ def corrupt_newest(script: str = CORRUPT_NEWEST):
         d.notes["victim"], d.notes["victim_rank"] = inspect(victim)["name"], 0
         docker("kill", victim)
         d.fault()
-        d.notes["corrupted"] = docker("exec", survivor(d, victim), "python", "-c", script).strip()
+        d.notes["corrupted"] = docker("exec", survivor(d, victim), "python", "-c", script).stdout.strip()
 
     return inject
 
@@ -144,7 +145,7 @@ def kill_during_shard_write(d: Drill) -> None:
     d.start(at_step=d.args.at_step)
     victim = next(c for c in d.containers() if c != d.rank_container(0))
     d.notes["victim"], d.notes["victim_rank"] = inspect(victim)["name"], rank_of(d, victim)
-    d.notes["killed"] = docker("exec", victim, "python", "-c", KILL_DURING_SHARD_WRITE, timeout=330).strip()
+    d.notes["killed"] = docker("exec", victim, "python", "-c", KILL_DURING_SHARD_WRITE, timeout=330).stdout.strip()
     d.fault()
 
 
@@ -152,7 +153,7 @@ def stop_trainer(d: Drill) -> None:
     d.start(at_step=d.args.at_step)
     victim = next(c for c in d.containers() if c != d.rank_container(0))
     d.notes["victim"], d.notes["victim_rank"] = inspect(victim)["name"], rank_of(d, victim)
-    d.notes["stopped_pid"] = docker("exec", victim, "python", "-c", STOP_TRAINER).strip()
+    d.notes["stopped_pid"] = docker("exec", victim, "python", "-c", STOP_TRAINER).stdout.strip()
     d.fault()
     d.notes["stop_to_next_world_s"] = wait_seconds(d, d.fault_t, d.workers - 1) or wait_seconds(d, d.fault_t, d.workers)
 

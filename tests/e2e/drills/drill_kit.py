@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
-from tools.compose_project import RESUMED, STAMP, STEP, WORLD, Project, project_env
+from tools.compose_project import RESUMED, STEP, WORLD, Project, project_env
+from tools.docker_cli import STAMP, docker
 
 FINISHED = re.compile(r"FINISHED rank=(\d+) world_size=(\d+) step=(\d+)")
 PROBLEM = re.compile(r" (ERROR|WARNING) |config error: ")  # the trainer says its refusal bare, one line
@@ -31,16 +31,9 @@ ALERT_POLL_S = 5.0
 MAX_LINES = 6
 
 
-def docker(*args: str, timeout: float = 60, check: bool = True) -> str:
-    out = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
-    if check and out.returncode != 0:  # Docker's own reason, not CalledProcessError's bare exit status
-        raise RuntimeError(f"docker {' '.join(args)}: exit {out.returncode}: {out.stderr.strip()[-500:]}")
-    return out.stdout
-
-
 def inspect(container: str) -> dict:
     """Docker's own account of a container: state, exit code, restarts (what `docker compose ps` leaves out)."""
-    info = json.loads(docker("inspect", container))[0]
+    info = json.loads(docker("inspect", container).stdout)[0]
     return {
         "name": info["Name"].lstrip("/").split("-", 1)[-1],  # without the project name: worker-1, rendezvous-1
         "id": info["Id"][:12],
