@@ -58,52 +58,25 @@ def main(argv: list[str] | None = None) -> int:
     # INFO from rank 0 only (N copies of every line help nobody); warnings from every rank, marked with its rank.
     setup_logging(f"rank {world.rank}", quiet=world.rank != 0)
     try:
-        resolved = load_config(argv)
-        cfg = resolved.config
-        clock.mark("config")
-        grad_accum_steps = cfg.check_world(world.world_size, world.local_world_size)  # imports torch
-        # The model, data and loss specs imported and tried on two samples, before the process group forms: a bad
-        # spec exits 2 on every rank alike, and none waits in the rendezvous for one that failed.
-        from app.worker.workload import check_workload
-
-        clock.mark("torch import")
-        check_workload(cfg, world.world_size, grad_accum_steps)
-        clock.mark("workload check")
+        resolved, grad_accum_steps = checked_config(argv, world, clock)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return BAD_CONFIG
+    cfg = resolved.config
     stop.timeout_s = cfg.stop_timeout_seconds
-    for warning in resolved.warnings:
-        log.warning(warning)
-    log.info(describe(resolved))
 
     # torch and everything built on it, only now: a bad flag above fails before this seconds-long import.
     from app.worker.checkpoint.checkpointer import CheckpointMismatch, CheckpointWriteError
-    from app.worker.dist import RendezvousError, cleanup_distributed, init_distributed, lost_peer
+    from app.worker.dist import RendezvousError, cleanup_distributed, lost_peer
     from app.worker.trainer import TrainingDiverged
 
     clock.mark("trainer imports")
-    metrics = start_metrics(cfg, world)
+    metrics = start_metrics(cfg, world, stop)
     if metrics is None:
         return BAD_CONFIG
     clock.mark("metrics endpoint")
-    # At once, not at the step boundary: the scrapes during the graceful stop and the linger all see it.
-    stop.on_request.append(metrics.observe_stop_requested)
-    log.info(
-        "joining a world of %d at %s:%s (rendezvous_timeout_seconds=%g)",
-        world.world_size,
-        os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        os.environ.get("MASTER_PORT", "a free port"),
-        cfg.rendezvous_timeout_seconds,
-    )
     try:
-        ctx = init_distributed(
-            cfg.rendezvous_timeout_seconds,
-            force_cpu=cfg.device == "cpu",
-            require_cuda=cfg.device == "cuda",
-            world=world,
-            collective_timeout_s=cfg.collective_timeout_seconds,
-        )
+        ctx = join_world(cfg, world)
     except (RendezvousError, RuntimeError) as e:
         metrics.shutdown()
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -136,9 +109,50 @@ def main(argv: list[str] | None = None) -> int:
         cleanup_distributed()
 
 
-def start_metrics(cfg: TrainConfig, world: WorldEnv):
-    """This process's /metrics endpoint (``NoMetrics`` when metrics_port is 0); None, after one line, when its port
-    cannot be opened. Served before the rendezvous: a rank stuck there is already visible (ddp_rank_info)."""
+def checked_config(argv: list[str] | None, world: WorldEnv, clock: StartupClock):
+    """The resolved config and the accumulation steps, checked against the world and tried on the workload: a
+    ``ConfigError`` (one line, exit 2) before any rank waits in the rendezvous."""
+    resolved = load_config(argv)
+    cfg = resolved.config
+    clock.mark("config")
+    grad_accum_steps = cfg.check_world(world.world_size, world.local_world_size)  # imports torch
+    # The model, data and loss specs imported and tried on two samples, before the process group forms: a bad
+    # spec exits 2 on every rank alike, and none waits in the rendezvous for one that failed.
+    from app.worker.workload import check_workload
+
+    clock.mark("torch import")
+    check_workload(cfg, world.world_size, grad_accum_steps)
+    clock.mark("workload check")
+    for warning in resolved.warnings:
+        log.warning(warning)
+    log.info(describe(resolved))
+    return resolved, grad_accum_steps
+
+
+def join_world(cfg: TrainConfig, world: WorldEnv):
+    """The process group, formed within ``rendezvous_timeout_seconds`` (``RendezvousError`` past it)."""
+    from app.worker.dist import init_distributed
+
+    log.info(
+        "joining a world of %d at %s:%s (rendezvous_timeout_seconds=%g)",
+        world.world_size,
+        os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        os.environ.get("MASTER_PORT", "a free port"),
+        cfg.rendezvous_timeout_seconds,
+    )
+    return init_distributed(
+        cfg.rendezvous_timeout_seconds,
+        force_cpu=cfg.device == "cpu",
+        require_cuda=cfg.device == "cuda",
+        world=world,
+        collective_timeout_s=cfg.collective_timeout_seconds,
+    )
+
+
+def start_metrics(cfg: TrainConfig, world: WorldEnv, stop: StopSignal):
+    """This process's /metrics endpoint (``NoMetrics`` when metrics_port is 0), told of a stop request at once; None,
+    after one line, when its port cannot be opened. Served before the rendezvous: a rank stuck there is already
+    visible (ddp_rank_info)."""
     from app.worker.metrics import NoMetrics, TrainMetrics
 
     if not cfg.metrics_port:
@@ -155,6 +169,8 @@ def start_metrics(cfg: TrainConfig, world: WorldEnv):
             flush=True,
         )
         return None
+    # At once, not at the step boundary: the scrapes during the graceful stop and the linger all see it.
+    stop.on_request.append(metrics.observe_stop_requested)
     return metrics
 
 
