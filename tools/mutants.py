@@ -265,8 +265,8 @@ MUTANTS: list[Mutant] = [
         "train-config-error-exits-1",
         "a bad flag exits 1 instead of the documented 2",
         "app/train.py",
-        'print(f"config error: {e}", file=sys.stderr, flush=True)\n        return BAD_CONFIG\n    stop.timeout_s',
-        'print(f"config error: {e}", file=sys.stderr, flush=True)\n        return FAILED\n    stop.timeout_s',
+        'print(f"config error: {e}", file=sys.stderr, flush=True)\n        return BAD_CONFIG\n    cfg = resolved.config',
+        'print(f"config error: {e}", file=sys.stderr, flush=True)\n        return FAILED\n    cfg = resolved.config',
         T("tests/unit/test_config.py::test_bad_input_exits_2_with_one_line"),
     ),
     # -- configuration (app/worker/config/schema.py) ---------------------------------------------------------------
@@ -282,8 +282,8 @@ MUTANTS: list[Mutant] = [
         "dtype-ignored",
         "dtype=float64 accepted but the model trains in float32 (the chaos proof would compare float32 runs)",
         "app/worker/steps/ddp.py",
-        "self.model = model.to(ctx.device, dtype)",
-        "self.model = model.to(ctx.device)",
+        "self.model = inputs.model.to(ctx.device, dtype)",
+        "self.model = inputs.model.to(ctx.device)",
         T("tests/integration/test_invariance.py::test_in_float64_the_world_size_changes_nothing_but_the_last_bits"),
     ),
     # -- failures seen from outside ----------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ class WorldFailed(RuntimeError):
     """A rank raised, died, or hung; ``str()`` names the rank and carries its traceback."""
 
 
+CALLER_PATH = "APP_WORLD_CALLER_PATH"  # the caller's sys.path, for the ranks to import what it imports
 _unpickling: list[bool] = []  # non-empty while a rank imports the caller's function (and maybe its main module)
 
 
@@ -60,9 +61,10 @@ class World:
         common = [os.path.join(self._tmp.name, "tasks"), str(world_size), backend, self._tmp.name, main]
         # Every rank from template 0: one torch import per process for every world, as a fork server's; a template per
         # rank (the trainers' way, for their string-hash seeds) cost the tests a torch import per rank index.
-        self._procs = [
-            start_module("app.world", str(r), *common, env=dict(os.environ), pipes=False) for r in range(world_size)
-        ]
+        # The caller's import path goes with them: a model in the directory a user runs `python -m app.check` from
+        # is found by the ranks as by the caller (they start in the checkout, like every process started here).
+        env = dict(os.environ) | {CALLER_PATH: os.pathsep.join(sys.path)}
+        self._procs = [start_module("app.world", str(r), *common, env=env, pipes=False) for r in range(world_size)]
         self._conns: dict[int, Connection] = {}
         self.ready = False
 
@@ -206,6 +208,7 @@ def serve(rank: int, path: str, world_size: int, backend: str, folder: str, main
 
     from app.worker.startup import defer_dynamo_import
 
+    sys.path[:0] = [p for p in os.environ.get(CALLER_PATH, "").split(os.pathsep) if p and p not in sys.path]
     conn = Client(path, "AF_UNIX")
     conn.send(rank)
     try:
