@@ -8,20 +8,40 @@ the CPU Job; the GPU Jobs' ``gpu`` processes per pod count as one here: each ran
 way, so the count scales with them). A page for a job at its minimum wakes someone for nothing; no page below it
 leaves a job that cannot form a world unseen.
 
+And the waits the rules promise: a rank gone for less than DDPRankDown's ``for:`` pages nobody, a finished job is
+not "below its minimum" for as long as its minimum is remembered, and re-formations older than DDPRestartStorm's
+window do not count. Each case is a promtool unit test written to a temporary file beside the rules.
+
     .venv/bin/python -m pytest tests/unit/test_alerts.py     # needs promtool (Debian's prometheus)
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.unit.test_k8s import ROOT, container, flags, kustomize
-from tests.unit.test_mutation_kills_alerts import promtool_test
 
 ALERT = "DDPWorldBelowMinimum"
+RULES = ROOT / "docker" / "prometheus" / "alerts.yml"
+
+
+def promtool_test(tmp_path: Path, cases: str) -> subprocess.CompletedProcess:
+    path = shutil.which("promtool")
+    if path is None:
+        message = "promtool not found: apt-get install -y --no-install-recommends prometheus"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    test = tmp_path / "cases.test.yml"
+    test.write_text(f"rule_files:\n  - {RULES}\n\nevaluation_interval: 10s\n\ntests:{cases}")
+    return subprocess.run([path, "test", "rules", str(test)], capture_output=True, text=True, timeout=60)
 
 
 def compose_range() -> tuple[int, int]:
@@ -39,7 +59,7 @@ def k8s_range(name: str) -> tuple[int, int]:
 
 
 def _description() -> str:
-    groups = yaml.safe_load((ROOT / "docker" / "prometheus" / "alerts.yml").read_text())["groups"]
+    groups = yaml.safe_load(RULES.read_text())["groups"]
     rule = next(r for g in groups for r in g["rules"] if r.get("alert") == ALERT)
     return rule["annotations"]["description"]
 
@@ -82,3 +102,73 @@ def test_no_page_at_the_minimum_or_the_maximum_and_a_page_one_below(tmp_path, wh
     cases = world(low, low, leaves=False) + world(high, low, leaves=False) + world(low, low, leaves=True)
     result = promtool_test(tmp_path, cases)
     assert result.returncode == 0, f"{where} ({low}:{high}):\n{result.stdout}{result.stderr}"
+
+
+# A worker leaves discovery for 20 s (a DNS blip: gone at 40 s, back at 60 s), within DDPRankDown's 20 s `for:`.
+# Nobody is paged while it is gone: an absence shorter than the `for:` is no page.
+RANK_GONE = """
+  - interval: 10s
+    input_series:
+      - series: 'up{instance="a:9400"}'
+        values: '1x12'
+      - series: 'up{instance="b:9400"}'
+        values: '1 1 1 1 stale _ 1x6'
+      - series: 'ddp_rank_info{instance="a:9400", rank="0"}'
+        values: '1x12'
+      - series: 'ddp_rank_info{instance="b:9400", rank="1"}'
+        values: '1 1 1 1 stale _ 1x6'
+      - series: 'ddp_world_size{instance="a:9400", rank="0"}'
+        values: '2x12'
+      - series: 'ddp_world_size{instance="b:9400", rank="1"}'
+        values: '2 2 2 2 stale _ 2x6'
+    alert_rule_test:
+      - eval_time: 50s
+        alertname: DDPRankDown
+        exp_alerts: []
+      - eval_time: 100s
+        alertname: DDPRankDown
+        exp_alerts: []
+"""
+
+# A job that finished at step 200 of 200 and whose workers left: no DDPWorldBelowMinimum for as long as its
+# minimum world size is remembered (10 minutes), not only while its last step is.
+FINISHED = """
+  - interval: 10s
+    input_series:
+      - series: 'ddp_rank_info{instance="a:9400", rank="0"}'
+        values: '1x5 stale'
+      - series: 'ddp_min_world_size{rank="0"}'
+        values: '1x5 stale'
+      - series: 'ddp_step{rank="0"}'
+        values: '150 160 170 180 200 200 stale'
+      - series: 'ddp_target_steps{rank="0"}'
+        values: '200x5 stale'
+    alert_rule_test:
+      - eval_time: 7m
+        alertname: DDPWorldBelowMinimum
+        exp_alerts: []
+      - eval_time: 9m
+        alertname: DDPWorldBelowMinimum
+        exp_alerts: []
+"""
+
+# Re-formations older than the rule's 15 minutes (the window its summary states) do not count: two early ones,
+# twenty quiet minutes, one more.
+OLD_RESTARTS = """
+  - interval: 1m
+    input_series:
+      - series: 'ddp_world_generation{rank="0"}'
+        values: '1 2 3 3x20 4 4'
+    alert_rule_test:
+      - eval_time: 24m
+        alertname: DDPRestartStorm
+        exp_alerts: []
+"""
+
+
+@pytest.mark.parametrize(
+    "cases", [RANK_GONE, FINISHED, OLD_RESTARTS], ids=["rank-gone-within-for", "finished-job", "old-restarts"]
+)
+def test_the_alert_waits_as_documented(tmp_path, cases):
+    result = promtool_test(tmp_path, cases)
+    assert result.returncode == 0, result.stdout + result.stderr

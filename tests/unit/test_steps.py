@@ -1,0 +1,36 @@
+"""A step kind used as the step protocol says (app.worker.steps): built by ``build_step``, one ``train_step`` on a
+world of one, and the line a run logs about its global batch. Whole runs of each kind are in tests/integration.
+
+    .venv/bin/python -m pytest tests/unit/test_steps.py
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from app.worker.config import TrainConfig
+from app.worker.dist import DistContext
+from app.worker.metrics import NoMetrics
+from app.worker.steps import build_step
+
+
+def test_a_step_taken_as_the_step_protocol_shows_it_trains_on_a_finite_loss():
+    # app/worker/steps/ddp.py's example leaves inject_nan out: the failure drill must be asked for, never the default.
+    cfg = TrainConfig(steps=1, wrapper="none", metrics_port=0)
+    step = build_step(cfg, DistContext(0, 0, 1, torch.device("cpu"), "gloo"), 1, NoMetrics())
+    before = [p.detach().clone() for p in step.model.parameters()]
+    outcome = step.train_step(step.batches.next_micro_batches(), agree_nonfinite=lambda bad: bad)
+    assert math.isfinite(outcome.loss) and not outcome.skipped and outcome.samples == cfg.micro_batch
+    assert all(torch.isfinite(p).all() for p in step.model.parameters())
+    assert any(not torch.equal(b, p) for b, p in zip(before, step.model.parameters()))
+
+
+def test_the_log_names_the_smallest_and_largest_share_of_an_uneven_global_batch():
+    # What the start of a run logs when effective_batch does not divide by the world size: 50 over 3 is 16, 17, 17.
+    cfg = TrainConfig(steps=1, wrapper="none", metrics_port=0, effective_batch=50, micro_batch=8, dataset_size=200)
+    step = build_step(cfg, DistContext(0, 0, 3, torch.device("cpu"), "gloo"), 3, NoMetrics())
+    assert step.describe_batch() == (
+        "global batch split over world_size 3 (16-17 per rank), grad_accum_steps 3 of micro_batch <= 8"
+    )
