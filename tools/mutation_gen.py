@@ -199,6 +199,11 @@ class Candidate:
         return selection_for(self.path)
 
 
+def change_key(operator: str, where: str, before: str) -> str:
+    """What a mutant's id is a hash of, besides its area: the change, the definition it sits in and the line."""
+    return f"{operator}|{where}|{before}"
+
+
 def stable_id(path: str, key: str, seen: dict[str, int]) -> str:
     """A short hash of ``key``; the n-th identical key of one area gets its own id (a ``#n`` suffix, hashed)."""
     # The area (app/parallel, app/worker, ...), not the file: an id survives a file split in two.
@@ -277,7 +282,7 @@ def python_candidates(root: Path, rel: str, seen: dict[str, int]) -> list[Candid
                 if "pragma: no mutate" in text or (future and _in_annotation(node)):
                     continue
                 where = ASTQuery(node).get_definition_name() or "<module>"
-                key = f"{name}|{where}|{text}"
+                key = change_key(name, where, text)
                 site = f"{rel}|{start}|{end}|{_family(name)}"
                 out.append(Candidate(stable_id(rel, key, seen), rel, start[0], name, where, text, "", occurrence, site))
     return out
@@ -348,7 +353,7 @@ def alert_candidates(root: Path, rel: str, seen: dict[str, int]) -> list[Candida
         for op, new in variants:
             if new == line:
                 continue
-            key = f"{op}|{alert}|{s}"
+            key = change_key(op, alert, s)
             out.append(Candidate(stable_id(rel, key, seen), rel, i, op, alert, s, new.strip(), site=f"{rel}|{i}|{op}"))
     return out
 

@@ -1,11 +1,11 @@
 """The launcher's records (app.cluster.job_state), which stop Docker's restarts from repeating a refusal or a finished
 job: a refusal is told again only with the same settings, a finish only to a container that came before it, and a
-record cut short reads as none. Then on a volume that takes no writes: a read-only mount and a full one. What a user would notice: the launch going on (a warning naming the record), not a traceback that ends the
-container, and nothing half-written that a restart would later misread as a refusal or a finish.
+record cut short reads as none. Then on a volume that takes no writes: a read-only mount and a full one. What a user
+would notice: the launch going on (a warning naming the record), not a traceback that ends the container, and
+nothing half-written that a restart would later misread as a refusal or a finish.
 
-Real file systems, not mocks: a read-only tmpfs and a 16 KiB tmpfs filled to the last byte (mounting needs root,
-as CI runs; elsewhere these skip, saying so).
-"""
+Real file systems, not mocks: a read-only tmpfs and a 16 KiB tmpfs filled to the last byte (mounting needs root, as
+CI runs; elsewhere these skip, saying so)."""
 
 from __future__ import annotations
 
