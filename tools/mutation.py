@@ -5,6 +5,7 @@ against the tests of the file it changes; the score, the survivors and their tri
     .venv/bin/python -m tools.mutation --seed 7 --sample 20   # a given sample: the same mutants as another run
     .venv/bin/python -m tools.mutation --list --seed 7        # the sample and each mutant's tests, run nothing
     .venv/bin/python -m tools.mutation --seed 7 --only ID,ID  # some of that sample (did the new test kill it?)
+    .venv/bin/python -m tools.mutation --files 'app/parallel/zero/*' --sample 20   # one area's mutants only
     make mutants-curated                                    # the hand-kept list of tools/mutants.py
 
 The mutants come from cosmic-ray (``tools/mutation_gen.py``; the alert rules from a small PromQL operator set of our
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import json
 import os
 import re
@@ -244,6 +246,9 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p.add_argument("--budget", type=float, default=0, help="minutes; mutants not started by then are not run")
     p.add_argument("--target", type=float, default=0.90, help="score to reach for exit status 0 (default 0.90)")
     p.add_argument("--only", metavar="ID,ID", help="run only these mutants of the seed's sample (a triage check)")
+    p.add_argument(
+        "--files", metavar="GLOB,GLOB", help="draw only from the mutants of these files (an area's own score)"
+    )
     p.add_argument("--list", action="store_true", help="print the sample and each mutant's tests, run nothing")
     p.add_argument("--out", type=Path, default=None, help="JSON to write (default: bench/results/ at the defaults)")
     p.add_argument("--show", metavar="ID", help="print one mutant (file, line, the change, its tests), run nothing")
@@ -297,6 +302,14 @@ def rescore(path: Path, triage: dict[str, dict]) -> int:
     return 0
 
 
+def of_files(candidates: list[Candidate], globs: list[str]) -> list[Candidate]:
+    """The mutants of the files the globs match (``app/parallel/zero/*``); none matched is a one-line error."""
+    chosen = [c for c in candidates if any(fnmatch.fnmatch(c.path, g) for g in globs)]
+    if not chosen:
+        raise SystemExit(f"mutation: --files {','.join(globs)} matches no mutated file")
+    return chosen
+
+
 def show(candidates: list[Candidate], mutant_id: str) -> int:
     c = next((c for c in candidates if c.id == mutant_id), None)
     if c is None:
@@ -316,8 +329,11 @@ def main(argv=None) -> int:
     candidates = all_candidates(REPO)
     if args.show:
         return show(candidates, args.show)
+    if args.files:  # after all_candidates: an id counts identical changes over the whole area, so enumerate it all
+        candidates = of_files(candidates, args.files.split(","))
     sample = draw(candidates, args.sample, seed)
-    print(f"seed {seed}: {len(sample)} of {len(candidates)} generated mutants (rerun: --seed {seed})", flush=True)
+    rerun = f"--seed {seed}" + (f" --files {args.files}" if args.files else "")
+    print(f"seed {seed}: {len(sample)} of {len(candidates)} generated mutants (rerun: {rerun})", flush=True)
     if args.only:
         wanted = set(args.only.split(","))
         if missing := wanted - {c.id for c in sample}:

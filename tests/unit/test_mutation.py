@@ -294,3 +294,17 @@ def test_the_staleness_checks_find_a_moved_file_a_renamed_test_and_a_glob_that_s
         "tests/unit/x.py::test_y",
         "app/worker/a.py",
     ]
+
+
+def test_files_draws_from_the_named_files_only_and_a_glob_that_matches_none_is_one_line():
+    from tools.mutation import of_files
+
+    pool = [Candidate(f"id{i}", path, i, "op", "f", "x", site=f"s{i}") for i, path in enumerate(
+        ["app/parallel/zero/stage1.py", "app/parallel/zero/stage2.py", "app/parallel/ddp/join.py"])]  # fmt: skip
+    assert [c.path for c in of_files(pool, ["app/parallel/zero/*"])] == [
+        "app/parallel/zero/stage1.py",
+        "app/parallel/zero/stage2.py",
+    ]
+    assert [c.id for c in of_files(pool, ["app/parallel/ddp/join.py", "app/parallel/zero/stage2*"])] == ["id1", "id2"]
+    with pytest.raises(SystemExit, match="--files app/gone/\\* matches no mutated file"):
+        of_files(pool, ["app/gone/*"])
