@@ -9,7 +9,7 @@ import torch
 
 from app.worker.config import ConfigError, load_config
 from app.worker.data import GlobalBatches
-from app.worker.data_files import TokenWindows, stdlib_corpus, text_files, token_file
+from app.worker.data_files import TokenWindows, stdlib_corpus, stdlib_files, text_files, token_file
 from app.worker.workload import check_workload
 from tests.trainer_run import REPO
 
@@ -102,3 +102,13 @@ def test_the_corpus_config_fits_and_a_byte_set_too_wide_for_the_model_is_named()
         "model='tiny_transformer': its forward failed on the first samples of data='stdlib_corpus'"
     )
     assert "IndexError: index out of range" in message and "\n" not in message
+
+
+def test_the_stdlib_corpus_leaves_out_tests_and_installed_packages(tmp_path):
+    # The corpus is the standard library's own sources: its test suites and whatever pip installed beside it
+    # (site-packages, which differs between machines) would make the bytes differ from one machine to the next.
+    for rel in ["a.py", "json/b.py", "test/c.py", "site-packages/d.py", "idlelib/idle_test/e.py", "f.txt"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    found = [p.relative_to(tmp_path).as_posix() for p in stdlib_files(str(tmp_path))]
+    assert found == ["a.py", "json/b.py"]

@@ -9,6 +9,7 @@ spec and the cause, exit code 2, and (the ``python -m app.train`` tests) before 
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import torch
@@ -150,3 +151,18 @@ def test_the_worker_exits_2_in_one_line_before_waiting_for_its_peer(env, expecte
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("config error: model: spec ") and expected in lines[0], lines
     assert time.monotonic() - started < 150  # no rendezvous wait (300 s); the torch import is the rest
+
+
+def loss_that_warns(out, y):
+    """A loss that runs but warns, as PyTorch's mse_loss does of a target it broadcasts."""
+    warnings.warn("Using a target size that is different to the input size: broadcasting", UserWarning, stacklevel=2)
+    return torch.nn.functional.cross_entropy(out, y)
+
+
+def test_a_loss_that_runs_but_warns_is_let_through_with_its_warning_shown():
+    # The check catches a failing loss's warnings (they would be a second line after its one-line error); a loss
+    # that runs must still show them, once, at start-up: a broadcast target trains on, silently wrong otherwise.
+    cfg = config(["--wrapper", "none"], {**USER, "DDP_LOSS": "tests.unit.test_workload:loss_that_warns"})
+    with pytest.warns(UserWarning, match="broadcasting") as shown:
+        check_workload(cfg, world_size=1, grad_accum_steps=1)
+    assert len([w for w in shown if "broadcasting" in str(w.message)]) == 1
