@@ -172,3 +172,63 @@ OLD_RESTARTS = """
 def test_the_alert_waits_as_documented(tmp_path, cases):
     result = promtool_test(tmp_path, cases)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# Worker b is told to stop (SIGTERM) at 20 s and leaves at 40 s; a trains on. A stop on request is remembered as
+# long as a gone rank is (10 minutes): no DDPRankDown for b at 8 minutes either.
+STOPPED_ON_REQUEST = """
+  - interval: 10s
+    input_series:
+      - series: 'up{instance="a:9400"}'
+        values: '1x72'
+      - series: 'up{instance="b:9400"}'
+        values: '1 1 1 1 stale'
+      - series: 'ddp_rank_info{instance="a:9400", rank="0"}'
+        values: '1x72'
+      - series: 'ddp_rank_info{instance="b:9400", rank="1"}'
+        values: '1 1 1 1 stale'
+      - series: 'ddp_stop_requested{instance="a:9400", rank="0"}'
+        values: '0x72'
+      - series: 'ddp_stop_requested{instance="b:9400", rank="1"}'
+        values: '0 0 1 1 stale'
+      - series: 'ddp_world_size{instance="a:9400", rank="0"}'
+        values: '2 2 2 2 2 1x67'
+      - series: 'ddp_world_size{instance="b:9400", rank="1"}'
+        values: '2 2 2 2 stale'
+      - series: 'ddp_step{instance="a:9400", rank="0"}'
+        values: '100+1x72'
+      - series: 'ddp_target_steps{instance="a:9400", rank="0"}'
+        values: '1000x72'
+    alert_rule_test:
+      - eval_time: 8m
+        alertname: DDPRankDown
+        exp_alerts: []
+"""
+
+
+def everyone_gone(minimum: int) -> str:
+    """Every worker of a job short of its target leaves at 60 s: still paged at 8 minutes, since the job's minimum
+    is remembered for 10 (no world can form until workers come back, however long they stay away)."""
+    series = {}
+    for i in range(minimum):
+        series[f'up{{instance="w{i}:9400"}}'] = "1x5 stale"
+        series[f'ddp_rank_info{{instance="w{i}:9400", rank="{i}"}}'] = "1x5 stale"
+    series['ddp_min_world_size{rank="0"}'] = f"{minimum}x5 stale"
+    series['ddp_step{rank="0"}'] = "100x5 stale"
+    series['ddp_target_steps{rank="0"}'] = "1000x5 stale"
+    page = {
+        "exp_labels": {"severity": "critical"},
+        "exp_annotations": {"summary": "0 workers run, fewer than the world's minimum", "description": _description()},
+    }
+    case = {
+        "interval": "10s",
+        "input_series": [{"series": k, "values": v} for k, v in series.items()],
+        "alert_rule_test": [{"eval_time": "8m", "alertname": ALERT, "exp_alerts": [page]}],
+    }
+    return "\n" + yaml.safe_dump([case], sort_keys=False, width=1000)
+
+
+@pytest.mark.parametrize("case", ["stopped-on-request", "everyone-gone"])
+def test_a_worker_gone_is_remembered_as_long_as_its_stop_and_the_jobs_minimum(tmp_path, case):
+    result = promtool_test(tmp_path, STOPPED_ON_REQUEST if case == "stopped-on-request" else everyone_gone(2))
+    assert result.returncode == 0, result.stdout + result.stderr
