@@ -29,11 +29,11 @@ def test_a_window_is_seq_len_tokens_and_the_next_token_at_each():
         data[5]
 
 
-
 def test_seq_len_plus_one_tokens_make_one_window_and_fewer_are_refused_in_one_line():
     assert len(TokenWindows(torch.arange(9), seq_len=8)) == 1  # 8 inputs and the token after the last
     with pytest.raises(ValueError, match=r"^tokens: 8 tokens, fewer than one window of seq_len \+ 1 = 9$"):
         TokenWindows(torch.arange(8), seq_len=8)
+
 
 def test_every_window_once_per_epoch_and_the_same_steps_at_any_world_size():
     data = TokenWindows(torch.arange(40 * 8 + 1), seq_len=8)  # 40 windows; window i starts at token 8 i
