@@ -118,3 +118,19 @@ def test_the_stdlib_corpus_leaves_out_tests_and_installed_packages(tmp_path):
         (tmp_path / rel).write_text("x = 1\n")
     found = [p.relative_to(tmp_path).as_posix() for p in stdlib_files(str(tmp_path))]
     assert found == ["a.py", "json/b.py"]
+
+
+def test_by_default_each_reader_makes_windows_as_long_as_the_transformers_positions(tmp_path):
+    # A data spec given only its path (`data_kwargs: {path: ...}`) trains model=tiny_transformer as it comes: one
+    # position more and its first forward fails, one fewer and every sequence is silently shorter.
+    from app.worker.models import TinyTransformer
+
+    positions = TinyTransformer().pos.num_embeddings
+    torch.save(torch.arange(1000), tmp_path / "tokens.pt")
+    (tmp_path / "a.txt").write_bytes(b"x" * 1000)
+    readers = [
+        token_file(str(tmp_path / "tokens.pt")),
+        text_files(str(tmp_path / "a.txt")),
+        stdlib_corpus(max_bytes=10_000),
+    ]
+    assert [r.seq_len for r in readers] == [positions] * 3
