@@ -550,3 +550,34 @@ def test_zero1_loads_a_float64_state_into_float32_parameters_as_its_own_copy():
         assert r["dtypes"] in ([], ["torch.float32"]), r  # (a rank may own no state)
         assert r["untouched"], r  # the loaded dict is not the optimizer's state: steps do not write into it
         assert r["drift"] <= PARAM_TOL, r  # and it steps on as a plain AdamW loaded with the same state
+
+
+class Work:
+    """A reduce-scatter in flight, as InFlight sees a gloo work: done or not, and whether a wait() blocked on it."""
+
+    def __init__(self):
+        self.done = self.blocked = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self) -> None:
+        self.blocked = self.blocked or not self.done
+        self.done = True
+
+
+def test_zero2_keeps_up_to_its_limit_of_reduce_scatters_in_flight_and_waits_only_beyond_it():
+    # Blocking on more than the oldest beyond the limit would stall backward on communication it could overlap;
+    # on fewer, more whole-bucket gradients would stay alive than stage 2 promises to keep.
+    from app.parallel.zero.stage2 import InFlight
+
+    works = [Work() for _ in range(4)]
+    flight = InFlight(limit=2)
+    for i, w in enumerate(works[:3]):
+        flight.add(w, f"chunk {i}")
+    assert [w.blocked for w in works[:3]] == [True, False, False]  # three launched: only the oldest waited for
+    works[1].done = True  # finished on its own: dropped at the next launch, nobody waits for it
+    flight.add(works[3], "chunk 3")
+    assert [w.blocked for w in works] == [True, False, False, False]
+    assert flight.results() == ["chunk 0", "chunk 1", "chunk 2", "chunk 3"]  # in launch order, after the rest
+    assert all(w.done for w in works)
