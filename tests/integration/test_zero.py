@@ -581,3 +581,10 @@ def test_zero2_keeps_up_to_its_limit_of_reduce_scatters_in_flight_and_waits_only
     assert [w.blocked for w in works] == [True, False, False, False]
     assert flight.results() == ["chunk 0", "chunk 1", "chunk 2", "chunk 3"]  # in launch order, after the rest
     assert all(w.done for w in works)
+
+
+@pytest.mark.parametrize("option", ["parameters_as_bucket_view", "overlap_with_ddp"])
+def test_zero1_refuses_each_of_torchs_options_it_does_not_implement_on_its_own(option):
+    # Either one alone would otherwise be accepted and silently not done.
+    with pytest.raises(NotImplementedError, match="parameters_as_bucket_view/overlap_with_ddp=True"):
+        ZeroRedundancyOptimizer(MiniMLP().parameters(), torch.optim.SGD, lr=0.1, **{option: True})

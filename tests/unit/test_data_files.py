@@ -134,3 +134,11 @@ def test_by_default_each_reader_makes_windows_as_long_as_the_transformers_positi
         stdlib_corpus(max_bytes=10_000),
     ]
     assert [r.seq_len for r in readers] == [positions] * 3
+
+
+def test_a_double_star_pattern_reads_files_in_every_folder_below(tmp_path):
+    for rel in ["a.txt", "sub/b.txt", "sub/deeper/c.txt"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(rel[-5])
+    data = text_files(str(tmp_path / "**" / "*.txt"), seq_len=1)
+    assert bytes(data.tokens.tolist()) == b"abc" and "3 files" in data.describe()
