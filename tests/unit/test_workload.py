@@ -166,3 +166,17 @@ def test_a_loss_that_runs_but_warns_is_let_through_with_its_warning_shown():
     with pytest.warns(UserWarning, match="broadcasting") as shown:
         check_workload(cfg, world_size=1, grad_accum_steps=1)
     assert len([w for w in shown if "broadcasting" in str(w.message)]) == 1
+
+
+def two_tensors(size: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
+    """A data spec that returns ``(inputs, targets)`` tensors instead of a data set."""
+    gen = torch.Generator().manual_seed(size)
+    return torch.randn(size, 32, generator=gen), torch.randint(0, 8, (size,), generator=gen)
+
+
+def test_a_data_spec_returning_inputs_and_targets_trains_on_those_inputs_with_those_targets():
+    cfg = config(["--wrapper", "none"], {"DDP_DATA": "tests.unit.test_workload:two_tensors"})
+    data = build_dataset(cfg)
+    inputs, targets = two_tensors()
+    assert torch.equal(data.inputs, inputs) and torch.equal(data.targets, targets)
+    check_workload(cfg, world_size=1, grad_accum_steps=1)  # and mini_mlp takes them as they come
