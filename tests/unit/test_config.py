@@ -94,6 +94,7 @@ def test_unknown_env_setting_is_an_error_with_the_nearest_name():
         ({"wrapper": "horovod"}, "wrapper"),
         ({"lr": 0.0}, "lr"),
         ({"metrics_port": 70000}, "metrics_port"),
+        ({"metrics_port": -1}, "metrics_port"),
         ({"grad_accum_steps": 0}, "grad_accum_steps"),
         ({"collective_timeout_seconds": 0}, "collective_timeout_seconds"),
         ({"model": "tiny_transformer", "seq_len": 65}, "seq_len"),
@@ -331,3 +332,11 @@ def test_the_pipeline_refuses_gradient_accumulation_of_more_than_one_step(steps,
     else:
         with pytest.raises(ConfigError, match=f"grad_accum_steps={steps}: with parallel=pipeline"):
             make()
+
+
+def test_a_whole_number_written_as_a_float_is_taken_for_a_count_and_a_fraction_refused(tmp_path):
+    # YAML reads `steps: 4.0` as a float: a count that says a whole number is that number, and 4.5 steps is no count
+    # (int() would quietly round it down).
+    assert load_config(["--config", write(tmp_path, "steps: 4.0\n")], {}).config.steps == 4
+    with pytest.raises(ConfigError, match=r"^steps"):
+        load_config(["--config", write(tmp_path, "steps: 4.5\n")], {})
