@@ -78,6 +78,15 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
             SLOW,
         ),
     ),
+    (
+        ("app/worker/control*",),
+        (
+            "tests/unit/test_invariants*.py::test_a_stop_before_the_config_is_read_is_forced_after_the_documented_default",
+            "tests/integration/test_train.py",
+            "-k",
+            SLOW,
+        ),
+    ),
     (("app/worker/startup*",), ("tests/unit/test_startup*.py", "tests/integration/test_train.py", "-k", SLOW)),
     (("app/worker/throughput_metrics*",), ("tests/integration/test_throughput_metrics*.py",)),
     (("app/worker/steps/data_parallel*",), ("tests/integration/test_data_parallel*.py",)),
