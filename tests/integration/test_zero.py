@@ -588,3 +588,24 @@ def test_zero1_refuses_each_of_torchs_options_it_does_not_implement_on_its_own(o
     # Either one alone would otherwise be accepted and silently not done.
     with pytest.raises(NotImplementedError, match="parameters_as_bucket_view/overlap_with_ddp=True"):
         ZeroRedundancyOptimizer(MiniMLP().parameters(), torch.optim.SGD, lr=0.1, **{option: True})
+
+
+def clip_shards(rank: int, world: int, max_norm: float) -> tuple[float, list[float], list[float]]:
+    from app.parallel.zero.stage2 import clip_sharded_grad_norm_
+
+    full = torch.arange(1.0, 9.0) / 10  # the whole gradient, norm ~1.43; each rank holds half of it
+    shard = torch.zeros(4, requires_grad=True)
+    shard.grad = full[rank * 4 : rank * 4 + 4].clone()
+    norm = clip_sharded_grad_norm_([shard], max_norm)
+    expected = torch.nn.Parameter(torch.zeros(8))
+    expected.grad = full.clone()
+    torch.nn.utils.clip_grad_norm_([expected], max_norm)
+    return float(norm), shard.grad.tolist(), expected.grad[rank * 4 : rank * 4 + 4].tolist()
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 10.0], ids=["above-the-limit", "within-it"])
+def test_sharded_clipping_scales_down_as_torchs_and_never_up(max_norm):
+    # A gradient within max_norm is left as it is (the scale is capped at 1), one above it is scaled to max_norm.
+    for norm, got, expected in run_world(clip_shards, 2, max_norm):
+        assert norm == pytest.approx(float(torch.linalg.vector_norm(torch.arange(1.0, 9.0) / 10)))
+        assert got == pytest.approx(expected, rel=1e-5)

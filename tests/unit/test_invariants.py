@@ -80,12 +80,12 @@ def _torch_loads(path):
             yield node
 
 
-
 def test_a_stop_before_the_config_is_read_is_forced_after_the_documented_default():
     from app.worker.config import TrainConfig
     from app.worker.control import StopSignal
 
     assert StopSignal().timeout_s == TrainConfig().stop_timeout_seconds
+
 
 def test_every_torch_load_loads_weights_only():
     files = [p for d in ("app", "bench", "tools", "examples") for p in (ROOT / d).rglob("*.py")]
