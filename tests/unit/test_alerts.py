@@ -64,8 +64,8 @@ def _description() -> str:
     return rule["annotations"]["description"]
 
 
-def world(workers: int, minimum: int, leaves: bool) -> str:
-    """A promtool case: a job at step 100 of 1000 with ``workers`` workers whose minimum is ``minimum``;
+def world(workers: int, minimum: int, leaves: bool, step: int = 100, target: int = 1000) -> str:
+    """A promtool case: a job at ``step`` of ``target`` with ``workers`` workers whose minimum is ``minimum``;
     ``leaves``: the last worker goes away at 60 s. Expected at 4 minutes: a page exactly when fewer than
     ``minimum`` run."""
     series = {}
@@ -74,8 +74,8 @@ def world(workers: int, minimum: int, leaves: bool) -> str:
         series[f'up{{instance="w{i}:9400"}}'] = values
         series[f'ddp_rank_info{{instance="w{i}:9400", rank="{i}"}}'] = values
     series['ddp_min_world_size{rank="0"}'] = f"{minimum}x40"
-    series['ddp_step{rank="0"}'] = "100x40"
-    series['ddp_target_steps{rank="0"}'] = "1000x40"
+    series['ddp_step{rank="0"}'] = f"{step}x40"
+    series['ddp_target_steps{rank="0"}'] = f"{target}x40"
     running = workers - 1 if leaves else workers
     page = {
         "exp_labels": {"severity": "critical"},
@@ -231,4 +231,11 @@ def everyone_gone(minimum: int) -> str:
 @pytest.mark.parametrize("case", ["stopped-on-request", "everyone-gone"])
 def test_a_worker_gone_is_remembered_as_long_as_its_stop_and_the_jobs_minimum(tmp_path, case):
     result = promtool_test(tmp_path, STOPPED_ON_REQUEST if case == "stopped-on-request" else everyone_gone(2))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_job_short_of_its_minimum_before_its_first_step_is_paged(tmp_path):
+    # Before a trainer's first step its ddp_step and ddp_target_steps gauges read 0: that is a job starting (or stuck
+    # starting), not one that reached its target, so one worker of a minimum of two is paged as any other time.
+    result = promtool_test(tmp_path, world(1, 2, leaves=False, step=0, target=0))
     assert result.returncode == 0, result.stdout + result.stderr

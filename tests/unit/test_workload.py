@@ -180,3 +180,21 @@ def test_a_data_spec_returning_inputs_and_targets_trains_on_those_inputs_with_th
     inputs, targets = two_tensors()
     assert torch.equal(data.inputs, inputs) and torch.equal(data.targets, targets)
     check_workload(cfg, world_size=1, grad_accum_steps=1)  # and mini_mlp takes them as they come
+
+
+class RaggedData:
+    """A map-style data set whose samples differ in shape: no batch can be stacked from them."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(32 + i % 2), torch.tensor(0)
+
+
+def test_samples_that_do_not_stack_into_a_batch_are_one_line_at_start_up():
+    cfg = config(["--wrapper", "none"], {"DDP_DATA": "tests.unit.test_workload:RaggedData"})
+    with pytest.raises(ConfigError) as e:
+        check_workload(cfg, world_size=1, grad_accum_steps=1)
+    assert str(e.value).startswith("data='tests.unit.test_workload:RaggedData': samples 0 and 1 do not stack")
+    assert "\n" not in str(e.value)
