@@ -95,6 +95,7 @@ def test_the_stdlib_corpus_is_the_same_bytes_every_time():
     assert torch.equal(a.tokens, b.tokens)
     after = stdlib_corpus(seq_len=64, max_bytes=1000, skip_bytes=49_000)
     assert torch.equal(after.tokens, a.tokens[49_000:])  # held-out bytes follow the training bytes
+    assert "after byte" not in a.describe() and " after byte 49000, sha256 " in after.describe()
 
 
 def test_the_corpus_config_fits_and_a_byte_set_too_wide_for_the_model_is_named():
