@@ -47,7 +47,14 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     ),
     (("app/worker/data_files*",), ("tests/unit/test_data_files*.py", "tests/unit/test_workload*.py")),
     (("app/worker/data*",), ("tests/unit/test_data*.py",)),
-    (("app/worker/workload*",), ("tests/unit/test_workload*.py", "tests/unit/test_data_files*.py")),
+    (
+        ("app/worker/workload*",),
+        (
+            "tests/unit/test_workload*.py",
+            "tests/unit/test_data_files*.py",
+            "tests/unit/test_activation_checkpointing*.py",  # checkpointed_units: which modules a setting names
+        ),
+    ),
     (
         ("app/worker/models*",),
         (
@@ -67,7 +74,10 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
         ),
     ),
     (("app/worker/steps/pipeline*",), ("tests/integration/test_train_pipeline*.py",)),
-    (("app/worker/steps/zero*",), ("tests/unit/test_metrics*.py", "tests/integration/test_train_sharded*.py")),
+    (
+        ("app/worker/steps/zero*",),
+        ("tests/unit/test_steps*.py", "tests/unit/test_metrics*.py", "tests/integration/test_train_sharded*.py"),
+    ),
     (
         ("app/worker/dist*", "app/worker/elastic*"),
         (

@@ -50,3 +50,20 @@ def test_every_step_kind_taken_as_the_protocol_shows_trains_on_a_finite_loss(par
     # Each kind's train_step has its own inject_nan default: the NaN drill must be off unless asked for, in all.
     for loss, skipped in run_world(protocol_step, 2, parallel):
         assert math.isfinite(loss) and not skipped, (parallel, loss, skipped)
+
+
+def gradient_bytes_around_a_save(rank: int, world: int, parallel: str) -> tuple[int, int]:
+    cfg = TrainConfig(steps=1, parallel=parallel, metrics_port=0, micro_batch=8)
+    step = build_step(cfg, DistContext(rank, rank, world, torch.device("cpu"), "gloo"), 1, NoMetrics())
+    step.train_step(step.batches.next_micro_batches(), agree_nonfinite=lambda bad: bad)
+    after_step = step.memory_bytes()[1]
+    step.before_save()
+    return after_step, step.memory_bytes()[1]
+
+
+@pytest.mark.parametrize("parallel", ["zero1", "zero2", "zero3"])
+def test_a_zero_step_drops_its_gradients_before_a_save_so_the_save_adds_nothing_to_the_peak(parallel):
+    # The last step's gradients are read by nothing (the next step starts with zero_grad); kept as zeros they would
+    # sit beside the save's own copies at the step's peak.
+    for after_step, at_save in run_world(gradient_bytes_around_a_save, 2, parallel):
+        assert after_step > 0 and at_save == 0, (parallel, after_step, at_save)
