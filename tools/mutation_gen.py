@@ -312,11 +312,15 @@ def python_candidates(root: Path, rel: str, seen: dict[str, int]) -> list[Candid
 
 
 def apply_python(c: Candidate, source: str) -> str | None:
-    """The source with mutant ``c`` applied (``c.after`` filled in), or None when cosmic-ray finds no such position."""
+    """The source with mutant ``c`` applied (``c.after`` filled in), or None when cosmic-ray finds no such position
+    or cannot make the change there."""
     from cosmic_ray.mutating import mutate_code
     from cosmic_ray.plugins import get_operator
 
-    mutated = mutate_code(source, get_operator(c.operator)(), c.occurrence)
+    try:
+        mutated = mutate_code(source, get_operator(c.operator)(), c.occurrence)
+    except AttributeError:  # ExceptionReplacer on a dotted class (`except (dist.DistError, ...)`): it cannot rename it
+        return None
     if mutated is None:
         return None
     mutated = mutated.replace(CR_EXCEPTION, NOTHING_RAISES)

@@ -308,3 +308,20 @@ def test_files_draws_from_the_named_files_only_and_a_glob_that_matches_none_is_o
     assert [c.id for c in of_files(pool, ["app/parallel/ddp/join.py", "app/parallel/zero/stage2*"])] == ["id1", "id2"]
     with pytest.raises(SystemExit, match="--files app/gone/\\* matches no mutated file"):
         of_files(pool, ["app/gone/*"])
+
+
+def test_an_except_clause_naming_a_dotted_class_is_mutated_where_it_can_be_and_never_ends_the_run(tmp_path):
+    # cosmic-ray's ExceptionReplacer renames a plain name; `except (os.error, ValueError)` holds an attribute,
+    # which it cannot rename and raises on. Such a mutant is "not applied", as one whose position is gone.
+    pytest.importorskip("cosmic_ray")
+    from tools.mutation_gen import apply_python, python_candidates
+
+    code = (
+        "import os\n\n\ndef f():\n    try:\n        return 1 // 0\n"
+        "    except (os.error, ZeroDivisionError):\n        return None\n"
+    )
+    (tmp_path / "m.py").write_text(code)
+    mutants = [c for c in python_candidates(tmp_path, "m.py", {}) if c.operator == "core/ExceptionReplacer"]
+    applied = [apply_python(c, code) for c in mutants]
+    assert len(mutants) == 2 and None in applied
+    assert any(m is not None and "except (os.error, type(" in m for m in applied)
