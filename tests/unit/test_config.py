@@ -340,3 +340,12 @@ def test_a_whole_number_written_as_a_float_is_taken_for_a_count_and_a_fraction_r
     assert load_config(["--config", write(tmp_path, "steps: 4.0\n")], {}).config.steps == 4
     with pytest.raises(ConfigError, match=r"^steps"):
         load_config(["--config", write(tmp_path, "steps: 4.5\n")], {})
+
+
+@pytest.mark.parametrize("value, ok", [(0, True), (1, True), (2, False), (-1, False)])
+def test_desync_check_is_off_or_on_and_nothing_else(value, ok):
+    if ok:
+        assert TrainConfig(desync_check=value).desync_check == value
+    else:
+        with pytest.raises(ConfigError, match=rf"^desync_check={value}: must be 0 \(off\) or 1 \(on\)$"):
+            TrainConfig(desync_check=value)
