@@ -113,3 +113,6 @@ def test_a_record_cut_short_or_not_json_reads_as_no_record(tmp_path):
         (tmp_path / "job" / "refused" / "node-a.json").write_text(broken, errors="surrogateescape")
         (tmp_path / "job" / "finished.json").write_text(broken, errors="surrogateescape")
         assert state.refused_before() is None and state.finished_since_arrival() is None, broken
+    state.finish(step=10)  # a good finish record, but this container's arrival record is empty: read as new
+    (tmp_path / "job" / "seen" / "node-a").write_text("")
+    assert state.finished_since_arrival() is None
