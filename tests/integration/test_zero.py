@@ -542,12 +542,15 @@ def zero1_loads_a_state_of_another_dtype(rank, world):
         torch.equal(full["state"][i][k], kept["state"][i][k]) for i in full["state"] for k in full["state"][i]
     )
     drift = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
-    return {"dtypes": sorted(map(str, dtypes)), "untouched": untouched, "drift": drift}
+    owned = {id(p) for p in opt.owned_parameters()}
+    only_owned = all(id(p) in owned for p in opt.optim.state)  # ZeRO-1's saving, kept after a load
+    return {"dtypes": sorted(map(str, dtypes)), "untouched": untouched, "drift": drift, "only_owned": only_owned}
 
 
 def test_zero1_loads_a_float64_state_into_float32_parameters_as_its_own_copy():
     for r in run_world(zero1_loads_a_state_of_another_dtype, 2, timeout=120):
         assert r["dtypes"] in ([], ["torch.float32"]), r  # (a rank may own no state)
+        assert r["only_owned"], "after a load a rank steps, and keeps state for, other ranks' parameters"
         assert r["untouched"], r  # the loaded dict is not the optimizer's state: steps do not write into it
         assert r["drift"] <= PARAM_TOL, r  # and it steps on as a plain AdamW loaded with the same state
 
