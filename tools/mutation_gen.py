@@ -91,6 +91,7 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     (
         ("app/worker/control*",),
         (
+            "tests/unit/test_control*.py",
             "tests/unit/test_invariants*.py::test_a_stop_before_the_config_is_read_is_forced_after_the_documented_default",
             "tests/integration/test_train.py",
             "-k",

@@ -38,18 +38,20 @@ def test_the_log_names_the_smallest_and_largest_share_of_an_uneven_global_batch(
     )
 
 
-def protocol_step(rank: int, world: int, parallel: str) -> tuple[float, bool]:
+def protocol_step(rank: int, world: int, parallel: str) -> tuple[float, bool, float | None]:
     cfg = TrainConfig(steps=1, parallel=parallel, metrics_port=0, micro_batch=8)
     step = build_step(cfg, DistContext(rank, rank, world, torch.device("cpu"), "gloo"), 1, NoMetrics())
     outcome = step.train_step(step.batches.next_micro_batches(), agree_nonfinite=lambda bad: bad)
-    return outcome.loss, outcome.skipped
+    return outcome.loss, outcome.skipped, outcome.exposed_seconds
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "zero1", "zero2", "zero3", "pipeline"])
 def test_every_step_kind_taken_as_the_protocol_shows_trains_on_a_finite_loss(parallel):
-    # Each kind's train_step has its own inject_nan default: the NaN drill must be off unless asked for, in all.
-    for loss, skipped in run_world(protocol_step, 2, parallel):
+    # Each kind's train_step has its own inject_nan default: the NaN drill must be off unless asked for, in all. The
+    # communication it waited for (ddp_exposed_comm_duration_seconds) is a duration, not the bytes sent beside it.
+    for loss, skipped, exposed in run_world(protocol_step, 2, parallel):
         assert math.isfinite(loss) and not skipped, (parallel, loss, skipped)
+        assert exposed is None or 0 <= exposed < 60, (parallel, exposed)
 
 
 def gradient_bytes_around_a_save(rank: int, world: int, parallel: str) -> tuple[int, int]:
