@@ -265,8 +265,8 @@ MUTANTS: list[Mutant] = [
         "train-config-error-exits-1",
         "a bad flag exits 1 instead of the documented 2",
         "app/train.py",
-        'print(f"config error: {e}", file=sys.stderr, flush=True)\n        return BAD_CONFIG\n    cfg = resolved.config',
-        'print(f"config error: {e}", file=sys.stderr, flush=True)\n        return FAILED\n    cfg = resolved.config',
+        "        return BAD_CONFIG\n    cfg = resolved.config",
+        "        return FAILED\n    cfg = resolved.config",
         T("tests/unit/test_config.py::test_bad_input_exits_2_with_one_line"),
     ),
     # -- configuration (app/worker/config/schema.py) ---------------------------------------------------------------

@@ -5,6 +5,8 @@ against the tests of the file it changes; the score, the survivors and their tri
     .venv/bin/python -m tools.mutation --seed 7 --sample 20   # a given sample: the same mutants as another run
     .venv/bin/python -m tools.mutation --list --seed 7        # the sample and each mutant's tests, run nothing
     .venv/bin/python -m tools.mutation --seed 7 --only ID,ID  # some of that sample (did the new test kill it?)
+    .venv/bin/python -m tools.mutation --only ID,ID           # any generated mutants by id (a triaged one, rerun)
+    .venv/bin/python -m tools.mutation --files 'app/parallel/zero/*' --sample 20   # one area's mutants only
     make mutants-curated                                    # the hand-kept list of tools/mutants.py
 
 The mutants come from cosmic-ray (``tools/mutation_gen.py``; the alert rules from a small PromQL operator set of our
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import json
 import os
 import re
@@ -243,7 +246,12 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p.add_argument("--jobs", type=int, default=1, help="mutants run at once, each in its own copy (default 1)")
     p.add_argument("--budget", type=float, default=0, help="minutes; mutants not started by then are not run")
     p.add_argument("--target", type=float, default=0.90, help="score to reach for exit status 0 (default 0.90)")
-    p.add_argument("--only", metavar="ID,ID", help="run only these mutants of the seed's sample (a triage check)")
+    p.add_argument(
+        "--only", metavar="ID,ID", help="run only these mutants: of the seed's sample, or of all without --seed"
+    )
+    p.add_argument(
+        "--files", metavar="GLOB,GLOB", help="draw only from the mutants of these files (an area's own score)"
+    )
     p.add_argument("--list", action="store_true", help="print the sample and each mutant's tests, run nothing")
     p.add_argument("--out", type=Path, default=None, help="JSON to write (default: bench/results/ at the defaults)")
     p.add_argument("--show", metavar="ID", help="print one mutant (file, line, the change, its tests), run nothing")
@@ -297,6 +305,14 @@ def rescore(path: Path, triage: dict[str, dict]) -> int:
     return 0
 
 
+def of_files(candidates: list[Candidate], globs: list[str]) -> list[Candidate]:
+    """The mutants of the files the globs match (``app/parallel/zero/*``); none matched is a one-line error."""
+    chosen = [c for c in candidates if any(fnmatch.fnmatch(c.path, g) for g in globs)]
+    if not chosen:
+        raise SystemExit(f"mutation: --files {','.join(globs)} matches no mutated file")
+    return chosen
+
+
 def show(candidates: list[Candidate], mutant_id: str) -> int:
     c = next((c for c in candidates if c.id == mutant_id), None)
     if c is None:
@@ -316,13 +332,18 @@ def main(argv=None) -> int:
     candidates = all_candidates(REPO)
     if args.show:
         return show(candidates, args.show)
+    if args.files:  # after all_candidates: an id counts identical changes over the whole area, so enumerate it all
+        candidates = of_files(candidates, args.files.split(","))
     sample = draw(candidates, args.sample, seed)
-    print(f"seed {seed}: {len(sample)} of {len(candidates)} generated mutants (rerun: --seed {seed})", flush=True)
-    if args.only:
+    rerun = f"--seed {seed}" + (f" --files {args.files}" if args.files else "")
+    print(f"seed {seed}: {len(sample)} of {len(candidates)} generated mutants (rerun: {rerun})", flush=True)
+    if args.only:  # of the seed's sample when a seed is given; else of every generated mutant (a triaged id)
         wanted = set(args.only.split(","))
-        if missing := wanted - {c.id for c in sample}:
-            parser.error(f"--only: {' '.join(sorted(missing))} not in the sample of seed {seed}")
-        sample = [c for c in sample if c.id in wanted]
+        pool = sample if args.seed is not None else candidates
+        if missing := wanted - {c.id for c in pool}:
+            where = f"the sample of seed {seed}" if args.seed is not None else "the generated mutants (code changed?)"
+            parser.error(f"--only: {' '.join(sorted(missing))} not in {where}")
+        sample = [c for c in pool if c.id in wanted]
     if args.list:
         for c in sample:
             print(f"{c.id} {c.path}:{c.line} {c.operator} {c.before!r} -> tests {' '.join(selection_for(c.path))}")

@@ -652,3 +652,10 @@ def test_wrapper_none_is_the_bare_module_without_a_process_group():
 
     model = MiniMLP()
     assert wrap_model(model, "none") is model  # world size 1: nothing to synchronise, no group needed
+
+
+def test_a_wrapper_name_that_is_none_of_the_three_is_refused_naming_them():
+    from app.parallel import wrap_model
+
+    with pytest.raises(ValueError, match=r"^wrapper='horovod': choose one of ours, torch, none$"):
+        wrap_model(MiniMLP(), "horovod")

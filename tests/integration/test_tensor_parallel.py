@@ -57,3 +57,12 @@ def test_a_pair_that_is_not_two_linears_is_refused():
 
     with pytest.raises(ValueError, match=r"model\['1'\] is not an nn.Linear"):
         parallelize_linear_pair(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), mesh=None, first="0", second="1")
+
+
+def test_a_tensor_parallel_pair_all_reduces_its_output_and_its_input_gradient():
+    """The bytes a pair reports moving per step, as its docstring counts them."""
+    from app.parallel.tensor_parallel import all_reduce_bytes_per_step
+
+    # forward: the [8, 4] output; backward: the [8, 16] input gradient; float32.
+    assert all_reduce_bytes_per_step(batch=8, in_features=16, out_features=4) == (8 * 4 + 8 * 16) * 4
+    assert all_reduce_bytes_per_step(batch=8, in_features=16, out_features=4, element_size=2) == (8 * 4 + 8 * 16) * 2

@@ -542,11 +542,73 @@ def zero1_loads_a_state_of_another_dtype(rank, world):
         torch.equal(full["state"][i][k], kept["state"][i][k]) for i in full["state"] for k in full["state"][i]
     )
     drift = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
-    return {"dtypes": sorted(map(str, dtypes)), "untouched": untouched, "drift": drift}
+    owned = {id(p) for p in opt.owned_parameters()}
+    only_owned = all(id(p) in owned for p in opt.optim.state)  # ZeRO-1's saving, kept after a load
+    return {"dtypes": sorted(map(str, dtypes)), "untouched": untouched, "drift": drift, "only_owned": only_owned}
 
 
 def test_zero1_loads_a_float64_state_into_float32_parameters_as_its_own_copy():
     for r in run_world(zero1_loads_a_state_of_another_dtype, 2, timeout=120):
         assert r["dtypes"] in ([], ["torch.float32"]), r  # (a rank may own no state)
+        assert r["only_owned"], "after a load a rank steps, and keeps state for, other ranks' parameters"
         assert r["untouched"], r  # the loaded dict is not the optimizer's state: steps do not write into it
         assert r["drift"] <= PARAM_TOL, r  # and it steps on as a plain AdamW loaded with the same state
+
+
+class Work:
+    """A reduce-scatter in flight, as InFlight sees a gloo work: done or not, and whether a wait() blocked on it."""
+
+    def __init__(self):
+        self.done = self.blocked = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self) -> None:
+        self.blocked = self.blocked or not self.done
+        self.done = True
+
+
+def test_zero2_keeps_up_to_its_limit_of_reduce_scatters_in_flight_and_waits_only_beyond_it():
+    # Blocking on more than the oldest beyond the limit would stall backward on communication it could overlap;
+    # on fewer, more whole-bucket gradients would stay alive than stage 2 promises to keep.
+    from app.parallel.zero.stage2 import InFlight
+
+    works = [Work() for _ in range(4)]
+    flight = InFlight(limit=2)
+    for i, w in enumerate(works[:3]):
+        flight.add(w, f"chunk {i}")
+    assert [w.blocked for w in works[:3]] == [True, False, False]  # three launched: only the oldest waited for
+    works[1].done = True  # finished on its own: dropped at the next launch, nobody waits for it
+    flight.add(works[3], "chunk 3")
+    assert [w.blocked for w in works] == [True, False, False, False]
+    assert flight.results() == ["chunk 0", "chunk 1", "chunk 2", "chunk 3"]  # in launch order, after the rest
+    assert all(w.done for w in works)
+
+
+@pytest.mark.parametrize("option", ["parameters_as_bucket_view", "overlap_with_ddp"])
+def test_zero1_refuses_each_of_torchs_options_it_does_not_implement_on_its_own(option):
+    # Either one alone would otherwise be accepted and silently not done.
+    with pytest.raises(NotImplementedError, match="parameters_as_bucket_view/overlap_with_ddp=True"):
+        ZeroRedundancyOptimizer(MiniMLP().parameters(), torch.optim.SGD, lr=0.1, **{option: True})
+
+
+def clip_shards(rank: int, world: int, max_norm: float) -> tuple[float, list[float], list[float]]:
+    from app.parallel.zero.stage2 import clip_sharded_grad_norm_
+
+    full = torch.arange(1.0, 9.0) / 10  # the whole gradient, norm ~1.43; each rank holds half of it
+    shard = torch.zeros(4, requires_grad=True)
+    shard.grad = full[rank * 4 : rank * 4 + 4].clone()
+    norm = clip_sharded_grad_norm_([shard], max_norm)
+    expected = torch.nn.Parameter(torch.zeros(8))
+    expected.grad = full.clone()
+    torch.nn.utils.clip_grad_norm_([expected], max_norm)
+    return float(norm), shard.grad.tolist(), expected.grad[rank * 4 : rank * 4 + 4].tolist()
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 10.0], ids=["above-the-limit", "within-it"])
+def test_sharded_clipping_scales_down_as_torchs_and_never_up(max_norm):
+    # A gradient within max_norm is left as it is (the scale is capped at 1), one above it is scaled to max_norm.
+    for norm, got, expected in run_world(clip_shards, 2, max_norm):
+        assert norm == pytest.approx(float(torch.linalg.vector_norm(torch.arange(1.0, 9.0) / 10)))
+        assert got == pytest.approx(expected, rel=1e-5)

@@ -6,6 +6,10 @@ is imported or any process group is joined.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from app.worker.config import FIELDS, ConfigError, TrainConfig, load_config
@@ -90,6 +94,7 @@ def test_unknown_env_setting_is_an_error_with_the_nearest_name():
         ({"wrapper": "horovod"}, "wrapper"),
         ({"lr": 0.0}, "lr"),
         ({"metrics_port": 70000}, "metrics_port"),
+        ({"metrics_port": -1}, "metrics_port"),
         ({"grad_accum_steps": 0}, "grad_accum_steps"),
         ({"collective_timeout_seconds": 0}, "collective_timeout_seconds"),
         ({"model": "tiny_transformer", "seq_len": 65}, "seq_len"),
@@ -194,6 +199,26 @@ def test_torchrun_variables_are_read_once_with_the_elastic_range():
     assert (elastic.node, elastic.restart_count) == ("2", 3)
 
 
+# A worker under torchrun reads the elastic range from torchrun's own command line (its parent's), where --nnodes
+# may be written as one word (--nnodes=2:4) or two (--nnodes 2:4). The parent here stands in for torchrun.
+CHILD = (
+    "from app.worker.config import WorldEnv; "
+    "w = WorldEnv.from_environ({'TORCHELASTIC_RUN_ID': 'r', 'RANK': '0', 'WORLD_SIZE': '4', 'LOCAL_WORLD_SIZE': '2'}); "
+    "print(w.min_world_size, w.max_world_size)"
+)
+PARENT = "import subprocess, sys; sys.exit(subprocess.run([sys.executable, '-c', sys.argv[1]]).returncode)"
+
+
+@pytest.mark.parametrize("flag", [["--nnodes=2:4"], ["--nnodes", "2:4"]], ids=["one-word", "two-words"])
+def test_the_elastic_range_is_read_from_torchruns_nnodes_in_either_spelling(flag):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", PARENT, CHILD, *flag], cwd=REPO, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["4", "8"], "2..4 nodes of 2 ranks each: a world of 4 to 8 ranks"
+
+
 def test_the_compose_settings_run_sets_every_field():
     """The e2e run that sends every setting through compose must name each field; checked here, without Docker,
     so a new field fails in seconds rather than after a 30-minute CI run."""
@@ -290,3 +315,46 @@ def test_a_positive_clip_norm_is_accepted_and_a_negative_one_refused():
     assert TrainConfig(grad_clip_norm=0.0).grad_clip_norm == 0.0  # off
     with pytest.raises(ConfigError, match="grad_clip_norm"):
         TrainConfig(grad_clip_norm=-0.5)
+
+
+@pytest.mark.parametrize("microbatches, ok", [(4, True), (8, True), (32, True), (5, False), (3, False)])
+def test_pipeline_micro_batches_are_accepted_exactly_when_they_divide_the_micro_batch(microbatches, ok):
+    def make():
+        return TrainConfig(parallel="pipeline", micro_batch=32, pipeline_microbatches=microbatches)
+
+    if ok:
+        assert make().pipeline_microbatches == microbatches
+    else:
+        with pytest.raises(ConfigError, match=f"pipeline_microbatches={microbatches} does not divide micro_batch=32"):
+            make()
+
+
+@pytest.mark.parametrize("steps, ok", [(None, True), (1, True), (2, False), (4, False)])
+def test_the_pipeline_refuses_gradient_accumulation_of_more_than_one_step(steps, ok):
+    """With parallel=pipeline its micro-batches are the accumulation: grad_accum_steps 2 or more is refused."""
+
+    def make():
+        return TrainConfig(parallel="pipeline", micro_batch=32, grad_accum_steps=steps)
+
+    if ok:
+        assert make().grad_accum_steps == steps
+    else:
+        with pytest.raises(ConfigError, match=f"grad_accum_steps={steps}: with parallel=pipeline"):
+            make()
+
+
+def test_a_whole_number_written_as_a_float_is_taken_for_a_count_and_a_fraction_refused(tmp_path):
+    # YAML reads `steps: 4.0` as a float: a count that says a whole number is that number, and 4.5 steps is no count
+    # (int() would quietly round it down).
+    assert load_config(["--config", write(tmp_path, "steps: 4.0\n")], {}).config.steps == 4
+    with pytest.raises(ConfigError, match=r"^steps"):
+        load_config(["--config", write(tmp_path, "steps: 4.5\n")], {})
+
+
+@pytest.mark.parametrize("value, ok", [(0, True), (1, True), (2, False), (-1, False)])
+def test_desync_check_is_off_or_on_and_nothing_else(value, ok):
+    if ok:
+        assert TrainConfig(desync_check=value).desync_check == value
+    else:
+        with pytest.raises(ConfigError, match=rf"^desync_check={value}: must be 0 \(off\) or 1 \(on\)$"):
+            TrainConfig(desync_check=value)

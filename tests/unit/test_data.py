@@ -143,3 +143,18 @@ def test_the_transformer_takes_the_longest_sequence_its_config_allows():
     assert model(tokens).shape == (2, 64, 64)
     with pytest.raises(IndexError):
         model(torch.randint(0, 64, (2, 65)))  # one more than its positions: the bound the config enforces
+
+
+def test_the_built_in_loss_is_pytorchs_cross_entropy_for_class_and_next_token_logits():
+    """``loss: cross_entropy``: a mean over every position, for ``[B, C]`` and ``[B, T, C]`` logits alike (B, T and
+    C all different, so that no reshape along the wrong dimension can pass)."""
+    import torch.nn.functional as F
+
+    from app.worker.data import cross_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(6, 5, generator=gen), torch.randint(0, 5, (6,), generator=gen)
+    torch.testing.assert_close(cross_entropy(logits, labels), F.cross_entropy(logits, labels))
+    tokens, targets = torch.randn(3, 4, 7, generator=gen), torch.randint(0, 7, (3, 4), generator=gen)
+    expected = F.cross_entropy(tokens.permute(0, 2, 1), targets)  # PyTorch's own [B, C, T] form
+    torch.testing.assert_close(cross_entropy(tokens, targets), expected)

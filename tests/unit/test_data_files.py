@@ -9,7 +9,7 @@ import torch
 
 from app.worker.config import ConfigError, load_config
 from app.worker.data import GlobalBatches
-from app.worker.data_files import TokenWindows, stdlib_corpus, text_files, token_file
+from app.worker.data_files import TokenWindows, stdlib_corpus, stdlib_files, text_files, token_file
 from app.worker.workload import check_workload
 from tests.trainer_run import REPO
 
@@ -27,6 +27,12 @@ def test_a_window_is_seq_len_tokens_and_the_next_token_at_each():
     assert targets.tolist() == tokens[1:21].tolist()  # every token but the first is a target exactly once
     with pytest.raises(IndexError):
         data[5]
+
+
+def test_seq_len_plus_one_tokens_make_one_window_and_fewer_are_refused_in_one_line():
+    assert len(TokenWindows(torch.arange(9), seq_len=8)) == 1  # 8 inputs and the token after the last
+    with pytest.raises(ValueError, match=r"^tokens: 8 tokens, fewer than one window of seq_len \+ 1 = 9$"):
+        TokenWindows(torch.arange(8), seq_len=8)
 
 
 def test_every_window_once_per_epoch_and_the_same_steps_at_any_world_size():
@@ -89,6 +95,7 @@ def test_the_stdlib_corpus_is_the_same_bytes_every_time():
     assert torch.equal(a.tokens, b.tokens)
     after = stdlib_corpus(seq_len=64, max_bytes=1000, skip_bytes=49_000)
     assert torch.equal(after.tokens, a.tokens[49_000:])  # held-out bytes follow the training bytes
+    assert "after byte" not in a.describe() and " after byte 49000, sha256 " in after.describe()
 
 
 def test_the_corpus_config_fits_and_a_byte_set_too_wide_for_the_model_is_named():
@@ -102,3 +109,37 @@ def test_the_corpus_config_fits_and_a_byte_set_too_wide_for_the_model_is_named()
         "model='tiny_transformer': its forward failed on the first samples of data='stdlib_corpus'"
     )
     assert "IndexError: index out of range" in message and "\n" not in message
+
+
+def test_the_stdlib_corpus_leaves_out_tests_and_installed_packages(tmp_path):
+    # The corpus is the standard library's own sources: its test suites and whatever pip installed beside it
+    # (site-packages, which differs between machines) would make the bytes differ from one machine to the next.
+    for rel in ["a.py", "json/b.py", "test/c.py", "site-packages/d.py", "idlelib/idle_test/e.py", "f.txt"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    found = [p.relative_to(tmp_path).as_posix() for p in stdlib_files(str(tmp_path))]
+    assert found == ["a.py", "json/b.py"]
+
+
+def test_by_default_each_reader_makes_windows_as_long_as_the_transformers_positions(tmp_path):
+    # A data spec given only its path (`data_kwargs: {path: ...}`) trains model=tiny_transformer as it comes: one
+    # position more and its first forward fails, one fewer and every sequence is silently shorter.
+    from app.worker.models import TinyTransformer
+
+    positions = TinyTransformer().pos.num_embeddings
+    torch.save(torch.arange(1000), tmp_path / "tokens.pt")
+    (tmp_path / "a.txt").write_bytes(b"x" * 1000)
+    readers = [
+        token_file(str(tmp_path / "tokens.pt")),
+        text_files(str(tmp_path / "a.txt")),
+        stdlib_corpus(max_bytes=10_000),
+    ]
+    assert [r.seq_len for r in readers] == [positions] * 3
+
+
+def test_a_double_star_pattern_reads_files_in_every_folder_below(tmp_path):
+    for rel in ["a.txt", "sub/b.txt", "sub/deeper/c.txt"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(rel[-5])
+    data = text_files(str(tmp_path / "**" / "*.txt"), seq_len=1)
+    assert bytes(data.tokens.tolist()) == b"abc" and "3 files" in data.describe()

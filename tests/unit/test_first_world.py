@@ -79,3 +79,34 @@ def test_later_worlds_keep_torchs_last_call(rendezvous):
         state = join(i)
     assert not state.complete  # four in, below MAX: torch waits the last call for more
     assert state.deadline <= datetime.now(timezone.utc) + LAST_CALL
+
+
+def test_a_job_has_started_once_its_rendezvous_has_members_a_formed_world_or_a_past_round():
+    """What a launcher reads at a real c10d store before waiting for its peers (``Reporter.job_started``): torch's
+    own rendezvous state, written with torch's own backend. Joining at once is right only for a started job."""
+    import datetime
+    import pickle
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    from app.cluster.elastic import Reporter
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
+
+    def started(job: str, **fields) -> bool:
+        if fields:
+            state = _RendezvousState()
+            for name, value in fields.items():
+                setattr(state, name, value)
+            C10dRendezvousBackend(server, job).set_state(pickle.dumps(state))
+        return Reporter(("127.0.0.1", server.port), job, None).job_started()
+
+    node = _NodeDesc("node-a", 1, 0)
+    assert not started("no state yet")
+    assert not started("fresh", round=0)
+    assert started("someone waits", participants={node: 0})
+    assert started("formed", complete=True)
+    assert started("a past round", round=1)
+    assert not Reporter(None, "standalone", None).job_started()  # no store: nothing to read

@@ -4,6 +4,8 @@
   the launcher then exits after it. Kubernetes (``terminationGracePeriodSeconds``) and Docker (``stop_grace_period``)
   kill the container once their grace period is over: it must outlast the trainer's stop, or an evicted pod or a
   stopped container is killed before its checkpoint is written and loses the steps since the last one.
+  A stop that comes before the config is read (the signal handler is installed first) is forced after the same
+  documented default as one that comes later.
 - Every ``torch.load`` in the code a user runs loads with ``weights_only=True``: a checkpoint or token file of
   unknown origin must not run code it carries (torch's own default could change back; the call says it).
 """
@@ -76,6 +78,13 @@ def _torch_loads(path):
         is_load = isinstance(node, ast.Call) and isinstance(func, ast.Attribute) and func.attr == "load"
         if is_load and isinstance(func.value, ast.Name) and func.value.id == "torch":
             yield node
+
+
+def test_a_stop_before_the_config_is_read_is_forced_after_the_documented_default():
+    from app.worker.config import TrainConfig
+    from app.worker.control import StopSignal
+
+    assert StopSignal().timeout_s == TrainConfig().stop_timeout_seconds
 
 
 def test_every_torch_load_loads_weights_only():

@@ -20,6 +20,8 @@ from app.cluster.elastic import Reporter
 from app.cluster.launch import LaunchError, _one_line, expected_workers, outcome_of_failure, outcome_of_stop
 from app.exit_codes import BAD_CONFIG, FAILED, OK
 
+STORE = ("store", 29400)
+
 
 def reporter(exit_codes: dict[int, int | None]) -> Reporter:
     r = Reporter(store=None, run_id="job", workers=None)
@@ -192,3 +194,127 @@ def test_a_failed_world_is_told_by_the_doctors_line_from_its_own_dumps_only(tmp_
     with caplog.at_level(logging.INFO, logger="app.cluster.launch"):
         reporter.workers_failed({0: SimpleNamespace(exitcode=1)})
     assert "doctor:" not in caplog.text
+
+
+def test_a_failure_that_is_not_the_stores_is_told_as_itself():
+    from app.cluster.launch import explain
+
+    assert explain(ValueError("bad shape (3, 4)\nmore"), STORE, "job") == "ValueError: bad shape (3, 4)"
+
+
+@pytest.mark.parametrize("what", ["connection", "message"])
+def test_a_lost_store_is_named_with_its_address(what):
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from app.cluster.launch import explain
+
+    e = RendezvousConnectionError("gone") if what == "connection" else RuntimeError("the TCP store went away")
+    assert explain(e, STORE, "job").startswith("lost the rendezvous store store:29400 (")
+
+
+@pytest.mark.parametrize("code, says", [(-1, "was killed by SIGHUP"), (-9, "was killed by SIGKILL"), (2, "bad config")])
+def test_an_exit_by_signal_is_named_by_its_signal(code, says):
+    from app.cluster.launch import describe_exit
+
+    assert says in describe_exit(code)
+
+
+@pytest.mark.parametrize(
+    "flags, address",
+    [
+        (["--rdzv-backend=c10d", "--rdzv-endpoint=store:29500"], ("store", 29500)),
+        (["--rdzv-backend=c10d", "--rdzv-endpoint=store"], ("store", 29400)),  # torchrun's default port
+        (["--standalone", "--rdzv-backend=c10d", "--rdzv-endpoint=store:29500"], None),  # the agent hosts its own
+        (["--rdzv-backend=static", "--rdzv-endpoint=store:29500"], None),  # no c10d store to wait for
+        (["--rdzv-backend=c10d"], None),
+    ],
+)
+def test_the_launcher_waits_for_the_c10d_store_only_where_one_is_named(flags, address):
+    from torch.distributed.run import parse_args
+
+    from app.cluster.launch import store_address
+
+    assert store_address(parse_args([*flags, "--nnodes=1:2", "-m", "app.train"])) == address
+
+
+def test_a_store_port_that_is_not_a_number_is_one_line_and_exit_2():
+    from torch.distributed.run import parse_args
+
+    from app.cluster.launch import LaunchError, store_address
+
+    with pytest.raises(LaunchError, match="--rdzv-endpoint='store:abc': give HOST:PORT") as e:
+        store_address(parse_args(["--rdzv-backend=c10d", "--rdzv-endpoint=store:abc", "-m", "app.train"]))
+    assert e.value.code == 2
+
+
+def test_only_a_lost_store_is_waited_for_not_an_ended_job_a_join_timeout_or_a_spare():
+    """What the launcher retries after waiting for the store (app.cluster.launch.run_rejoining): a store that went
+    away. A closed rendezvous (the job ended) or a spare at the end must end the container, and a join timeout has
+    its own retry (a RendezvousTimeoutError), without waiting for a store that is there."""
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
+
+    from app.cluster.elastic import SpareAtTheEnd
+    from app.cluster.launch import store_lost
+
+    assert store_lost(RendezvousConnectionError("the store is gone"))
+    assert not store_lost(RendezvousClosedError("the rendezvous store says closed"))
+    assert not store_lost(RendezvousTimeoutError("timed out waiting for the store's participants"))
+    assert not store_lost(SpareAtTheEnd())
+    assert not store_lost(ValueError("bad shape"))
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_is_left_to_torchrun_by_the_early_look_at_the_job_id(flag, capsys):
+    """``launch --help`` must show torchrun's options: the parser that reads --rdzv-id before torch is imported
+    must neither print its own two options nor exit."""
+    from app.cluster.launch import job_state
+    from app.worker.config.launch import LaunchConfig
+
+    assert job_state([flag, "--rdzv-id", "job"], LaunchConfig()).dir is None  # no LAUNCH_STATE_DIR here: nothing kept
+    assert capsys.readouterr().out == ""
+
+
+def test_a_checkpoint_dir_without_room_for_the_next_save_is_refused_before_training(tmp_path):
+    """The launcher's storage check: the newest step file's size against the free space (a sparse file of 8 TiB
+    stands for a checkpoint bigger than the disk), ZeRO's shards summed, hidden temp files not counted."""
+    from app.cluster.launch import LaunchError, check_checkpoint_dir, newest_checkpoint_bytes
+
+    (tmp_path / "step-00000010.pt").write_bytes(b"x" * 300)
+    (tmp_path / "step-00000020.pt").write_bytes(b"x" * 200)
+    (tmp_path / ".step-00000030.pt.tmp").write_bytes(b"x" * 5000)
+    assert newest_checkpoint_bytes(str(tmp_path)) == 200
+    shards = tmp_path / "zero"
+    shards.mkdir()
+    for name, size in [("manifest.json", 10), ("shard-0.pt", 100), ("shard-1.pt", 120)]:
+        (shards / name).write_bytes(b"x" * size)
+    assert newest_checkpoint_bytes(str(shards)) == 230
+    check_checkpoint_dir(str(tmp_path))  # room enough: nothing said
+    check_checkpoint_dir("")  # no checkpoints
+    check_checkpoint_dir(str(tmp_path / "not yet"))  # the trainer creates it
+    try:
+        with open(tmp_path / "step-00000040.pt", "wb") as f:
+            f.truncate(8 * 2**40)
+    except OSError:
+        pytest.skip("this file system cannot hold an 8 TiB sparse file")
+    with pytest.raises(LaunchError, match=r"has \d+ bytes free, its newest checkpoint took 8796093022208") as e:
+        check_checkpoint_dir(str(tmp_path))
+    assert e.value.code == 1
+
+
+def test_the_newest_checkpoint_size_counts_only_finished_checkpoint_files(tmp_path):
+    # ZeRO's layout (shards and a manifest, no step-*.pt): every finished file counts, a writer's hidden temp file
+    # and a directory do not; with step files, only the newest one counts.
+    from app.cluster.launch import newest_checkpoint_bytes
+
+    (tmp_path / "manifest.json").write_bytes(b"m" * 10)
+    (tmp_path / "shard-0.pt").write_bytes(b"s" * 20)
+    (tmp_path / ".shard-1.pt.tmp").write_bytes(b"t" * 1000)
+    (tmp_path / "older").mkdir()
+    assert newest_checkpoint_bytes(str(tmp_path)) == 30
+    (tmp_path / "step-00000005.pt").write_bytes(b"a" * 7)
+    (tmp_path / "step-00000010.pt").write_bytes(b"b" * 9)
+    assert newest_checkpoint_bytes(str(tmp_path)) == 9

@@ -6,7 +6,9 @@ is keyed by, and the score (tools/mutation.py, tools/mutation_gen.py). Runs no m
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import subprocess
 import sys
 import time
@@ -14,9 +16,19 @@ from pathlib import Path
 
 import pytest
 
-from tools.mutants import REPO
+from tools.mutants import MUTANTS, REPO
 from tools.mutation import load_triage, pytest_cmd, score
-from tools.mutation_gen import Candidate, alert_candidates, apply_alert, draw, expand, selection_for
+from tools.mutation_gen import (
+    AREAS,
+    Candidate,
+    alert_candidates,
+    apply_alert,
+    change_key,
+    draw,
+    expand,
+    selection_for,
+    stable_id,
+)
 
 RULES = """groups:
   - name: g
@@ -196,3 +208,120 @@ def test_what_a_selection_leaves_running_is_ended_with_it(tmp_path):
         while stat.exists() and stat.read_text().split()[2] != "Z":  # gone, or dead and not yet reaped
             assert time.monotonic() < deadline, "the leftover process is still running"
             time.sleep(0.1)
+
+
+# -- the triage file and the curated list name only what exists ------------------------------------------------------
+NAMED_PATH = re.compile(r"\b(?:app|tests|tools|docker|k8s|bench|docs)/[\w./*-]*\w(?:::\w+)?")
+
+
+def functions_in(path: Path) -> set[str]:
+    """The test functions a file defines, by name (a cheap AST scan; pytest is not run)."""
+    tree = ast.parse(path.read_text())
+    return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def missing(named: str, root: Path = REPO) -> str | None:
+    """Why ``named`` (a path, a glob of files, or ``file::test`` with either) names nothing, or None."""
+    file, _, test = named.partition("::")
+    files = sorted(root.glob(file)) if "*" in file else [root / file] if (root / file).exists() else []
+    if not files:
+        return f"{file} does not exist"
+    test = test.split("[")[0]
+    if test and not any(test in functions_in(f) for f in files if f.suffix == ".py"):
+        return f"no {test} in {file}"
+    return None
+
+
+def definitions(path: Path) -> set[str]:
+    """The names a mutant's ``where`` can take in a file: its functions and classes, or its alerts."""
+    text = path.read_text()
+    if path.suffix == ".yml":
+        return set(re.findall(r"^\s*- alert: (\S+)", text, re.M))
+    tree = ast.parse(text)
+    return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+
+
+@pytest.mark.parametrize("mutant_id", sorted(load_triage()))
+def test_each_triaged_mutant_still_stands_where_its_entry_says(mutant_id):
+    """A judgement is read by the mutant's id, a hash of its area, change, definition and line: an entry whose line
+    is gone or moved to another definition judges a mutant that no longer exists. Drop it (or triage it anew)."""
+    e = load_triage()[mutant_id]
+    path = REPO / e["path"]
+    assert path.is_file(), f"{mutant_id}: {e['path']} does not exist (moved?)"
+    stands = e["before"] in {line.strip() for line in path.read_text().splitlines()}
+    assert stands, f"{mutant_id}: {e['before']!r} is no longer a line of {e['path']}"
+    assert e["where"] in definitions(path) | {"<module>"}, f"{mutant_id}: no {e['where']} in {e['path']}"
+    key = "/".join(e["path"].split("/")[:2]) + "|" + change_key(e["operator"], e["where"], e["before"])
+    ids = {stable_id(e["path"], change_key(e["operator"], e["where"], e["before"]), {key: n}) for n in range(64)}
+    assert mutant_id in ids, f"{mutant_id}: path, where, operator and before hash to another mutant"
+
+
+def named_in_triage() -> list[tuple[str, str]]:
+    return [
+        (f"{key}.{field}", named)
+        for key, e in load_triage().items()
+        for field, text in e.items()
+        for named in NAMED_PATH.findall(str(text))
+    ]
+
+
+def named_in_selections() -> list[tuple[str, str]]:
+    out = [(f"mutants.py {m.name}", t) for m in MUTANTS for t in m.tests if t.startswith("tests/")]
+    out += [(f"mutants.py {m.name}", m.path) for m in MUTANTS]
+    return out + [(f"AREAS {files[0]}", t) for files, tests in AREAS for t in tests if t.startswith("tests/")]
+
+
+@pytest.mark.parametrize("source", ["triage", "selections"])
+def test_every_file_and_test_the_triage_and_the_selections_name_exists(source):
+    """Every path and ``file::test`` in tools/mutation_triage.yaml (kills, reasons), and every test of the curated
+    list (tools/mutants.py) and of AREAS: a test moved or renamed would otherwise be a kill nobody can rerun, or a
+    glob that silently selects nothing."""
+    named = named_in_triage() if source == "triage" else named_in_selections()
+    assert len(named) > 50
+    stale = [f"{where}: {why}" for where, n in named if (why := missing(n))]
+    assert not stale, "\n".join(stale)
+
+
+def test_the_staleness_checks_find_a_moved_file_a_renamed_test_and_a_glob_that_selects_nothing(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("def test_kept():\n    pass\n")
+    assert missing("tests/test_a.py::test_kept[param]", tmp_path) is None
+    assert missing("tests/test_a*.py::test_kept", tmp_path) is None
+    assert missing("tests/test_a.py::test_renamed", tmp_path) == "no test_renamed in tests/test_a.py"
+    assert missing("tests/test_gone.py", tmp_path) == "tests/test_gone.py does not exist"
+    assert missing("tests/test_b*.py", tmp_path) == "tests/test_b*.py does not exist"
+    assert NAMED_PATH.findall("kill: tests/unit/x.py::test_y[z] (added; see app/worker/a.py.)") == [
+        "tests/unit/x.py::test_y",
+        "app/worker/a.py",
+    ]
+
+
+def test_files_draws_from_the_named_files_only_and_a_glob_that_matches_none_is_one_line():
+    from tools.mutation import of_files
+
+    pool = [Candidate(f"id{i}", path, i, "op", "f", "x", site=f"s{i}") for i, path in enumerate(
+        ["app/parallel/zero/stage1.py", "app/parallel/zero/stage2.py", "app/parallel/ddp/join.py"])]  # fmt: skip
+    assert [c.path for c in of_files(pool, ["app/parallel/zero/*"])] == [
+        "app/parallel/zero/stage1.py",
+        "app/parallel/zero/stage2.py",
+    ]
+    assert [c.id for c in of_files(pool, ["app/parallel/ddp/join.py", "app/parallel/zero/stage2*"])] == ["id1", "id2"]
+    with pytest.raises(SystemExit, match="--files app/gone/\\* matches no mutated file"):
+        of_files(pool, ["app/gone/*"])
+
+
+def test_an_except_clause_naming_a_dotted_class_is_mutated_where_it_can_be_and_never_ends_the_run(tmp_path):
+    # cosmic-ray's ExceptionReplacer renames a plain name; `except (os.error, ValueError)` holds an attribute,
+    # which it cannot rename and raises on. Such a mutant is "not applied", as one whose position is gone.
+    pytest.importorskip("cosmic_ray")
+    from tools.mutation_gen import apply_python, python_candidates
+
+    code = (
+        "import os\n\n\ndef f():\n    try:\n        return 1 // 0\n"
+        "    except (os.error, ZeroDivisionError):\n        return None\n"
+    )
+    (tmp_path / "m.py").write_text(code)
+    mutants = [c for c in python_candidates(tmp_path, "m.py", {}) if c.operator == "core/ExceptionReplacer"]
+    applied = [apply_python(c, code) for c in mutants]
+    assert len(mutants) == 2 and None in applied
+    assert any(m is not None and "except (os.error, type(" in m for m in applied)

@@ -31,3 +31,16 @@ def test_a_resumed_run_logs_its_first_step_and_no_summary_before_any():
     assert progress.record(StepRecord(101, 0.01, 0.0, None, 1.0, 32))  # the first step of this process: a line
     assert not progress.record(StepRecord(102, 0.01, 0.0, None, 1.0, 32))
     ProgressLog(steps=5, log_every=1, first_step=1).summary()  # nothing recorded: nothing to say, no error
+
+
+def test_a_progress_line_averages_its_window_of_steps_to_the_hundredth_of_a_millisecond(caplog):
+    """The step line a person reads: loss, samples/s, step and communication milliseconds averaged over the steps
+    since the last line (three here), the exposed figure only over the steps that measured it."""
+    progress = ProgressLog(steps=3, log_every=3, first_step=0)
+    with caplog.at_level(logging.INFO, logger="app.train"):
+        for i, (seconds, comm, exposed, loss) in enumerate([(0.1, 0.01, 0.004, 3.0), (0.2, 0.02, None, 2.0),
+                                                            (0.3, 0.03, 0.002, 1.0)], start=1):  # fmt: skip
+            progress.record(StepRecord(i, seconds, comm, exposed, loss, samples=64))
+    assert caplog.messages[-1] == (
+        "step 3/3 | loss 2.0000 | 320 samples/s | step 200.0 ms | comm 20.00 ms (exposed 3.00 ms)"
+    )

@@ -1,5 +1,6 @@
 """The rendezvous store's lifetime with ``--restart-after-job``: it serves for as long as its job runs, however long,
-and leaves only once torchrun has closed the job's rendezvous; with no worker at all it says so, once.
+and leaves only once torchrun has closed the job's rendezvous; with no worker at all it says so, once. A port
+outside 1-65535 is refused in one line.
 
 ``watch_job`` (app.cluster.rendezvous_store) runs here in a thread against a real TCPStore, reading the rendezvous
 state torchrun's c10d backend writes (torch's own ``_RendezvousState``, written with torch's own backend), with
@@ -15,6 +16,7 @@ import pickle
 import threading
 import time
 
+import pytest
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
@@ -93,3 +95,11 @@ def test_the_store_reads_the_rendezvous_about_once_a_second_by_default(monkeypat
     time.sleep(2.5)
     stop.set()
     assert 1 <= len(reads) <= 4, len(reads)
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "-1"])
+def test_the_store_refuses_a_port_outside_1_to_65535_in_one_line(port, capsys):
+    from app.cluster.rendezvous_store import main
+
+    assert main(["--host", "127.0.0.1", "--port", port]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --port {port} is not a TCP port; give 1-65535"

@@ -92,3 +92,13 @@ def test_the_start_up_line_names_each_phase_and_their_sum():
     line = clock.line()
     assert line.startswith("start-up: process ") and ", torch import " in line and ", model build " in line
     assert line.endswith(f"= {sum(s for _, s in clock.phases):.2f} s")
+
+
+def test_a_process_whose_start_cannot_be_read_has_no_age_rather_than_an_error(monkeypatch):
+    # Where /proc/<pid>/stat is missing (another OS, a sandbox without /proc) the start-up line leaves the process
+    # phase out; it must not end the run. A pid no process has stands for it here: its stat file does not exist.
+    from app.worker.startup import process_age_s
+
+    assert 0 <= process_age_s() < 3600  # this very process, read from /proc
+    monkeypatch.setattr(os, "getpid", lambda: 2**22 + 1)  # above the kernel's pid_max: no such process
+    assert process_age_s() is None

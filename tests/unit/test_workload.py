@@ -9,6 +9,7 @@ spec and the cause, exit code 2, and (the ``python -m app.train`` tests) before 
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import torch
@@ -150,3 +151,50 @@ def test_the_worker_exits_2_in_one_line_before_waiting_for_its_peer(env, expecte
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("config error: model: spec ") and expected in lines[0], lines
     assert time.monotonic() - started < 150  # no rendezvous wait (300 s); the torch import is the rest
+
+
+def loss_that_warns(out, y):
+    """A loss that runs but warns, as PyTorch's mse_loss does of a target it broadcasts."""
+    warnings.warn("Using a target size that is different to the input size: broadcasting", UserWarning, stacklevel=2)
+    return torch.nn.functional.cross_entropy(out, y)
+
+
+def test_a_loss_that_runs_but_warns_is_let_through_with_its_warning_shown():
+    # The check catches a failing loss's warnings (they would be a second line after its one-line error); a loss
+    # that runs must still show them, once, at start-up: a broadcast target trains on, silently wrong otherwise.
+    cfg = config(["--wrapper", "none"], {**USER, "DDP_LOSS": "tests.unit.test_workload:loss_that_warns"})
+    with pytest.warns(UserWarning, match="broadcasting") as shown:
+        check_workload(cfg, world_size=1, grad_accum_steps=1)
+    assert len([w for w in shown if "broadcasting" in str(w.message)]) == 1
+
+
+def two_tensors(size: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
+    """A data spec that returns ``(inputs, targets)`` tensors instead of a data set."""
+    gen = torch.Generator().manual_seed(size)
+    return torch.randn(size, 32, generator=gen), torch.randint(0, 8, (size,), generator=gen)
+
+
+def test_a_data_spec_returning_inputs_and_targets_trains_on_those_inputs_with_those_targets():
+    cfg = config(["--wrapper", "none"], {"DDP_DATA": "tests.unit.test_workload:two_tensors"})
+    data = build_dataset(cfg)
+    inputs, targets = two_tensors()
+    assert torch.equal(data.inputs, inputs) and torch.equal(data.targets, targets)
+    check_workload(cfg, world_size=1, grad_accum_steps=1)  # and mini_mlp takes them as they come
+
+
+class RaggedData:
+    """A map-style data set whose samples differ in shape: no batch can be stacked from them."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(32 + i % 2), torch.tensor(0)
+
+
+def test_samples_that_do_not_stack_into_a_batch_are_one_line_at_start_up():
+    cfg = config(["--wrapper", "none"], {"DDP_DATA": "tests.unit.test_workload:RaggedData"})
+    with pytest.raises(ConfigError) as e:
+        check_workload(cfg, world_size=1, grad_accum_steps=1)
+    assert str(e.value).startswith("data='tests.unit.test_workload:RaggedData': samples 0 and 1 do not stack")
+    assert "\n" not in str(e.value)
