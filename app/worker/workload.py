@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from itertools import islice
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from app.worker.checkpoint.weights import WeightsError, load_model_state, read_m
 from app.worker.config import ConfigError, TrainConfig
 from app.worker.config.checks import activation_checkpointing_every, pipeline_cuts
 from app.worker.data import Dataset
+from app.worker.data_stream import is_stream, resumable
 
 _DATASETS: dict[str, Any] = {}  # data spec + kwargs (JSON) -> the data set built for it in this process
 
@@ -119,10 +121,17 @@ def _as_data_set(data: Any, spec: str):
         if len(data[0]) != len(data[1]):
             raise ConfigError(f"data={spec!r}: inputs have {len(data[0])} samples, targets {len(data[1])}")
         return Dataset(data[0], data[1])
+    if is_stream(data):
+        if why := resumable(data):
+            raise ConfigError(
+                f"data={spec!r}: {why}; return a re-iterable data set (a class whose __iter__ starts the stream "
+                f"over) or give it state_dict()/load_state_dict()"
+            )
+        return data
     if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
         raise ConfigError(
-            f"data={spec!r}: returned a {type(data).__name__}, not a map-style data set (__len__, __getitem__) "
-            f"nor (inputs, targets) tensors"
+            f"data={spec!r}: returned a {type(data).__name__}, not a map-style data set (__len__, __getitem__), "
+            f"an iterable of (input, target) pairs, nor (inputs, targets) tensors"
         )
     return data
 
@@ -136,9 +145,10 @@ def check_workload(cfg: TrainConfig, world_size: int, grad_accum_steps: int) -> 
     shares = cfg.pipeline_layout(world_size)[1] if cfg.parallel == "pipeline" else world_size
     global_batch = cfg.pipeline_batch(world_size) * shares if cfg.parallel == "pipeline" else None
     global_batch = global_batch or cfg.global_batch(world_size, grad_accum_steps)
-    if len(data) < global_batch:
+    available = _count_samples(data, spec, global_batch)
+    if available < global_batch:
         raise ConfigError(
-            f"data={spec!r}: {len(data)} samples, fewer than one global batch of {global_batch}; "
+            f"data={spec!r}: {available} samples, fewer than one global batch of {global_batch}; "
             f"give the data set more samples, or lower micro_batch or effective_batch"
         )
     x, y = _first_samples(data, spec, cfg.dtype)
@@ -187,10 +197,20 @@ def pipeline_split(
         raise ConfigError(f"{setting} with model={cfg.model!r}: {e}") from None
 
 
+def _count_samples(data: Any, spec: str, at_most: int) -> int:
+    """``len(data)``; for a stream, how many of its first ``at_most`` samples a pass yields (read, not kept)."""
+    if not is_stream(data):
+        return len(data)
+    try:
+        return sum(1 for _ in islice(iter(data), at_most))
+    except Exception as e:
+        raise ConfigError(f"data={spec!r}: reading the stream raised {_cause(e)}") from None
+
+
 def _first_samples(data: Any, spec: str, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Samples 0 and 1, stacked as GlobalBatches stacks them (two: BatchNorm refuses a batch of one in train mode)."""
     try:
-        samples = [data[i] for i in range(min(2, len(data)))]
+        samples = list(islice(iter(data), 2)) if is_stream(data) else [data[i] for i in range(min(2, len(data)))]
     except Exception as e:
         raise ConfigError(f"data={spec!r}: reading sample 0 raised {_cause(e)}") from None
     for s in samples:

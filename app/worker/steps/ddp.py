@@ -14,7 +14,7 @@ from torch import nn
 from app.parallel import wrap_model
 from app.parallel.accum import StepResult, accumulation_step
 from app.parallel.probes import comm_probe
-from app.worker.data import GlobalBatches
+from app.worker.data_stream import build_batches
 from app.worker.metrics import synchronize_for
 from app.worker.models import parameter_checksum
 from app.worker.recipe import LRSchedule, build_step_recipe
@@ -40,7 +40,7 @@ class DDPStep:
         self.model = inputs.model.to(ctx.device, dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
         dataset = build_dataset(cfg)  # the set app.train tried before the process group formed
-        self.batches = GlobalBatches(
+        self.batches = build_batches(
             dataset, self.global_batch, cfg.micro_batch, ctx.rank, ctx.world_size, cfg.seed, ctx.device, dtype
         )
         # The bare model and its optimizer are Stateful as they are: checkpoints never hold the wrapper.
