@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import Subset
 
 from app.cli import first_line
 from app.parallel.activation_checkpointing import candidate_units, every_nth
@@ -113,6 +114,33 @@ def build_dataset(cfg: TrainConfig):
     return _DATASETS[key]
 
 
+def build_splits(cfg: TrainConfig) -> tuple[Any, Any | None]:
+    """The training set and the held-out validation set: the data set's last ``eval_fraction`` of samples (None
+    when 0). Cut by position, not shuffled: the same split on every rank and every run."""
+    data = build_dataset(cfg)
+    if not cfg.eval_fraction:
+        return data, None
+    spec = data_spec(cfg)[0]
+    if is_stream(data):
+        raise ConfigError(
+            f"eval_fraction={cfg.eval_fraction}: data={spec!r} is a stream, which has no last samples to hold out; "
+            f"set eval_fraction=0 and eval_every=0"
+        )
+    held = round(len(data) * cfg.eval_fraction)
+    if not 0 < held < len(data):
+        raise ConfigError(
+            f"eval_fraction={cfg.eval_fraction} of data={spec!r}'s {len(data)} samples holds out {held}; choose a "
+            f"fraction that leaves at least one sample on each side"
+        )
+    return _subset(data, 0, len(data) - held), _subset(data, len(data) - held, len(data))
+
+
+def _subset(data: Any, start: int, stop: int):
+    if isinstance(data, Dataset):  # still two tensors: GlobalBatches indexes them whole
+        return Dataset(data.inputs[start:stop], data.targets[start:stop])
+    return Subset(data, range(start, stop))
+
+
 def _as_data_set(data: Any, spec: str):
     """A ``Dataset`` for ``(inputs, targets)`` tensors; a map-style set as it is; anything else a ConfigError."""
     if isinstance(data, Dataset):
@@ -141,7 +169,7 @@ def check_workload(cfg: TrainConfig, world_size: int, grad_accum_steps: int) -> 
     model = build_model(cfg).to(getattr(torch, cfg.dtype))  # the cheap ones first: a bad spec fails before any read
     checkpointed_units(cfg, model)
     loss_fn = build_loss(cfg)
-    data, spec = build_dataset(cfg), data_spec(cfg)[0]
+    data, spec = build_splits(cfg)[0], data_spec(cfg)[0]
     shares = cfg.pipeline_layout(world_size)[1] if cfg.parallel == "pipeline" else world_size
     global_batch = cfg.pipeline_batch(world_size) * shares if cfg.parallel == "pipeline" else None
     global_batch = global_batch or cfg.global_batch(world_size, grad_accum_steps)

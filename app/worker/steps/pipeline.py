@@ -42,7 +42,7 @@ from app.worker.data_stream import build_batches
 from app.worker.models import parameter_checksum
 from app.worker.recipe import LRSchedule
 from app.worker.steps.base import MicroBatches, StepInputs, StepOutcome
-from app.worker.workload import build_dataset, build_model, pipeline_split
+from app.worker.workload import build_model, build_splits, pipeline_split
 
 log = logging.getLogger("app.train")
 
@@ -126,7 +126,7 @@ class PipelineStep:
         # is by the norm over every stage (PipelineRunner.clip_grad_norm_); no GradScaler without fp16.
         self.lr_schedule = LRSchedule(self.optimizer, cfg, self.global_batch)
         self.grad_scaler = None
-        dataset = build_dataset(cfg)  # the set app.train tried before the process group formed
+        dataset = build_splits(cfg)[0]  # the set app.train tried before the process group formed
         # The replicas split the data; rank and world size of the sampler are the replica's, not the rank's.
         self.batches = build_batches(dataset, self.global_batch, batch, replica, replicas, cfg.seed, ctx.device)
         self.model_state = _GatheredModel(self.runner)
