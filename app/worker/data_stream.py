@@ -144,7 +144,9 @@ class StreamBatches:
 
     def state_dict(self) -> dict[str, Any]:
         # Every rank has read the same samples, so every rank would save the same state, at any world size.
-        stream = self.stream.state_dict() if self.stateful and self._iterator is not None else None
+        stream = self._stream_state  # resumed and not read since: still the place it was given
+        if self.stateful and self._iterator is not None:
+            stream = self.stream.state_dict()
         return {"epoch": self.epoch, "consumed": self.consumed, "stream": stream}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

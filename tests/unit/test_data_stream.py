@@ -73,6 +73,7 @@ def test_a_resume_on_another_world_size_continues_with_the_next_global_batch(tmp
     after = world(make, 20, new)
     for b in after:
         b.load_state_dict(state)
+    assert [b.state_dict() for b in after] == [state] * new  # saved again before a read: the same place
     assert first + global_steps(after, 3) == straight
 
 
