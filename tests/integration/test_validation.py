@@ -12,7 +12,8 @@ import re
 
 import pytest
 
-from tests.trainer_run import describe, run_process, run_ranks
+from tests.integration.test_metrics import scrape_at_the_end
+from tests.trainer_run import describe, free_port, run_process
 
 pytestmark = pytest.mark.timeout(600)
 SETTINGS = {
@@ -38,13 +39,15 @@ def validation_losses(log: str) -> dict[int, float]:
 
 
 def test_the_validation_loss_of_2_ranks_equals_one_process_and_falls():
+    """...and every rank's /metrics, scraped after the run, shows the last one as ddp_validation_loss."""
     one = run_process(*flags(wrapper="none"))
     assert one.returncode == 0, describe(one)
-    two = run_ranks(*flags())
-    assert two.returncode == 0, describe(two)
-    a, b = validation_losses(one.stderr), validation_losses(two.stderr)
-    assert sorted(a) == sorted(b) == [4, 8, 12], describe(two)
+    scraped, err = scrape_at_the_end(free_port(2), **{k: v for k, v in SETTINGS.items() if k != "metrics_port"})
+    a, b = validation_losses(one.stderr), validation_losses(err)
+    assert sorted(a) == sorted(b) == [4, 8, 12], err
     for step in a:
         assert abs(a[step] - b[step]) <= 1e-6, (step, a, b)
     assert b[12] < b[4], b
-    assert len(LINE.findall(two.stderr)) == 3  # rank 0 logs it, once per validation
+    assert len(LINE.findall(err)) == 3  # rank 0 logs it, once per validation
+    for rank, values in enumerate(scraped):
+        assert abs(values[f'ddp_validation_loss{{rank="{rank}"}}'] - b[12]) <= 1e-6, values
