@@ -161,10 +161,11 @@ class GlobalBatches:
         idx = self.next_indices()
         if self.samples is None:
             return [(self.inputs[i], self.targets[i]) for i in torch.split(idx, self.sizes)]
-        return [
-            stack_samples([self.samples[j] for j in i.tolist()], self.device, self.dtype)
-            for i in torch.split(idx, self.sizes)
-        ]
+        return [self._stack(i.tolist()) for i in torch.split(idx, self.sizes)]
+
+    def _stack(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [self.samples[i] for i in indices]
+        return stack_samples(pairs, self.device, self.dtype)
 
     def state_dict(self) -> dict[str, int]:
         # Counted over all ranks: the same number at every world size, so a resume onto another world size
