@@ -64,3 +64,9 @@ def flat_mlp(hidden: int = 16) -> nn.Sequential:
     """An ``nn.Sequential`` built by a function (its sequence is ``0``, ``1``, ...); its first module has no
     parameters, so a pipeline cut at ``1`` would leave stage 0 without any."""
     return nn.Sequential(nn.Flatten(), nn.Linear(32, hidden), nn.Tanh(), nn.Linear(hidden, 8))
+
+
+def one_shot_stream(size: int = 64):
+    """A generator of (input, target) pairs: iterable once, with no state to resume from (the worker refuses it)."""
+    gen = torch.Generator().manual_seed(0)
+    return ((torch.randn(32, generator=gen), torch.tensor(i % 8)) for i in range(size))

@@ -79,6 +79,13 @@ def cross_entropy(output: torch.Tensor, target: torch.Tensor, **kwargs: Any) -> 
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1), **kwargs)
 
 
+def stack_samples(pairs: list, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Collate ``(input, target)`` pairs by stacking (what ``default_collate`` does to tensors), onto the device,
+    float inputs in the model's dtype (token ids stay integers)."""
+    x, y = torch.stack([p[0] for p in pairs]).to(device), torch.stack([p[1] for p in pairs]).to(device)
+    return (x.to(dtype) if x.is_floating_point() else x), y
+
+
 class GlobalBatches:
     """This rank's share of each step's global batch, as micro-batches of at most ``micro_batch`` samples.
 
@@ -157,10 +164,8 @@ class GlobalBatches:
         return [self._stack(i.tolist()) for i in torch.split(idx, self.sizes)]
 
     def _stack(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Collate by stacking (what ``default_collate`` does to tensors), onto the device, in the model's dtype."""
         pairs = [self.samples[i] for i in indices]
-        x, y = torch.stack([p[0] for p in pairs]).to(self.device), torch.stack([p[1] for p in pairs]).to(self.device)
-        return (x.to(self.dtype) if x.is_floating_point() else x), y
+        return stack_samples(pairs, self.device, self.dtype)
 
     def state_dict(self) -> dict[str, int]:
         # Counted over all ranks: the same number at every world size, so a resume onto another world size

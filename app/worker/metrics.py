@@ -96,6 +96,7 @@ class TrainMetrics:
         self.generation.set(1)
         self.world_size = world_size
         self._pipeline: dict | None = None
+        self._validation: Gauge | None = None  # (observe_validation)
         self._zero: dict | None = None
         self._server = None
 
@@ -259,6 +260,13 @@ class TrainMetrics:
         """Seconds from the newest checkpoint's write to this world's first finished step."""
         self.reformation.set(max(seconds, 0.0))
 
+    def observe_validation(self, loss: float) -> None:
+        """The mean loss over the held-out split (app.worker.evaluation); the series appears at the first one, so a
+        run without ``eval_every`` exposes none."""
+        if self._validation is None:
+            self._validation = self._gauge("ddp_validation_loss", "Mean loss over the held-out validation split")
+        self._validation.set(loss)
+
     def observe_pipeline(
         self,
         *,
@@ -396,6 +404,7 @@ class NoMetrics:
     def observe_resume(self, **_) -> None: ...
     def observe_reformation(self, seconds: float) -> None: ...
     def observe_pipeline(self, **_) -> None: ...
+    def observe_validation(self, loss: float) -> None: ...
     def enable_pipeline(self) -> None: ...
     def enable_zero(self, stage: int) -> None: ...
     def observe_zero(self, **_) -> None: ...

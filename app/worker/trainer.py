@@ -7,7 +7,8 @@
 - ``StepControl`` (app.worker.control): the one control all-reduce per step, carrying the NaN/inf flag and the stop;
 - ``Checkpointer`` (app.worker.checkpoint.checkpointer): resume, cadence, RNG state, the final save;
 - ``ProgressLog`` (app.worker.progress): rank 0's progress lines and the summary, one ``StepRecord`` per step;
-- ``TrainMetrics`` (app.worker.metrics): the ``/metrics`` endpoint.
+- ``TrainMetrics`` (app.worker.metrics): the ``/metrics`` endpoint;
+- ``Validator`` (app.worker.evaluation): the validation loss over the held-out split, every ``eval_every`` steps.
 
 ``Trainer.step_index`` counts optimizer steps (0 before the first; the checkpoint's step after a resume);
 ``Trainer.step`` is the step kind. ``app.train`` builds the process group, the metrics, the stop signal and the step
@@ -33,6 +34,7 @@ from app.worker.checkpoint.checkpointer import Checkpointer
 from app.worker.config import TrainConfig
 from app.worker.control import StepControl, StopSignal
 from app.worker.dist import DistContext, WorldEnv
+from app.worker.evaluation import build_validator
 from app.worker.progress import ProgressLog, StepRecord
 from app.worker.steps.base import TrainStep
 from app.worker.workload import model_name
@@ -82,6 +84,7 @@ class Trainer:
         self.control = StepControl(ctx, stop)
         self.flops = StepFlops()
         self.progress = ProgressLog(cfg.steps, cfg.log_every, self.step_index + 1)
+        self.validator = build_validator(cfg, ctx, step.loss_fn) if cfg.eval_every else None
 
     def run(self) -> int:
         """Train up to ``steps``; OK when finished or stopped on request, PEER_STOPPED when stopped for a peer."""
@@ -99,6 +102,7 @@ class Trainer:
             self.step_index = record.step_index
             if self.progress.record(record):
                 self.checkpointer.note_progress(self.step_index)
+            self.maybe_validate()
             final = self.step_index == cfg.steps or self.control.stop
             if self.checkpointer.should_save(self.step_index, final=final):
                 self.save()
@@ -154,6 +158,14 @@ class Trainer:
         return StepRecord(
             step_index, seconds, outcome.comm_seconds, outcome.exposed_seconds, outcome.loss, self.step.global_batch
         )
+
+    def maybe_validate(self) -> None:
+        """Every ``eval_every`` steps: the validation loss, logged by rank 0 and set as ``ddp_validation_loss``."""
+        if self.validator is None or self.step_index % self.cfg.eval_every:
+            return
+        loss = self.validator.evaluate(self.step.model)  # collective: every rank is at this step
+        self.metrics.observe_validation(loss)
+        log.info("step %d: validation loss %.6f over %d held-out samples", self.step_index, loss, self.validator.size)
 
     def save(self) -> None:
         self.step.before_save()  # collective: e.g. the pipeline gathers its stages

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import json
 import warnings
+from itertools import islice
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import Subset
 
 from app.cli import first_line
 from app.parallel.activation_checkpointing import candidate_units, every_nth
@@ -35,6 +37,7 @@ from app.worker.checkpoint.weights import WeightsError, load_model_state, read_m
 from app.worker.config import ConfigError, TrainConfig
 from app.worker.config.checks import activation_checkpointing_every, pipeline_cuts
 from app.worker.data import Dataset
+from app.worker.data_stream import is_stream, resumable
 
 _DATASETS: dict[str, Any] = {}  # data spec + kwargs (JSON) -> the data set built for it in this process
 
@@ -111,6 +114,33 @@ def build_dataset(cfg: TrainConfig):
     return _DATASETS[key]
 
 
+def build_splits(cfg: TrainConfig) -> tuple[Any, Any | None]:
+    """The training set and the held-out validation set: the data set's last ``eval_fraction`` of samples (None
+    when 0). Cut by position, not shuffled: the same split on every rank and every run."""
+    data = build_dataset(cfg)
+    if not cfg.eval_fraction:
+        return data, None
+    spec = data_spec(cfg)[0]
+    if is_stream(data):
+        raise ConfigError(
+            f"eval_fraction={cfg.eval_fraction}: data={spec!r} is a stream, which has no last samples to hold out; "
+            f"set eval_fraction=0 and eval_every=0"
+        )
+    held = round(len(data) * cfg.eval_fraction)
+    if not 0 < held < len(data):
+        raise ConfigError(
+            f"eval_fraction={cfg.eval_fraction} of data={spec!r}'s {len(data)} samples holds out {held}; choose a "
+            f"fraction that leaves at least one sample on each side"
+        )
+    return _subset(data, 0, len(data) - held), _subset(data, len(data) - held, len(data))
+
+
+def _subset(data: Any, start: int, stop: int):
+    if isinstance(data, Dataset):  # still two tensors: GlobalBatches indexes them whole
+        return Dataset(data.inputs[start:stop], data.targets[start:stop])
+    return Subset(data, range(start, stop))
+
+
 def _as_data_set(data: Any, spec: str):
     """A ``Dataset`` for ``(inputs, targets)`` tensors; a map-style set as it is; anything else a ConfigError."""
     if isinstance(data, Dataset):
@@ -119,10 +149,17 @@ def _as_data_set(data: Any, spec: str):
         if len(data[0]) != len(data[1]):
             raise ConfigError(f"data={spec!r}: inputs have {len(data[0])} samples, targets {len(data[1])}")
         return Dataset(data[0], data[1])
+    if is_stream(data):
+        if why := resumable(data):
+            raise ConfigError(
+                f"data={spec!r}: {why}; return a re-iterable data set (a class whose __iter__ starts the stream "
+                f"over) or give it state_dict()/load_state_dict()"
+            )
+        return data
     if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
         raise ConfigError(
-            f"data={spec!r}: returned a {type(data).__name__}, not a map-style data set (__len__, __getitem__) "
-            f"nor (inputs, targets) tensors"
+            f"data={spec!r}: returned a {type(data).__name__}, not a map-style data set (__len__, __getitem__), "
+            f"an iterable of (input, target) pairs, nor (inputs, targets) tensors"
         )
     return data
 
@@ -132,13 +169,14 @@ def check_workload(cfg: TrainConfig, world_size: int, grad_accum_steps: int) -> 
     model = build_model(cfg).to(getattr(torch, cfg.dtype))  # the cheap ones first: a bad spec fails before any read
     checkpointed_units(cfg, model)
     loss_fn = build_loss(cfg)
-    data, spec = build_dataset(cfg), data_spec(cfg)[0]
+    data, spec = build_splits(cfg)[0], data_spec(cfg)[0]
     shares = cfg.pipeline_layout(world_size)[1] if cfg.parallel == "pipeline" else world_size
     global_batch = cfg.pipeline_batch(world_size) * shares if cfg.parallel == "pipeline" else None
     global_batch = global_batch or cfg.global_batch(world_size, grad_accum_steps)
-    if len(data) < global_batch:
+    available = _count_samples(data, spec, global_batch)
+    if available < global_batch:
         raise ConfigError(
-            f"data={spec!r}: {len(data)} samples, fewer than one global batch of {global_batch}; "
+            f"data={spec!r}: {available} samples, fewer than one global batch of {global_batch}; "
             f"give the data set more samples, or lower micro_batch or effective_batch"
         )
     x, y = _first_samples(data, spec, cfg.dtype)
@@ -187,10 +225,20 @@ def pipeline_split(
         raise ConfigError(f"{setting} with model={cfg.model!r}: {e}") from None
 
 
+def _count_samples(data: Any, spec: str, at_most: int) -> int:
+    """``len(data)``; for a stream, how many of its first ``at_most`` samples a pass yields (read, not kept)."""
+    if not is_stream(data):
+        return len(data)
+    try:
+        return sum(1 for _ in islice(iter(data), at_most))
+    except Exception as e:
+        raise ConfigError(f"data={spec!r}: reading the stream raised {_cause(e)}") from None
+
+
 def _first_samples(data: Any, spec: str, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Samples 0 and 1, stacked as GlobalBatches stacks them (two: BatchNorm refuses a batch of one in train mode)."""
     try:
-        samples = [data[i] for i in range(min(2, len(data)))]
+        samples = list(islice(iter(data), 2)) if is_stream(data) else [data[i] for i in range(min(2, len(data)))]
     except Exception as e:
         raise ConfigError(f"data={spec!r}: reading sample 0 raised {_cause(e)}") from None
     for s in samples:

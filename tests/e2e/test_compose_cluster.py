@@ -449,6 +449,8 @@ EVERY_SETTING = {
     "seed": "7",
     "dataset_size": "4096",
     "seq_len": "16",
+    "eval_fraction": "0.1",  # 410 samples held out of the 4096
+    "eval_every": "3",
     "wrapper": "torch",
     "bucket_cap_mb": "1.5",
     "parallel": "ddp",

@@ -114,6 +114,10 @@ def test_unknown_env_setting_is_an_error_with_the_nearest_name():
         ({"pipeline_split": "net.2,,net.4", "parallel": "pipeline"}, "pipeline_split"),
         ({"min_step_seconds": -0.01}, "min_step_seconds"),
         ({"metrics_linger_seconds": -1.0}, "metrics_linger_seconds"),
+        ({"eval_every": 5}, "eval_every"),  # nothing held out to evaluate
+        ({"eval_every": -1}, "eval_every"),
+        ({"eval_fraction": 1.0}, "eval_fraction"),
+        ({"eval_every": 5, "eval_fraction": 0.1, "parallel": "zero3"}, "eval_every"),
     ],
 )
 def test_validation_names_the_field(kwargs, field):

@@ -173,3 +173,20 @@ def check_activation_checkpointing(cfg) -> None:
             f"activation_checkpointing_units={cfg.activation_checkpointing_units!r} is for activation "
             f"checkpointing, which is off: set activation_checkpointing=units (or every:N), or unset it"
         )
+
+
+def check_validation(cfg) -> None:
+    """``eval_every`` needs a held-out split to evaluate, and a kind whose every rank holds the whole model."""
+    at_least("eval_every", cfg.eval_every, 0)
+    if not 0 <= cfg.eval_fraction < 1:
+        raise ConfigError(f"eval_fraction={cfg.eval_fraction}: must lie in [0, 1), the share held out of training")
+    if cfg.eval_every and not cfg.eval_fraction:
+        raise ConfigError(
+            f"eval_every={cfg.eval_every} needs a held-out split: set eval_fraction (e.g. 0.1), or eval_every=0"
+        )
+    if cfg.eval_every and cfg.parallel not in ("ddp", "dp", "zero1", "zero2"):
+        # zero3 shards the parameters and a pipeline cuts the model: no rank can run the whole forward alone.
+        raise ConfigError(
+            f"eval_every={cfg.eval_every} works with parallel=ddp, dp, zero1 or zero2 only: set eval_every=0 for "
+            f"{cfg.parallel}"
+        )

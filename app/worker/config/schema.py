@@ -27,6 +27,7 @@ from app.worker.config.checks import (
     check_pipeline,
     check_pipeline_cuts,
     check_recipe,
+    check_validation,
     check_workload,
     choice,
 )
@@ -62,7 +63,8 @@ class TrainConfig:
     )
     data: str = _doc(
         "data set: an import spec (or built-in name, app.specs.DATA_SPECS) returning a map-style data set of "
-        '(input, target) tensors; "" = the built-in model\'s own data set (required for any other model)',
+        "(input, target) tensors or a resumable iterable of them (app.worker.data_stream); "
+        '"" = the built-in model\'s own data set (required for any other model)',
         "",
     )
     data_kwargs: dict[str, Any] = _doc("keyword arguments for the data set's callable (mapping; JSON in env/flag)", {})
@@ -116,6 +118,13 @@ class TrainConfig:
         "samples in the built-in data set (generated deterministically from seed; data unset only)", 16384
     )
     seq_len: int = _doc("tokens per sequence of the built-in data set (tiny_transformer, data unset only)", 32)
+    eval_fraction: float = _doc(
+        "share of a map-style data set held out of training (its last samples) as the validation split (0 = none)",
+        0.0,
+    )
+    eval_every: int = _doc(
+        "optimizer steps between validation losses over the held-out split (needs eval_fraction; 0 = off)", 0
+    )
     # -- distribution ---------------------------------------------------------------------------------------------
     wrapper: str = _doc(
         "data-parallel wrapper: ours (app.parallel.ddp) | torch (PyTorch's DDP) | none (world size 1 only)",
@@ -222,6 +231,7 @@ class TrainConfig:
             )
         check_kind_settings(self)
         check_activation_checkpointing(self)
+        check_validation(self)
         at_least("pipeline_stages", self.pipeline_stages, 0)
         at_least("pipeline_microbatches", self.pipeline_microbatches, 1)
         if self.parallel == "pipeline":

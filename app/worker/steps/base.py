@@ -40,6 +40,7 @@ from torch import nn
 from app.parallel.probes import CommSample
 from app.worker.config import TrainConfig
 from app.worker.data import GlobalBatches
+from app.worker.data_stream import StreamBatches
 from app.worker.dist import DistContext
 
 MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -87,7 +88,7 @@ class TrainStep(Protocol):
     """The members the Trainer uses; every kind in ``STEP_KINDS`` has them (see the module docstring)."""
 
     global_batch: int
-    batches: GlobalBatches
+    batches: GlobalBatches | StreamBatches
     model_state: Stateful
     optimizer_state: Stateful
     lr_schedule: Stateful | None

@@ -14,12 +14,12 @@ from torch import nn
 from app.parallel import wrap_model
 from app.parallel.accum import StepResult, accumulation_step
 from app.parallel.probes import comm_probe
-from app.worker.data import GlobalBatches
+from app.worker.data_stream import build_batches
 from app.worker.metrics import synchronize_for
 from app.worker.models import parameter_checksum
 from app.worker.recipe import LRSchedule, build_step_recipe
 from app.worker.steps.base import MicroBatches, StepInputs, StepOutcome, nan_loss
-from app.worker.workload import build_dataset
+from app.worker.workload import build_splits
 
 
 class DDPStep:
@@ -39,8 +39,8 @@ class DDPStep:
         dtype = getattr(torch, cfg.dtype)
         self.model = inputs.model.to(ctx.device, dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
-        dataset = build_dataset(cfg)  # the set app.train tried before the process group formed
-        self.batches = GlobalBatches(
+        dataset = build_splits(cfg)[0]  # the set app.train tried before the process group formed
+        self.batches = build_batches(
             dataset, self.global_batch, cfg.micro_batch, ctx.rank, ctx.world_size, cfg.seed, ctx.device, dtype
         )
         # The bare model and its optimizer are Stateful as they are: checkpoints never hold the wrapper.

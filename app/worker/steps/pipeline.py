@@ -38,11 +38,11 @@ from app.parallel.accum import NonFiniteLossError
 from app.parallel.pipeline.stages import build_pipeline_groups, build_pipeline_stage, merge_state_dicts
 from app.parallel.probes import NoCommProbe
 from app.worker.checkpoint.checkpointer import CheckpointMismatch
-from app.worker.data import GlobalBatches
+from app.worker.data_stream import build_batches
 from app.worker.models import parameter_checksum
 from app.worker.recipe import LRSchedule
 from app.worker.steps.base import MicroBatches, StepInputs, StepOutcome
-from app.worker.workload import build_dataset, build_model, pipeline_split
+from app.worker.workload import build_model, build_splits, pipeline_split
 
 log = logging.getLogger("app.train")
 
@@ -126,9 +126,9 @@ class PipelineStep:
         # is by the norm over every stage (PipelineRunner.clip_grad_norm_); no GradScaler without fp16.
         self.lr_schedule = LRSchedule(self.optimizer, cfg, self.global_batch)
         self.grad_scaler = None
-        dataset = build_dataset(cfg)  # the set app.train tried before the process group formed
+        dataset = build_splits(cfg)[0]  # the set app.train tried before the process group formed
         # The replicas split the data; rank and world size of the sampler are the replica's, not the rank's.
-        self.batches = GlobalBatches(dataset, self.global_batch, batch, replica, replicas, cfg.seed, ctx.device)
+        self.batches = build_batches(dataset, self.global_batch, batch, replica, replicas, cfg.seed, ctx.device)
         self.model_state = _GatheredModel(self.runner)
         self.optimizer_state = _StageOptimizers(self.optimizer, self.stage, num_stages)
         self.probe = NoCommProbe()  # the pipeline's traffic is counted by the stage (ddp_pipeline_*)
