@@ -262,11 +262,12 @@ def finish(procs: Sequence[subprocess.Popen], timeout: float = HANG_TIMEOUT_S) -
 
 
 def kill(procs: Sequence[subprocess.Popen]) -> None:
-    """Kill whatever in ``procs`` still runs (a frozen one is continued first, so the kill can reap it)."""
+    """Kill whatever in ``procs`` still runs. SIGKILL ends a frozen (SIGSTOPped) process too; continuing it first
+    would let it run for a moment, see its peers gone and write a flight-recorder dump a drill says it never left."""
     for p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGCONT)
             p.kill()
+            p.send_signal(signal.SIGCONT)
             p.wait()
 
 
