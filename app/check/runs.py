@@ -24,6 +24,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from app.check.inputs import build_loss
 from app.parallel import wrap_model
 from app.parallel.accum import StepRecipe, accumulation_step
+from app.parallel.checksum import tensors_checksum
 from app.parallel.zero import FullyShardedDataParallel, ShardedGradDataParallel, ZeroRedundancyOptimizer
 from app.specs import build_model
 from app.worker.models import parameter_checksum
@@ -156,7 +157,7 @@ def _record(model: nn.Module, loss: float, keep: bool, state: dict | None = None
     else:
         params = {n: state[n] for n in names}
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()}  # this rank's own: never sharded
-        digest = parameter_checksum_of(params)
+        digest = tensors_checksum(params.values())[:12]  # parameter_checksum's hash, of the gathered model
     return StepRecord(
         loss=loss,
         digest=digest,
@@ -164,14 +165,6 @@ def _record(model: nn.Module, loss: float, keep: bool, state: dict | None = None
         buffer_digests={n: _digest(t) for n, t in buffers.items()},
         params=params if keep else None,
     )
-
-
-def parameter_checksum_of(params: dict[str, torch.Tensor]) -> str:
-    """``parameter_checksum``'s first 12 hex of parameters given by name, in that order (a gathered ZeRO-3 model)."""
-    holder = nn.Module()
-    for i, t in enumerate(params.values()):
-        holder.register_parameter(f"p{i}", nn.Parameter(t, requires_grad=False))
-    return parameter_checksum(holder)[:12]
 
 
 def _gathered_state(wrapped: nn.Module) -> dict | None:
