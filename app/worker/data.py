@@ -86,7 +86,27 @@ def stack_samples(pairs: list, device: torch.device, dtype: torch.dtype) -> tupl
     return (x.to(dtype) if x.is_floating_point() else x), y
 
 
-class GlobalBatches:
+class BatchShare:
+    """Which samples of every global batch are this rank's, and how they are cut into micro-batches: what both
+    dealers (``GlobalBatches`` and app.worker.data_stream's ``StreamBatches``) share.
+
+    ``start`` and ``local_samples`` place this rank's contiguous share in the global batch (shares differ by at most
+    one sample), ``sizes`` cuts it into micro-batches of at most ``micro_batch``, ``grad_scale`` weighs its gradient.
+    """
+
+    def __init__(
+        self, global_batch: int, micro_batch: int, rank: int, world_size: int, device: torch.device, dtype: torch.dtype
+    ):
+        self.global_batch, self.micro_batch, self.rank, self.world_size = global_batch, micro_batch, rank, world_size
+        self.device, self.dtype = device, dtype
+        self.start, self.local_samples = split_global_batch(global_batch, world_size, rank)
+        self.sizes = micro_batch_sizes(self.local_samples, micro_batch)
+        # The wrapper averages gradients over ranks; a share larger or smaller than 1/world_size must weigh more or
+        # less, so the average is the full global batch's gradient.
+        self.grad_scale = self.local_samples * world_size / global_batch
+
+
+class GlobalBatches(BatchShare):
     """This rank's share of each step's global batch, as micro-batches of at most ``micro_batch`` samples.
 
     Args:
@@ -122,7 +142,8 @@ class GlobalBatches:
                 f"global batch {global_batch} must lie between world_size={world_size} and "
                 f"dataset_size={len(dataset)}: raise dataset_size or change the batch"
             )
-        self.device, self.dtype, self.size = device, dtype, len(dataset)
+        super().__init__(global_batch, micro_batch, rank, world_size, device, dtype)
+        self.size, self.seed = len(dataset), seed
         if isinstance(dataset, Dataset):
             # Token ids stay integers; float features take the model's precision (TrainConfig.dtype).
             floating = dataset.inputs.is_floating_point()
@@ -132,12 +153,6 @@ class GlobalBatches:
         else:  # map-style: read sample by sample when its micro-batch comes (a file-backed set need not fit twice)
             self.inputs = self.targets = None
             self.samples = dataset
-        self.global_batch, self.micro_batch, self.seed = global_batch, micro_batch, seed
-        self.start, self.local_samples = split_global_batch(global_batch, world_size, rank)
-        self.sizes = micro_batch_sizes(self.local_samples, micro_batch)
-        # The wrapper averages gradients over ranks; a share larger or smaller than 1/world_size must weigh more or
-        # less, so the average is the full global batch's gradient.
-        self.grad_scale = self.local_samples * world_size / global_batch
         self.epoch = 0
         self.consumed = 0  # positions of this epoch's permutation used so far, by all ranks together
         self._order = self._permutation(self.epoch)

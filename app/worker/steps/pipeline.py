@@ -38,6 +38,7 @@ from app.parallel.accum import NonFiniteLossError
 from app.parallel.pipeline.stages import build_pipeline_groups, build_pipeline_stage, merge_state_dicts
 from app.parallel.probes import NoCommProbe
 from app.worker.checkpoint.checkpointer import CheckpointMismatch
+from app.worker.data import BatchShare
 from app.worker.data_stream import build_batches
 from app.worker.models import parameter_checksum
 from app.worker.recipe import LRSchedule
@@ -128,7 +129,8 @@ class PipelineStep:
         self.grad_scaler = None
         dataset = build_splits(cfg)[0]  # the set app.train tried before the process group formed
         # The replicas split the data; rank and world size of the sampler are the replica's, not the rank's.
-        self.batches = build_batches(dataset, self.global_batch, batch, replica, replicas, cfg.seed, ctx.device)
+        share = BatchShare(self.global_batch, batch, replica, replicas, ctx.device, torch.float32)
+        self.batches = build_batches(dataset, cfg.seed, share)
         self.model_state = _GatheredModel(self.runner)
         self.optimizer_state = _StageOptimizers(self.optimizer, self.stage, num_stages)
         self.probe = NoCommProbe()  # the pipeline's traffic is counted by the stage (ddp_pipeline_*)
