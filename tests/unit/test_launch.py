@@ -351,3 +351,17 @@ def test_a_container_past_max_workers_exits_2_after_the_grace_period_and_only_th
     assert member.poll() is None, "a container in the world must not be told it is one too many"
     member.kill()
     member.communicate()
+
+
+def test_an_unreadable_rendezvous_state_is_none_with_its_cause_in_the_debug_log(caplog):
+    # The reporter's reads are a courtesy (never break the agent), so the traceback at debug level is all that is
+    # left to find why the reports went quiet.
+    reporter = Reporter(("127.0.0.1", 1), "job", None)
+
+    def store_gone():
+        raise ConnectionResetError("the store went away")
+
+    reporter._read = store_gone
+    with caplog.at_level(logging.DEBUG, logger="app.cluster.launch"):
+        assert reporter.state() is None
+    assert str(caplog.records[-1].exc_info[1]) == "the store went away"
