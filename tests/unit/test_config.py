@@ -7,6 +7,7 @@ is imported or any process group is joined.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -287,6 +288,16 @@ def test_a_pipelines_effective_batch_is_split_among_its_replicas(world_size, rep
     assert (stages, replicas) == (2, world_size // 2)
     assert cfg.pipeline_batch(world_size) == replica_batch and replica_batch * replicas == 64
     assert TrainConfig(parallel="pipeline", pipeline_stages=2, micro_batch=32).pipeline_batch(world_size) == 32
+
+
+def test_an_effective_batch_the_replicas_cannot_split_names_the_multiple_to_choose():
+    cfg = TrainConfig(parallel="pipeline", pipeline_stages=2, effective_batch=64, pipeline_microbatches=3)
+    message = (
+        "effective_batch=64 does not split into 2 replicas x pipeline_microbatches=3 equal micro-batches; "
+        "choose a multiple of 6"
+    )
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        cfg.pipeline_layout(4)
 
 
 def test_seq_len_bounds_only_the_transformers_built_in_sequences():
