@@ -106,7 +106,7 @@ def trained_windows(tmp_path, run: str) -> list[str]:
 def run_killed(tmp_path) -> tuple[dict[int, float], list[int]]:
     """2 ranks SIGKILLed right after their first checkpoint; rank 0's losses and the checkpoints it logged."""
     # min_step_seconds: the steps after the checkpoint take long enough that the kill lands before the end.
-    args = flags(data_kwargs=data_kwargs(tmp_path, "killed"), checkpoint_dir=tmp_path / "killed", min_step_seconds=0.3)
+    args = flags(data_kwargs=data_kwargs(tmp_path, "killed"), checkpoint_dir=tmp_path / "killed", min_step_seconds=0.5)
     procs = start_ranks(*args, world_size=2)
     try:
         seen = wait_for_lines(procs[0], procs[0].stderr, " written in ")
