@@ -25,7 +25,8 @@ Two sources of documents:
 Resumable (app.worker.data_stream): the state names the next window's first token as the place of its document
 and the tokens of that document already used. A file's place is its index and the line's byte offset, so a resume
 seeks straight there (constant cost); an iterable's place is the document's index, so a resume reads and drops the
-documents before it. Deterministic: files in sorted path order, every rank the same stream.
+documents before it. Deterministic: files in sorted path order, every rank the same stream. Memory: one document
+(one line) at a time, whole, and the unfinished window.
 """
 
 from __future__ import annotations
