@@ -68,6 +68,22 @@ def test_effective_batch_sets_accumulation_per_world_size():
     assert TrainConfig(micro_batch=32, grad_accum_steps=2).global_batch(3, 2) == 192  # no effective_batch: grows
 
 
+def test_zero3_refuses_a_global_batch_whose_shares_take_unequal_micro_batch_counts():
+    # 4 over 3 ranks is 2/1/1 samples: 2 micro-batches of 1 on rank 0, 1 elsewhere; stage 3 reduce-scatters after
+    # each, so rank 0 would wait forever in its second (seen as a hang in tests/integration/test_train_composed.py).
+    cfg = TrainConfig(parallel="zero3", effective_batch=4, micro_batch=1)
+    with pytest.raises(ConfigError) as e:
+        cfg.check_world(3)
+    assert str(e.value) == (
+        "parallel=zero3: effective_batch=4 over world_size=3 gives some ranks 2 micro-batches of micro_batch <= 1 and "
+        "others 1, and zero3 reduce-scatters after each one, so the ranks would wait on each other forever; set "
+        "effective_batch to a multiple of 3 (e.g. 6) or micro_batch to 2"
+    )
+    assert cfg.check_world(2) == 2 and cfg.check_world(4) == 1  # even shares
+    assert TrainConfig(parallel="zero3", effective_batch=11, micro_batch=4).check_world(3) == 1  # 4/4/3: 1 each
+    assert TrainConfig(parallel="zero2", effective_batch=4, micro_batch=1).check_world(3) == 2  # no_sync: one sync
+
+
 def test_world_checks_name_the_fields():
     with pytest.raises(ConfigError, match=r"^dataset_size=48 .* micro_batch=32; raise dataset_size to >= 64"):
         TrainConfig(dataset_size=48, micro_batch=32).check_world(2)

@@ -385,7 +385,23 @@ class TrainConfig:
                 f"effective_batch={self.effective_batch} is larger than dataset_size={self.dataset_size}: one step "
                 f"would need more samples than an epoch holds; raise dataset_size or lower effective_batch"
             )
+        if self.parallel == "zero3":
+            self._check_zero3_micro_batches(world_size)
         return grad_accum_steps_for(self.effective_batch, world_size, self.micro_batch)
+
+    def _check_zero3_micro_batches(self, world_size: int) -> None:
+        # Stage 3 reduce-scatters after every micro-batch (app.worker.steps.zero: it has no no_sync), so a rank
+        # with one micro-batch fewer than another would leave that one waiting in a reduce-scatter it never joins.
+        base, extra = divmod(self.effective_batch, world_size)
+        most, least = -(-(base + (extra > 0)) // self.micro_batch), -(-base // self.micro_batch)
+        if most != least:
+            fits = -(-self.effective_batch // world_size) * world_size
+            raise ConfigError(
+                f"parallel=zero3: effective_batch={self.effective_batch} over world_size={world_size} gives some "
+                f"ranks {most} micro-batches of micro_batch <= {self.micro_batch} and others {least}, and zero3 "
+                f"reduce-scatters after each one, so the ranks would wait on each other forever; set effective_batch "
+                f"to a multiple of {world_size} (e.g. {fits}) or micro_batch to {base + 1}"
+            )
 
     def global_batch(self, world_size: int, grad_accum_steps: int) -> int:
         """Samples per optimizer step over all ranks: ``effective_batch`` when set (the same at every world size),
