@@ -254,10 +254,9 @@ def _describe_kind(setup) -> str:
     if not setup.pipeline:
         return setup.parallel
     return (
-        f"pipeline ({setup.world_size} stages, the second beginning at {setup.pipeline_split[0]}"
-        if setup.world_size == 2
-        else f"pipeline ({setup.world_size} stages beginning at {', '.join(setup.pipeline_split)} after the first"
-    ) + f"; {setup.pipeline_schedule}, {setup.world_size * setup.accum} micro-batches of {setup.micro_batch} a step)"
+        f"pipeline ({setup.world_size} stages, stages 2.. begin at {','.join(setup.pipeline_split)}; "
+        f"{setup.pipeline_schedule}, {setup.world_size * setup.accum} micro-batches of {setup.micro_batch} a step)"
+    )
 
 
 def _side_name(parallel: str, wrapper: str) -> str:
