@@ -44,7 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-kwargs", default="{}", help="keyword arguments for --loss, JSON")
     p.add_argument("--ranks", type=int, default=2, help="ranks, gloo on CPU (default 2); the pipeline's stages")
     p.add_argument(
-        "--accum", type=int, default=1, help="micro-batches per rank per step, no_sync() on all but the last"
+        "--accum",
+        type=int,
+        default=1,
+        help="micro-batches per rank per step, no_sync() on all but the last; --parallel pipeline: ranks x accum "
+        "micro-batches through the stages",
     )
     p.add_argument("--micro-batch", type=int, default=8, help="samples per micro-batch (default 8)")
     p.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
@@ -204,7 +208,7 @@ def prepare(args: argparse.Namespace):
         micro_batch=args.micro_batch, steps=args.steps, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
         eval_mode=args.eval, dtype=args.dtype, wrapper_kwargs=kwargs, parallel=args.parallel,
         recipe=Recipe(args.autocast, args.grad_clip_norm, args.lr_schedule, args.warmup_steps, args.min_lr_ratio),
-        pipeline_split=split, pipeline_schedule=args.pipeline_schedule or "gpipe",
+        pipeline_split=split, pipeline_schedule=args.pipeline_schedule or Setup.pipeline_schedule,
     )  # fmt: skip
     return setup, model, note
 
