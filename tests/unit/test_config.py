@@ -125,7 +125,7 @@ def test_unknown_env_setting_is_an_error_with_the_nearest_name():
         ({"min_lr_ratio": 1.5}, "min_lr_ratio"),
         ({"grad_clip_norm": -1.0}, "grad_clip_norm"),
         ({"lr_reference_batch": -64}, "lr_reference_batch"),
-        ({"autocast": "bf16", "lr_schedule": "cosine", "parallel": "pipeline"}, "autocast"),
+        ({"autocast": "bf16", "lr_schedule": "cosine", "parallel": "dp"}, "autocast"),
         ({"grad_clip_norm": 1.0, "parallel": "dp"}, "grad_clip_norm"),
         ({"pipeline_split": "net.2"}, "pipeline_split"),  # parallel=ddp: nothing to split
         ({"pipeline_split": "net.2,,net.4", "parallel": "pipeline"}, "pipeline_split"),
@@ -157,11 +157,11 @@ BAD = {
     "bad yaml key": (["--config", "@bad.yaml"], {}, "unknown setting 'stpes'"),
     "wrapper none with 2 ranks": (["--wrapper", "none"], {"WORLD_SIZE": "2"}, "wrapper=none with world_size=2"),
     "unknown flag": (["--stpes", "5"], {}, "--stpes"),
-    "the recipe with a pipeline": (
-        ["--autocast", "bf16", "--parallel", "pipeline"],
+    "the recipe with DataParallel": (
+        ["--autocast", "bf16", "--parallel", "dp"],
         {},
-        "autocast=bf16: the recipe runs with parallel=ddp|zero1|zero2|zero3 (not yet in the pipeline step); unset "
-        "it, or use one of those",
+        "autocast=bf16: the recipe runs with parallel=ddp|pipeline|zero1|zero2|zero3 (not yet in the dp step); "
+        "unset it, or use one of those",
     ),
     "unknown env setting": ([], {"DDP_STESP": "10"}, "DDP_STESP: no such setting (did you mean DDP_STEPS?)"),
     "env value of the wrong type": ([], {"DDP_LR": "abc"}, "lr='abc' (from env DDP_LR): must be a float"),

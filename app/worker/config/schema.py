@@ -98,9 +98,7 @@ class TrainConfig:
     warmup_steps: int = _doc("optimizer steps of linear warm-up from lr / warmup_steps to lr (0 = none)", 0)
     min_lr_ratio: float = _doc("lr_schedule=cosine|linear: the last step's lr as a fraction of lr (0..1)", 0.0)
     lr_reference_batch: int = _doc("linear scaling rule: lr × global batch / this many samples (0 = lr as given)", 0)
-    autocast: str = _doc(
-        "mixed precision of forward and loss: none | bf16 | fp16 (fp16 adds a GradScaler; not in a pipeline)", "none"
-    )
+    autocast: str = _doc("mixed precision of forward and loss: none | bf16 | fp16 (fp16 adds a GradScaler)", "none")
     grad_clip_norm: float = _doc(
         "clip the gradient's global L2 norm to this, over every rank's shards under ZeRO, every stage in a pipeline "
         "(0 = off)",
