@@ -64,8 +64,8 @@ def build_batches(dataset: Any, seed: int, share: BatchShare) -> GlobalBatches |
     own), else ``GlobalBatches``."""
     place = (share.global_batch, share.micro_batch, share.rank, share.world_size)
     if is_stream(dataset):
-        return StreamBatches(dataset, *place, share.device, share.dtype)
-    return GlobalBatches(dataset, *place, seed, share.device, share.dtype)
+        return StreamBatches(dataset, *place, share.device, share.dtype, share.equal_counts)
+    return GlobalBatches(dataset, *place, seed, share.device, share.dtype, share.equal_counts)
 
 
 class StreamBatches(BatchShare):
@@ -87,10 +87,11 @@ class StreamBatches(BatchShare):
         world_size: int,
         device: torch.device,
         dtype: torch.dtype = torch.float32,
+        equal_counts: bool = False,
     ):
         if not world_size <= global_batch:
             raise ValueError(f"global batch {global_batch} must be at least world_size={world_size}")
-        super().__init__(global_batch, micro_batch, rank, world_size, device, dtype)
+        super().__init__(global_batch, micro_batch, rank, world_size, device, dtype, equal_counts)
         self.stream = stream
         self.stateful = has_state(stream)
         self.epoch = 0

@@ -104,6 +104,16 @@ def test_each_stage_trains_like_ddp(tmp_path, reference, stage):
     assert diff < TOLERANCE, f"{stage}: max |Δparam| {diff:.3g} vs ddp"
 
 
+def test_zero3_ranks_with_unequal_shares_run_equal_micro_batch_counts_and_train_like_ddp(tmp_path, reference):
+    # 50 samples over 3 ranks are 17/17/16: micro-batches of <= 8 would be 3/3/2, and stage 3 reduce-scatters after
+    # each one, so rank 2 would leave the others waiting in their third (a hang until the collective timeout).
+    # Every rank cuts its share into 3 instead; the global batch is the same, so is the training.
+    _train(tmp_path, 3, parallel="zero3")
+    ddp = load_checkpoint(checkpoint_path(reference, STEPS))["model"]
+    diff = _max_diff(sharded_params(tmp_path), dict(ddp))
+    assert diff < TOLERANCE, f"zero3 on 3 ranks: max |Δparam| {diff:.3g} vs ddp on 2"
+
+
 @pytest.fixture(scope="module")
 def zero2_world4(tmp_path_factory) -> dict:
     top = tmp_path_factory.mktemp("zero2")

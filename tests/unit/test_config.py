@@ -68,20 +68,31 @@ def test_effective_batch_sets_accumulation_per_world_size():
     assert TrainConfig(micro_batch=32, grad_accum_steps=2).global_batch(3, 2) == 192  # no effective_batch: grows
 
 
-def test_zero3_refuses_a_global_batch_whose_shares_take_unequal_micro_batch_counts():
-    # 4 over 3 ranks is 2/1/1 samples: 2 micro-batches of 1 on rank 0, 1 elsewhere; stage 3 reduce-scatters after
-    # each, so rank 0 would wait forever in its second (seen as a hang in tests/integration/test_train_composed.py).
+def test_zero3_refuses_a_global_batch_whose_smallest_share_cannot_fill_every_ranks_micro_batches():
+    # Stage 3 reduce-scatters after each micro-batch, so every rank runs as many as the largest share needs. 4 over
+    # 3 ranks is 2/1/1 samples: with micro_batch=1 rank 0 needs 2, and the others cannot cut 1 sample into 2 (it
+    # hung before this check, seen in tests/integration/test_train_composed.py).
     cfg = TrainConfig(parallel="zero3", effective_batch=4, micro_batch=1)
     with pytest.raises(ConfigError) as e:
         cfg.check_world(3)
     assert str(e.value) == (
-        "parallel=zero3: effective_batch=4 over world_size=3 gives some ranks 2 micro-batches of micro_batch <= 1 and "
-        "others 1, and zero3 reduce-scatters after each one, so the ranks would wait on each other forever; set "
-        "effective_batch to a multiple of 3 (e.g. 6) or micro_batch to 2"
+        "parallel=zero3: effective_batch=4 over world_size=3 leaves some ranks 1 samples for the 2 micro-batches of "
+        "micro_batch <= 1 every rank runs (zero3 reduce-scatters after each one); set effective_batch to a multiple "
+        "of 3 (e.g. 6) or raise micro_batch"
     )
     assert cfg.check_world(2) == 2 and cfg.check_world(4) == 1  # even shares
-    assert TrainConfig(parallel="zero3", effective_batch=11, micro_batch=4).check_world(3) == 1  # 4/4/3: 1 each
+    assert TrainConfig(parallel="zero3", effective_batch=12, micro_batch=2).check_world(5) == 2  # 3/3/2/2/2: 2 each
     assert TrainConfig(parallel="zero2", effective_batch=4, micro_batch=1).check_world(3) == 2  # no_sync: one sync
+
+
+def test_zero3_ranks_cut_unequal_shares_into_equal_micro_batch_counts():
+    from app.worker.data import BatchShare
+
+    def sizes(world, equal):
+        return [BatchShare(12, 2, r, world, "cpu", None, equal_counts=equal).sizes for r in range(world)]
+
+    assert sizes(5, False) == [[2, 1], [2, 1], [2], [2], [2]]  # ddp and zero1/2: one sync per step, any counts
+    assert sizes(5, True) == [[2, 1], [2, 1], [1, 1], [1, 1], [1, 1]]  # zero3: a reduce-scatter per micro-batch
 
 
 def test_world_checks_name_the_fields():

@@ -388,17 +388,20 @@ class TrainConfig:
         return grad_accum_steps_for(self.effective_batch, world_size, self.micro_batch)
 
     def _check_zero3_micro_batches(self, world_size: int) -> None:
-        # Stage 3 reduce-scatters after every micro-batch (app.worker.steps.zero: it has no no_sync), so a rank
-        # with one micro-batch fewer than another would leave that one waiting in a reduce-scatter it never joins.
-        base, extra = divmod(self.effective_batch, world_size)
-        most, least = -(-(base + (extra > 0)) // self.micro_batch), -(-base // self.micro_batch)
-        if most != least:
+        # Stage 3 reduce-scatters after every micro-batch (app.worker.steps.zero: it has no no_sync), so every rank
+        # cuts its share into as many micro-batches as the largest share needs; a share with fewer samples than
+        # that count cannot (micro_batch=1 and uneven shares), and its rank would leave the others waiting.
+        from app.worker.data import equal_micro_batch_count  # torch: check_world's part, as its docstring says
+
+        count = equal_micro_batch_count(self.effective_batch, world_size, self.micro_batch)
+        smallest = self.effective_batch // world_size
+        if smallest < count:
             fits = -(-self.effective_batch // world_size) * world_size
             raise ConfigError(
-                f"parallel=zero3: effective_batch={self.effective_batch} over world_size={world_size} gives some "
-                f"ranks {most} micro-batches of micro_batch <= {self.micro_batch} and others {least}, and zero3 "
-                f"reduce-scatters after each one, so the ranks would wait on each other forever; set effective_batch "
-                f"to a multiple of {world_size} (e.g. {fits}) or micro_batch to {base + 1}"
+                f"parallel=zero3: effective_batch={self.effective_batch} over world_size={world_size} leaves some "
+                f"ranks {smallest} samples for the {count} micro-batches of micro_batch <= {self.micro_batch} every "
+                f"rank runs (zero3 reduce-scatters after each one); set effective_batch to a multiple of "
+                f"{world_size} (e.g. {fits}) or raise micro_batch"
             )
 
     def global_batch(self, world_size: int, grad_accum_steps: int) -> int:

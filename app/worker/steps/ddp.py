@@ -41,7 +41,10 @@ class DDPStep:
         self.model = inputs.model.to(ctx.device, dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
         dataset = build_splits(cfg)[0]  # the set app.train tried before the process group formed
-        share = BatchShare(self.global_batch, cfg.micro_batch, ctx.rank, ctx.world_size, ctx.device, dtype)
+        share = BatchShare(
+            self.global_batch, cfg.micro_batch, ctx.rank, ctx.world_size, ctx.device, dtype,
+            equal_counts=self.sync_every_micro_batch,  # a collective per micro-batch: every rank runs as many
+        )  # fmt: skip
         self.batches = build_batches(dataset, cfg.seed, share)
         # The bare model and its optimizer are Stateful as they are: checkpoints never hold the wrapper.
         self.model_state, self.optimizer_state = self.model, self.optimizer
