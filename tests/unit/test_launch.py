@@ -318,3 +318,20 @@ def test_the_newest_checkpoint_size_counts_only_finished_checkpoint_files(tmp_pa
     (tmp_path / "step-00000005.pt").write_bytes(b"a" * 7)
     (tmp_path / "step-00000010.pt").write_bytes(b"b" * 9)
     assert newest_checkpoint_bytes(str(tmp_path)) == 9
+
+
+def test_the_newest_checkpoint_size_is_the_newest_complete_one_of_either_kind(tmp_path):
+    # Sharded saves each in their own directory: the newest complete one is summed (shards and manifest), an
+    # unfinished newer one (no manifest) and the older plain files are not.
+    from app.cluster.launch import newest_checkpoint_bytes
+
+    (tmp_path / "step-00000004.pt").write_bytes(b"p" * 7)
+    done = tmp_path / "sharded-step-00000006"
+    done.mkdir()
+    (done / "shard-00000-of-00002-ab.pt").write_bytes(b"s" * 40)
+    (done / "shard-00001-of-00002-ab.pt").write_bytes(b"s" * 50)
+    (done / "manifest.json").write_bytes(b"m" * 10)
+    unfinished = tmp_path / "sharded-step-00000008"
+    unfinished.mkdir()
+    (unfinished / "shard-00000-of-00002-cd.pt").write_bytes(b"u" * 1000)
+    assert newest_checkpoint_bytes(str(tmp_path)) == 100
