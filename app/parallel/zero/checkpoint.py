@@ -173,6 +173,8 @@ def save_sharded(directory, model: nn.Module, optimizer, extra: dict | None = No
         payload["replicated"] = {
             k: v.detach().clone() for k, v in _bare(model).state_dict().items() if k not in sharded
         }
+    # Looked at before the broadcast below, which no rank passes before rank 0 sends: nobody has created it yet.
+    created = rank == 0 and not directory.exists()  # a failed save removes it again: nothing of it is left
     # A fresh name per save: the files of the checkpoint the current manifest describes are never overwritten,
     # so until the new manifest replaces it, the old checkpoint stays whole.
     token = [os.urandom(4).hex() if rank == 0 else None]
@@ -180,7 +182,6 @@ def save_sharded(directory, model: nn.Module, optimizer, extra: dict | None = No
         token, src=dist.get_global_rank(process_group, 0) if process_group else 0, group=process_group
     )
     name = f"shard-{rank:05d}-of-{world:05d}-{token[0]}.pt"
-    created = rank == 0 and not directory.exists()  # a failed save removes it again: nothing of it is left
     try:
         directory.mkdir(parents=True, exist_ok=True)
         digest = write_atomically(directory / name, lambda f: _save_hashed(payload, f))
