@@ -133,7 +133,7 @@ def test_zero2_resumes_on_another_world_size_where_it_stopped(zero2_world4):
 
 
 def _snapshot(directory: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def _refused(directory: Path, world: int = 2, **settings) -> str:
