@@ -365,3 +365,20 @@ def test_an_unreadable_rendezvous_state_is_none_with_its_cause_in_the_debug_log(
     with caplog.at_level(logging.DEBUG, logger="app.cluster.launch"):
         assert reporter.state() is None
     assert str(caplog.records[-1].exc_info[1]) == "the store went away"
+
+
+def test_the_newest_checkpoint_size_is_the_newest_complete_one_of_either_kind(tmp_path):
+    # Sharded saves each in their own directory: the newest complete one is summed (shards and manifest), an
+    # unfinished newer one (no manifest) and the older plain files are not.
+    from app.cluster.launch import newest_checkpoint_bytes
+
+    (tmp_path / "step-00000004.pt").write_bytes(b"p" * 7)
+    done = tmp_path / "sharded-step-00000006"
+    done.mkdir()
+    (done / "shard-00000-of-00002-ab.pt").write_bytes(b"s" * 40)
+    (done / "shard-00001-of-00002-ab.pt").write_bytes(b"s" * 50)
+    (done / "manifest.json").write_bytes(b"m" * 10)
+    unfinished = tmp_path / "sharded-step-00000008"
+    unfinished.mkdir()
+    (unfinished / "shard-00000-of-00002-cd.pt").write_bytes(b"u" * 1000)
+    assert newest_checkpoint_bytes(str(tmp_path)) == 100
