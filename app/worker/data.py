@@ -99,9 +99,8 @@ class BatchShare:
 
     ``start`` and ``local_samples`` place this rank's contiguous share in the global batch (shares differ by at most
     one sample), ``sizes`` cuts it into micro-batches of at most ``micro_batch``, ``grad_scale`` weighs its gradient.
-    ``equal_counts``: every rank cuts its share into as many micro-batches as the largest share needs (for a kind
-    whose every micro-batch runs a collective: a rank with one fewer would leave its peers waiting in it); a share
-    smaller than that count is a ValueError.
+    ``equal_counts`` (or ``cut_equal_counts()``): every rank cuts its share into as many micro-batches as the
+    largest share needs.
     """
 
     def __init__(
@@ -119,16 +118,23 @@ class BatchShare:
         self.start, self.local_samples = split_global_batch(global_batch, world_size, rank)
         self.sizes = micro_batch_sizes(self.local_samples, micro_batch)
         if equal_counts:
-            count = equal_micro_batch_count(global_batch, world_size, micro_batch)
-            if self.local_samples < count:
-                raise ValueError(
-                    f"rank {rank}'s {self.local_samples} samples cannot fill the {count} micro-batches every rank runs"
-                )
-            base, extra = divmod(self.local_samples, count)  # as equal as possible, none above micro_batch
-            self.sizes = [base + (1 if i < extra else 0) for i in range(count)]
+            self.cut_equal_counts()
         # The wrapper averages gradients over ranks; a share larger or smaller than 1/world_size must weigh more or
         # less, so the average is the full global batch's gradient.
         self.grad_scale = self.local_samples * world_size / global_batch
+
+    def cut_equal_counts(self) -> None:
+        """Cut this share into as many micro-batches as the largest share needs, for a kind whose every micro-batch
+        runs a collective (a rank with one fewer would leave its peers waiting in it); a share smaller than that
+        count is a ValueError."""
+        count = equal_micro_batch_count(self.global_batch, self.world_size, self.micro_batch)
+        if self.local_samples < count:
+            raise ValueError(
+                f"rank {self.rank}'s {self.local_samples} samples cannot fill the {count} micro-batches every rank runs"
+            )
+        base, extra = divmod(self.local_samples, count)  # as equal as possible, none above micro_batch
+        self.sizes = [base + (1 if i < extra else 0) for i in range(count)]
+        self.equal_counts = True
 
 
 class GlobalBatches(BatchShare):
@@ -143,7 +149,6 @@ class GlobalBatches(BatchShare):
         rank, world_size: this rank's place; shares differ by at most one sample.
         seed: the shuffle's seed (``seed + epoch`` per epoch, the same on every rank).
         device: where the batches are put.
-        equal_counts: every rank takes as many micro-batches (``BatchShare``).
 
     Example::
 
@@ -162,14 +167,13 @@ class GlobalBatches(BatchShare):
         seed: int,
         device: torch.device,
         dtype: torch.dtype = torch.float32,
-        equal_counts: bool = False,
     ):
         if not world_size <= global_batch <= len(dataset):
             raise ValueError(
                 f"global batch {global_batch} must lie between world_size={world_size} and "
                 f"dataset_size={len(dataset)}: raise dataset_size or change the batch"
             )
-        super().__init__(global_batch, micro_batch, rank, world_size, device, dtype, equal_counts)
+        super().__init__(global_batch, micro_batch, rank, world_size, device, dtype)
         self.size, self.seed = len(dataset), seed
         if isinstance(dataset, Dataset):
             # Token ids stay integers; float features take the model's precision (TrainConfig.dtype).

@@ -64,8 +64,12 @@ def build_batches(dataset: Any, seed: int, share: BatchShare) -> GlobalBatches |
     own), else ``GlobalBatches``."""
     place = (share.global_batch, share.micro_batch, share.rank, share.world_size)
     if is_stream(dataset):
-        return StreamBatches(dataset, *place, share.device, share.dtype, share.equal_counts)
-    return GlobalBatches(dataset, *place, seed, share.device, share.dtype, share.equal_counts)
+        dealer = StreamBatches(dataset, *place, share.device, share.dtype)
+    else:
+        dealer = GlobalBatches(dataset, *place, seed, share.device, share.dtype)
+    if share.equal_counts:
+        dealer.cut_equal_counts()
+    return dealer
 
 
 class StreamBatches(BatchShare):
@@ -87,11 +91,10 @@ class StreamBatches(BatchShare):
         world_size: int,
         device: torch.device,
         dtype: torch.dtype = torch.float32,
-        equal_counts: bool = False,
     ):
         if not world_size <= global_batch:
             raise ValueError(f"global batch {global_batch} must be at least world_size={world_size}")
-        super().__init__(global_batch, micro_batch, rank, world_size, device, dtype, equal_counts)
+        super().__init__(global_batch, micro_batch, rank, world_size, device, dtype)
         self.stream = stream
         self.stateful = has_state(stream)
         self.epoch = 0
