@@ -307,6 +307,11 @@ class ShardedGradDataParallel(nn.Module):
         if not (self.overlap_gather and self._waits is not None):
             self.wait_parameters()  # no forward seen yet (or no overlap): nothing knows which module needs what
 
+    @property
+    def gathers_in_flight(self) -> int:
+        """All-gathers launched and not yet waited for (``overlap_gather``: between a step and the next forward)."""
+        return len(self._gathers)
+
     def wait_parameters(self, buckets=None) -> None:
         """Wait for the all-gathers still in flight (of ``buckets``, default all): the parameters are whole after."""
         t0 = time.perf_counter()

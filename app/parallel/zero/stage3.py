@@ -78,8 +78,9 @@ class _Unit:
             storage.resize_(self.full.numel() * self.full.element_size())
             t0 = time.perf_counter()
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
-                # A copy even in the shard's dtype: the optimizer may step the shard while a prefetch still sends it.
-                shard = self.shard.detach().to(self.full.dtype, copy=True)
+                # No copy in the shard's own dtype: no gather outlives the forward or backward that launched it (both
+                # free what they prefetched and did not use), so the optimizer never steps a shard being sent.
+                shard = self.shard.detach().to(self.full.dtype)
                 source, group = f"FSDP unit {self.name}", self.fsdp.process_group
                 self.work = (recorded.all_gather_into_tensor(self.full, shard, source, group, True), shard)
             self.fsdp.comm_seconds["all_gather"] += time.perf_counter() - t0
