@@ -13,7 +13,11 @@ an all-reduce's first half, and each rank ends up holding only the summed gradie
     3. when backward ends, each rank waits and keeps its chunk, divided by N: ``shard.grad``. The flat gradient
        is freed: between steps a rank holds 1/N of the gradients;
     4. the optimizer steps the shards (its state is 1/N, as in stage 1); then every bucket is all-gathered back
-       into the flat buffers, so every rank's parameters are whole and equal again.
+       into the flat buffers, so every rank's parameters are whole and equal again. With ``overlap_gather=True``
+       the all-gathers are only launched (last bucket first: the first layers'), and each module's forward
+       pre-hook waits for the buckets its parameters lie in, so the later buckets arrive while the first layers
+       compute; a read through the wrapper (``parameters()``, ``state_dict()``, a checkpoint) or the next
+       ``step()`` waits for all of them.
 
     p_n.grad ─┐                                             rank r keeps chunk r        optimizer.step()
     ...       ├─► bucket 0 full ─► reduce_scatter(SUM) ───► shard_0.grad = chunk / N ─► AdamW(shards) ─► all_gather
@@ -26,6 +30,7 @@ Use::
     loss_fn(model(x), y).backward()
     opt.step(); opt.zero_grad()
     with model.no_sync(): ...                                 # gradient accumulation: no communication
+    model = ShardedGradDataParallel(MiniMLP(), overlap_gather=True)   # the all-gather runs into the next forward
 
 PyTorch has no class for exactly this (FSDP's ``SHARD_GRAD_OP`` is close); the constructor follows our DDP's.
 Try it: ``torchrun --standalone --nproc-per-node=2 -m app.demos.zero_demo --stage 2``.
@@ -187,6 +192,12 @@ class ShardedGradDataParallel(nn.Module):
         bucket_cap_mb: bucket size in MiB (a bucket closes once it holds at least this much, as in DDP).
             Bigger buckets: fewer collectives, later first launch. Each bucket is padded to a multiple of N.
         init_sync: broadcast rank 0's parameters and buffers at construction (``False``: the ranks agree already).
+        overlap_gather: launch the parameters' all-gather after ``step()`` without waiting; each bucket is waited
+            for just before the forward of the first module that reads it (the module holding the parameter, or
+            its nearest ancestor whose forward ran in the last forward seen). Off by default: code that reads the
+            *bare* model's parameters between a step and the next forward (``model.module.parameters()``, the
+            worker's final checksum) must call ``wait_parameters()`` first, and so must a model whose forward
+            reads another module's parameter before that module's own forward runs.
 
     Parameters with ``requires_grad=False`` are not sharded: every rank keeps them whole and nobody steps them.
     Every trainable parameter must get a gradient in each synchronised backward (no ``find_unused_parameters``).

@@ -10,6 +10,12 @@ as one flat fp32 shard per rank. A unit exists whole only while it computes:
                (the flat gradient goes when its reduce-scatter is done: at most two in flight, ``InFlight``)
     end:       wait, divide by N, add into shard.grad; the optimizer steps the shards (its state is 1/N too)
 
+``prefetch=k`` (PyTorch's FSDP prefetches 1) launches the all-gathers of the next k units while this one computes:
+in forward by the order the last forward ran the units, in backward by the reverse of this forward's; never more
+than k + 1 units (the root's aside) gathered at once, so memory stays bounded. ``reshard_after_forward=False``
+keeps each unit whole from its forward to its reduce-scatter: one all-gather a unit per step instead of two, for
+every unit whole between forward and backward (PyTorch's name; stage 2's memory for the parameters).
+
 *Free* means: the gathered buffer's storage is resized to 0 bytes; every parameter is a view of that buffer, and
 so is every tensor autograd saved from it, so the backward all-gather (which resizes it back and writes into it)
 repairs them all at once. The write is hidden from autograd's version counter (as PyTorch's FSDP2 does): the
@@ -134,6 +140,11 @@ class FullyShardedDataParallel(nn.Module):
         reduce_dtype: what the gradients are reduce-scattered in: fp32 by default, whatever the compute dtype (the
             sum of N low-precision gradients loses what fp32 keeps; PyTorch's ``MixedPrecisionPolicy`` calls it the
             same); ``None``: the compute dtype (half the bytes on the wire).
+        prefetch: how many units' all-gathers run ahead of the unit computing (0: none, each gathered when
+            needed). At most ``prefetch`` + 1 units other than the root are gathered at once (one more per level
+            of units nested in units); ``max_units_gathered`` counts it.
+        reshard_after_forward: ``False`` keeps every unit whole from its forward until its gradients are
+            reduce-scattered (no second all-gather in backward; the limit above then applies to forward only).
 
     Every trainable parameter must get a gradient in every backward (there is no ``find_unused_parameters``).
     Gradient accumulation needs nothing special: each backward reduce-scatters and adds into ``shard.grad``; or,
