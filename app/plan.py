@@ -12,10 +12,11 @@ and ``K`` bytes of optimizer state per parameter (AdamW: two fp32 moments, 8; SG
     zero1   Ψ·(p + p + K/N)          zero3   Ψ·(p + p + K)/N
 
 What the step adds (``in flight``): ddp's reducer fills one bucket at a time (``bucket_cap_mb``); zero1
-broadcasts two owners' flats at a time (2·Ψ·p/N); zero2 keeps up to three buckets' flat gradients (the one filling,
-two reduce-scattering: 3 × ``bucket_cap_mb``); zero3 gathers one unit (the ``largest unit``, its parameters) and
-keeps its flat gradient and one more in flight (3 × that unit). ``activations``: measured here, one forward and
-backward of one micro-batch on the CPU (the bytes autograd saves for backward, each storage once, and the output).
+broadcasts the updated parameters in flats of at most 25 MiB, two at a time; zero2 keeps up to three buckets' flat
+gradients (the one filling, two reduce-scattering: 3 × ``bucket_cap_mb``); zero3 gathers one unit (the ``largest
+unit``, its parameters) and keeps its flat gradient and one more in flight (3 × that unit). ``activations``: measured
+here, one forward and backward of one micro-batch on the CPU (the bytes autograd saves for backward, each storage
+once, and the output).
 ``base``: the idle worker's peak (torch, gloo, threads, the data), measured by ``python -m bench.memory_bench``
 (``bench/results/memory.json``) or given with ``--base``. Every kind also builds the whole model once (the worker
 builds it, then shards it): ``construction`` = base + Ψ·p; the peak of a fresh start is the larger of the two.
@@ -45,6 +46,7 @@ OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}  # state per fp32 parameter 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results" / "memory.json"
 DEFAULT_BASE_BYTES = 256 * 2**20  # an idle worker's peak when no results file says (torch + gloo + threads)
 DEFAULT_BUCKET_CAP_MB = 25  # the worker's (and PyTorch's) default
+BROADCAST_BUCKET_BYTES = 25 * 2**20  # app.parallel.zero.stage1's: this module imports no torch, so it is repeated
 MIB = 2**20
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -153,7 +155,7 @@ def predict(
     unit = -(-facts.largest_unit // world_size) * world_size * param_bytes if kind == "zero3" else 0
     in_flight = {
         "ddp": min(int(bucket_cap_mb * MIB), whole),
-        "zero1": 2 * -(-whole // world_size),
+        "zero1": min(2 * BROADCAST_BUCKET_BYTES, whole),
         "zero2": min(3 * int(bucket_cap_mb * MIB), whole),
         "zero3": 3 * unit,
     }[kind]

@@ -37,6 +37,7 @@ DATA_SPECS = {
     "token_file": "app.worker.data_files:token_file",
     "stdlib_corpus": "app.worker.data_files:stdlib_corpus",
     "token_stream": "app.worker.data_stream:token_stream",
+    "packed_files": "app.worker.data_pack:packed_files",
 }
 LOSS_SPECS = {
     "cross_entropy": "app.worker.data:cross_entropy",  # over the last dim: [B, C] and [B, T, C] outputs alike

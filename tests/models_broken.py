@@ -26,6 +26,30 @@ class UnusedParameter(nn.Module):
         return self.body(x)
 
 
+class WithSpare(nn.Module):
+    """A layer and a spare one its forward never calls."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.used = nn.Linear(32, width)
+        self.spare = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.used(x))
+
+
+class UnusedInSequence(nn.Module):
+    """``UnusedParameter`` as a pipeline can cut it: its forward is its children in order, and the first child holds
+    a parameter without a gradient (``net.0.spare``). DDP stops on it; a pipeline reduces no gradient over ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(WithSpare(), nn.Linear(16, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
 class WithBatchNorm(nn.Module):
     """BatchNorm in train mode: each rank normalises with its own micro-batch's statistics."""
 

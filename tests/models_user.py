@@ -4,9 +4,13 @@ process must end with equal parameters."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 from torch import nn
 
+from app.worker.data_pack import LineFiles, PackedTokens
 from tests.models_broken import ClassificationDataset  # noqa: F401 (re-exported: the data spec of the tests)
 
 
@@ -70,3 +74,25 @@ def one_shot_stream(size: int = 64):
     """A generator of (input, target) pairs: iterable once, with no state to resume from (the worker refuses it)."""
     gen = torch.Generator().manual_seed(0)
     return ((torch.randn(32, generator=gen), torch.tensor(i % 8)) for i in range(size))
+
+
+class RecordedPacking(PackedTokens):
+    """``packed_files`` that tells which windows a run read: rank 0 appends to ``record`` a line ``iter N`` at each
+    ``iter()`` (N: the window it starts at) and a line per window it yields (its index in the pass and its inputs),
+    flushed at once, so a killed run's record is whole up to the kill."""
+
+    def __init__(self, paths: list[str], seq_len: int, sep: int, record: str):
+        super().__init__(LineFiles([Path(p) for p in paths]), seq_len, sep)
+        self.record = record
+
+    def __iter__(self):
+        windows = super().__iter__()
+        return windows if os.environ.get("RANK", "0") != "0" else self._recorded(windows)
+
+    def _recorded(self, windows):
+        with open(self.record, "a") as f:
+            f.write(f"iter {self.position}\n")
+            for x, y in windows:
+                f.write(f"{self.position - 1} {x.tolist()}\n")
+                f.flush()
+                yield x, y

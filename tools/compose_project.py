@@ -80,13 +80,15 @@ class Project:
 
     def final_parameters(self, step: int) -> dict:
         """The run's last checkpoint (copied out of its volume, loaded and digest-checked): name -> tensor."""
+        from app.checkpoint_dir import SHARDED, find_checkpoints
         from app.worker.checkpoint.files import load_checkpoint
 
         container = self.workers()[0]["ID"]
         with tempfile.TemporaryDirectory() as tmp:
             docker("cp", f"{container}:/checkpoints/.", tmp, timeout=120)  # the whole volume: ZeRO's shards too
-            if (Path(tmp) / "manifest.json").exists():
-                return consolidated(Path(tmp), step)
+            newest = next(iter(find_checkpoints(tmp)), None)
+            if newest is not None and newest.kind == SHARDED:
+                return consolidated(newest.path, step)
             return load_checkpoint(Path(tmp) / f"step-{step:08d}.pt")["model"]
 
     def down(self) -> None:

@@ -42,15 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
         "targets, else MSE (a class is instantiated with --loss-kwargs, a function gets them bound)",
     )
     p.add_argument("--loss-kwargs", default="{}", help="keyword arguments for --loss, JSON")
-    p.add_argument("--ranks", type=int, default=2, help="DDP ranks, gloo on CPU (default 2)")
+    p.add_argument("--ranks", type=int, default=2, help="ranks, gloo on CPU (default 2); the pipeline's stages")
     p.add_argument(
-        "--accum", type=int, default=1, help="micro-batches per rank per step, no_sync() on all but the last"
+        "--accum",
+        type=int,
+        default=1,
+        help="micro-batches per rank per step, no_sync() on all but the last; --parallel pipeline: ranks x accum "
+        "micro-batches through the stages",
     )
     p.add_argument("--micro-batch", type=int, default=8, help="samples per micro-batch (default 8)")
     p.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw", help="default adamw")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
-    p.add_argument("--wrapper", choices=["ours", "torch", "both"], default="both", help="which DDP (default both)")
+    p.add_argument("--wrapper", choices=["ours", "torch", "both"], help="which DDP (default both)")
     p.add_argument(
         "--tolerance",
         type=float,
@@ -82,11 +86,18 @@ def _add_kind_and_recipe(p: argparse.ArgumentParser) -> None:
     """``--parallel`` and the worker's recipe: how the ranks share the state, and what each step runs."""
     p.add_argument(
         "--parallel",
-        choices=["ddp", "zero1", "zero2", "zero3"],
+        choices=["ddp", "zero1", "zero2", "zero3", "pipeline"],
         default="ddp",
         help="how the ranks share the state, as the worker's parallel setting (default ddp); zero2/zero3 are our "
-        "wrappers only, zero1 is our ZeRO-1 optimizer under --wrapper's DDP",
+        "wrappers only, zero1 is our ZeRO-1 optimizer under --wrapper's DDP; pipeline: one stage per rank, the "
+        "step's ranks x accum micro-batches streamed through them",
     )
+    p.add_argument(
+        "--pipeline-split",
+        help="--parallel pipeline: comma list of the modules where stages 2.. begin (net.2, or blocks.4,blocks.8); "
+        "default: balanced by parameter count",
+    )
+    p.add_argument("--pipeline-schedule", choices=["gpipe", "1f1b"], help="--parallel pipeline: default gpipe")
     p.add_argument(
         "--autocast",
         choices=["none", "bf16", "fp16"],
@@ -116,8 +127,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--grad-clip-norm must be >= 0 and --min-lr-ratio within [0, 1]")
     if args.autocast != "none" and args.dtype != "float32":
         p.error(f"--autocast {args.autocast} runs on float32 parameters: drop --dtype {args.dtype}")
-    if args.find_unused_parameters and args.parallel in ("zero2", "zero3"):
+    if args.find_unused_parameters and args.parallel in ("zero2", "zero3", "pipeline"):
         p.error(f"--find-unused-parameters is for a DDP wrapper (ddp, zero1); --parallel {args.parallel} has none")
+    _check_pipeline_flags(p, args)
     if args.parallel == "zero3" and args.dtype != "float32":
         p.error("--parallel zero3 keeps float32 master shards: drop --dtype float64, or use --parallel zero2")
     for flag in ("model_kwargs", "data_kwargs", "loss_kwargs"):
@@ -129,6 +141,27 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')}: expected a JSON object like '{{\"hidden\": 32}}'")
         setattr(args, flag, value)
     return args
+
+
+def _check_pipeline_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What means nothing to one side: a DDP wrapper for the pipeline's stages, a split for a kind without stages."""
+    if args.parallel != "pipeline":
+        for flag in ("pipeline_split", "pipeline_schedule"):
+            if getattr(args, flag) is not None:
+                name = flag.replace("_", "-")
+                p.error(f"--{name} is for --parallel pipeline; --parallel {args.parallel} has no stages")
+        args.wrapper = args.wrapper or "both"
+        return
+    if args.wrapper is not None:
+        p.error(f"--wrapper {args.wrapper} chooses a DDP; --parallel pipeline has none (each rank runs one stage)")
+    if args.ranks < 2:
+        p.error(f"--parallel pipeline needs --ranks >= 2 (one stage per rank), got {args.ranks}")
+    cuts = args.pipeline_split
+    args.pipeline_split = [name.strip() for name in cuts.split(",")] if cuts and cuts.strip() else None
+    if args.pipeline_split is not None and not all(args.pipeline_split):
+        p.error(f"--pipeline-split {cuts!r}: a comma list of module names, without empty names")
+    args.pipeline_schedule = args.pipeline_schedule or "gpipe"
+    args.wrapper = "pipeline"  # the one side the ranks run: the verdict's name for it
 
 
 def main(argv=None) -> int:
@@ -147,7 +180,7 @@ def prepare(args: argparse.Namespace):
     """Resolve the specs, build the model, data and loss once and try them: every input error happens here."""
     import torch
 
-    from app.check.inputs import build_data, build_loss, check_loss, synthetic_data
+    from app.check.inputs import build_data, build_loss, check_loss, check_pipeline_split, synthetic_data
     from app.check.runs import Recipe, Setup
     from app.specs import build_model, expand
 
@@ -166,12 +199,16 @@ def prepare(args: argparse.Namespace):
     loss_fn = build_loss(args.loss, args.loss_kwargs)
     check_loss(loss_fn, model, inputs[: args.micro_batch], targets[: args.micro_batch], "the first micro-batch")
     kwargs = {"find_unused_parameters": True} if args.find_unused_parameters else {}
+    split = []
+    if args.parallel == "pipeline":
+        split = check_pipeline_split(model, args.ranks, args.pipeline_split, inputs[: args.micro_batch])
     setup = Setup(
         model_spec=model_spec, model_kwargs=args.model_kwargs, loss_spec=args.loss, loss_kwargs=args.loss_kwargs,
         inputs=inputs, targets=targets, initial_state=model.state_dict(), world_size=args.ranks, accum=args.accum,
         micro_batch=args.micro_batch, steps=args.steps, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
         eval_mode=args.eval, dtype=args.dtype, wrapper_kwargs=kwargs, parallel=args.parallel,
         recipe=Recipe(args.autocast, args.grad_clip_norm, args.lr_schedule, args.warmup_steps, args.min_lr_ratio),
+        pipeline_split=split, pipeline_schedule=args.pipeline_schedule or Setup.pipeline_schedule,
     )  # fmt: skip
     return setup, model, note
 
@@ -192,7 +229,7 @@ def run(args: argparse.Namespace, setup, model, data_note: str) -> int:
         f"{'eval' if args.eval else 'train'} mode, {args.dtype}, tolerance {args.tolerance:.0e}",
         flush=True,
     )
-    print(f"parallel {args.parallel}; recipe: {_describe_recipe(setup.recipe)}", flush=True)
+    print(f"parallel {_describe_kind(setup)}; recipe: {_describe_recipe(setup.recipe)}", flush=True)
     reference = run_reference(setup)
     obs = observe(setup, model, reference)
     verdicts = {}
@@ -217,7 +254,18 @@ def run(args: argparse.Namespace, setup, model, data_note: str) -> int:
     return exit_codes.OK if ok else exit_codes.FAILED
 
 
+def _describe_kind(setup) -> str:
+    if not setup.pipeline:
+        return setup.parallel
+    return (
+        f"pipeline ({setup.world_size} stages, stages 2.. begin at {','.join(setup.pipeline_split)}; "
+        f"{setup.pipeline_schedule}, {setup.world_size * setup.accum} micro-batches of {setup.micro_batch} a step)"
+    )
+
+
 def _side_name(parallel: str, wrapper: str) -> str:
+    if parallel == "pipeline":
+        return "our pipeline (app.parallel.pipeline on PyTorch's schedules)"
     if parallel in ("zero2", "zero3"):
         return f"ours ZeRO-{parallel[-1]} (app.parallel.zero)"
     ddp = f"{WRAPPER_NAMES[wrapper]} DDP"
@@ -246,8 +294,9 @@ def _report(wrapper: str, comp, obs, model, args) -> str:
     from app.check.diagnose import likely_causes
 
     if comp.ok:
+        same = "the stages merged every step" if args.parallel == "pipeline" else "identical on all ranks every step"
         print(f"PASS ({wrapper}): max |dp| {comp.worst_dp:.2e}, worst loss gap {comp.worst_gap:.2e} <= "
-              f"{args.tolerance:.0e}, parameters identical on all ranks every step")  # fmt: skip
+              f"{args.tolerance:.0e}, parameters {same}")  # fmt: skip
         return "equal"
     print(
         f"FAIL ({wrapper}): max |dp| {comp.worst_dp:.2e}, worst loss gap {comp.worst_gap:.2e} "
@@ -256,6 +305,9 @@ def _report(wrapper: str, comp, obs, model, args) -> str:
     if comp.diverged:
         firsts = ", ".join(f"{n} (step {s})" for n, s in list(comp.diverged.items())[:6])
         print(f"  diverge from one process: {firsts}{' ...' if len(comp.diverged) > 6 else ''}")
+    if comp.buffers_diverged:
+        firsts = ", ".join(f"{n} (step {s})" for n, s in list(comp.buffers_diverged.items())[:6])
+        print(f"  buffers diverge from one process: {firsts}")
     if comp.ranks_differ:
         firsts = ", ".join(f"{n} (step {s})" for n, s in list(comp.ranks_differ.items())[:6])
         print(f"  differ across ranks: {firsts}")

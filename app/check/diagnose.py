@@ -8,6 +8,10 @@
 - two identical single-process runs that differ                   -> non-deterministic ops
 - two forwards of one input that differ, equal when reseeded      -> dropout etc.: ``--eval`` or a tolerance
 - buffers that differ across ranks after a step                   -> BatchNorm: ``SyncBatchNorm``; others: buffers
+- buffers equal across ranks but not one process's (the pipeline) -> BatchNorm: no batch statistics, or eval mode
+
+Under ``--parallel pipeline`` a parameter without a gradient is no cause: no gradient is reduced across ranks, and
+each stage's optimizer leaves it alone as one process's does.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class Comparison:
     diverged: dict[str, int] = field(default_factory=dict)  # parameter -> first step beyond the tolerance
     ranks_differ: dict[str, int] = field(default_factory=dict)  # parameter -> first step not equal on all ranks
     buffers_differ: dict[str, int] = field(default_factory=dict)  # buffer -> first step not equal on all ranks
+    buffers_diverged: dict[str, int] = field(default_factory=dict)  # buffer -> first step not one process's
     # parameter -> the reference's |gradient| at its worst element, the step it first diverged (AdamW's noise case)
     worst_grad: dict[str, float] = field(default_factory=dict)
     worst_dp: float = 0.0
@@ -39,7 +44,7 @@ class Comparison:
     def ok(self) -> bool:
         # Buffers that differ across ranks (BatchNorm's running stats without SyncBatchNorm) are a difference too,
         # whatever the tolerance: under autocast one as wide as BatchNorm's effect on the parameters.
-        return not (self.diverged or self.ranks_differ or self.buffers_differ)
+        return not (self.diverged or self.ranks_differ or self.buffers_differ or self.buffers_diverged)
 
 
 def compare(reference: list[StepRecord], ranks: list[list[StepRecord]], tolerance: float) -> Comparison:
@@ -57,6 +62,9 @@ def compare(reference: list[StepRecord], ranks: list[list[StepRecord]], toleranc
                 if math.isfinite(dp) and name in ref.grads:
                     worst = (a - b).abs().argmax()
                     c.worst_grad[name] = ref.grads[name].flatten()[worst].abs().item()
+        for name in ref.buffers:
+            if not _buffer_equal(ref.buffers[name], rank0.buffers.get(name), tolerance):
+                c.buffers_diverged.setdefault(name, step)
         for digests, differ in (
             (lambda r: r.param_digests, c.ranks_differ),
             (lambda r: r.buffer_digests, c.buffers_differ),
@@ -71,6 +79,15 @@ def compare(reference: list[StepRecord], ranks: list[list[StepRecord]], toleranc
             c.diverged.setdefault("(loss)", step)
         c.rows.append((step, ref.loss, rank0.loss, gap, max_dp, same, rank0.digest))
     return c
+
+
+def _buffer_equal(a: torch.Tensor, b: torch.Tensor | None, tolerance: float) -> bool:
+    # A counter (BatchNorm's num_batches_tracked) must be exact; a float buffer within the tolerance.
+    if b is None or a.shape != b.shape:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    return bool((a.double() - b.double()).abs().max() <= tolerance) if a.numel() else True
 
 
 @dataclass
@@ -132,7 +149,7 @@ def likely_causes(
             f"first forward, so DDP (built before it) never syncs them and each rank creates its own -> create them "
             f"in __init__"
         )
-    if obs.no_grad:
+    if obs.no_grad and parallel != "pipeline":
         name, (step, rank) = next(iter(obs.no_grad.items()))
         causes.append(
             f"parameters without a gradient: {_names(obs.no_grad)} (first: {name}, step {step}, rank {rank}'s "
@@ -163,6 +180,8 @@ def likely_causes(
         )
     if comp is not None and comp.buffers_differ:
         causes.append(_buffer_cause(comp.buffers_differ, model))
+    elif comp is not None and comp.buffers_diverged:
+        causes.append(_diverged_buffer_cause(comp.buffers_diverged, model, parallel))
     if not causes and comp is not None and optimizer == "adamw":
         causes += _adam_noise_cause(comp)
     return causes
@@ -199,6 +218,28 @@ def _buffer_cause(buffers: dict[str, int], model: nn.Module) -> str:
         f"buffers differ across ranks after step {step}: {_names(buffers)}: forward updates them from each rank's own "
         f"data -> make that update the same on every rank, or keep broadcast_buffers=True (rank 0's win at each "
         f"forward) if only their use in the next forward matters"
+    )
+
+
+def _diverged_buffer_cause(buffers: dict[str, int], model: nn.Module, parallel: str) -> str:
+    """Buffers equal on every rank but not one process's: the pipeline's merged model, whose BatchNorm normalised
+    each micro-batch with its own statistics and counted every micro-batch's forward."""
+    owners = {name: model.get_submodule(name.rpartition(".")[0]) for name in buffers}
+    batch_norms = sorted({f"{type(m).__name__} {n.rpartition('.')[0]}" for n, m in owners.items() if _is_bn(m)})
+    step = min(buffers.values())
+    if batch_norms and parallel == "pipeline":
+        return (
+            f"BatchNorm under the pipeline: {', '.join(batch_norms)} normalises each micro-batch with that "
+            f"micro-batch's statistics and updates its running stats once per micro-batch, one process once with "
+            f"the whole batch's ({_names(buffers)} differ from one process's after step {step}); a pipeline streams "
+            f"the batch through a stage one micro-batch after another, so no sync can give it the whole batch "
+            f"(SyncBatchNorm syncs ranks, not micro-batches) -> a normalisation without batch statistics (LayerNorm, "
+            f"GroupNorm), BatchNorm in eval mode (--eval here), or data parallelism with SyncBatchNorm"
+        )
+    return (
+        f"buffers differ from one process's after step {step}: {_names(buffers)}: forward updates them once per "
+        f"{'micro-batch' if parallel == 'pipeline' else 'forward'}, from other samples than one process's whole "
+        f"batch -> make that update independent of how the batch is cut, or compare in eval mode (--eval)"
     )
 
 

@@ -101,6 +101,24 @@ def _forward_once(model: nn.Module, x: torch.Tensor, what: str) -> torch.Tensor:
     return out
 
 
+def check_pipeline_split(model: nn.Module, stages: int, cuts: list[str] | None, sample: torch.Tensor) -> list[str]:
+    """Where ``--parallel pipeline`` cuts ``model`` into ``stages``: the names where stages 2.. begin (``cuts``, or
+    balanced by parameter count), after the pipeline's own checks (``app.parallel.pipeline.split``): the model is
+    its sequence of children, every stage holds parameters. InputError naming the flags otherwise."""
+    import copy
+
+    from app.parallel.pipeline.split import check_sequence, model_sequence, split_names, stage_ranges
+
+    probe = copy.deepcopy(model)  # a model that builds layers in its forward must still start fresh
+    sequence = model_sequence(probe)
+    try:
+        check_sequence(probe, sequence, sample)
+        return split_names(sequence, stage_ranges(sequence, stages, cuts))
+    except ValueError as e:
+        flags = f"--parallel pipeline --ranks {stages}" + (f" --pipeline-split {','.join(cuts)}" if cuts else "")
+        raise InputError(f"{flags}: {e}") from None
+
+
 def mean_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The default loss: cross-entropy over the last dim for integer targets (``[B, C]`` or ``[B, T, C]``), else
     MSE. Both are means over the samples, which is what lets N ranks' averaged gradients equal one process's."""

@@ -1,10 +1,16 @@
-"""The two sides of the comparison: N DDP ranks (``rank_main``, spawned) and one process (``run_reference``).
+"""The two sides of the comparison: N ranks (``rank_main``, spawned) and one process (``run_reference``).
 
 Both train the same model from the same start on the same samples with the same optimizer. Step ``s`` uses samples
 ``[s*G, (s+1)*G)`` of the data, ``G = ranks x accum x micro_batch``: rank ``r`` takes its contiguous share of them and
 cuts it into ``accum`` micro-batches; the reference takes all ``G`` in one forward. Every loss is a mean over its
 samples and the rank's loss is divided by ``accum``, so the ranks' averaged gradient is the gradient of the mean loss
 over the ``G`` samples: the reference's, up to float rounding.
+
+``parallel="pipeline"``: the N ranks are the N stages of one pipeline (``app.parallel.pipeline``, the worker's
+``parallel=pipeline`` calls: ``build_pipeline_stage``, ``forward_backward``, ``optimizer_step``, the schedule). They
+take the same ``G`` samples, streamed through the stages as ``ranks x accum`` micro-batches of ``micro_batch``, so
+``--parallel`` changes how the ranks share the work, never the data or the reference. After each step the stages'
+state dicts are merged on every rank and recorded as the whole model.
 
 What each side returns is a list of ``StepRecord``: the loss, a digest of each parameter and buffer after the step,
 and (rank 0 and the reference) the parameters themselves, so the parent compares without collectives.
@@ -30,7 +36,7 @@ from app.specs import build_model
 from app.worker.models import parameter_checksum
 from app.worker.recipe import AUTOCAST_DTYPES, lr_factor
 
-KINDS = ("ddp", "zero1", "zero2", "zero3")  # what --parallel chooses; zero2/zero3 are our wrappers only
+KINDS = ("ddp", "zero1", "zero2", "zero3", "pipeline")  # what --parallel chooses; zero2/zero3: our wrappers only
 
 
 @dataclass
@@ -44,9 +50,11 @@ class Recipe:
     min_lr_ratio: float = 0.0
 
     def step_recipe(self, sharded_grads: bool, world_size: int = 1) -> StepRecipe:
-        """``world_size``: the reference's N, whose loss (a mean over all N x K x micro_batch samples) gives each
-        sample 1/N of the weight a rank's does: its GradScaler starts N times higher, so both sides backward the same
-        fp16 magnitudes and skip the same steps (the unscaled gradients are the same)."""
+        """``world_size``: for the reference, ``Setup.backward_weight_ratio``: its loss (a mean over all N x K x
+        micro_batch samples) gives each sample that many times less weight than a rank's backward does, so its
+        GradScaler starts that many times higher: both sides backward the same fp16 magnitudes and skip the same
+        steps (the unscaled gradients are the same). ``sharded_grads``: each rank holds a slice of the gradient
+        (zero2, zero3, the pipeline's stages): a ``ShardedGradScaler``, one found-inf flag over the ranks."""
         scaler = None
         if self.autocast == "fp16":
             init_scale = 2.0**16 * world_size  # GradScaler's default initial scale, x N for the reference
@@ -84,12 +92,25 @@ class Setup:
     eval_mode: bool
     dtype: str = "float32"  # of the parameters and of floating-point data
     wrapper_kwargs: dict = field(default_factory=dict)
-    parallel: str = "ddp"  # ddp | zero1 | zero2 | zero3: how the ranks share the state (KINDS)
+    parallel: str = "ddp"  # ddp | zero1 | zero2 | zero3 | pipeline: how the ranks share the state (KINDS)
     recipe: Recipe = field(default_factory=lambda: Recipe())
+    pipeline_split: list[str] = field(default_factory=list)  # where stages 2.. begin (checked before any rank starts)
+    pipeline_schedule: str = "gpipe"
 
     @property
     def global_batch(self) -> int:
         return self.world_size * self.accum * self.micro_batch
+
+    @property
+    def pipeline(self) -> bool:
+        return self.parallel == "pipeline"
+
+    @property
+    def backward_weight_ratio(self) -> int:
+        """How many times the weight a sample has in the reference's backward a rank's backward gives it: N for the
+        data-parallel kinds (a rank's loss is the mean over its 1/N of the batch), N x K for the pipeline (each
+        micro-batch's mean is backwarded whole; the schedule divides the gradients by the micro-batch count after)."""
+        return self.world_size * self.accum if self.pipeline else self.world_size
 
 
 @dataclass
@@ -99,13 +120,21 @@ class StepRecord:
     param_digests: dict[str, str]
     buffer_digests: dict[str, str]
     params: dict[str, torch.Tensor] | None = None  # kept by rank 0 and the reference only
+    buffers: dict[str, torch.Tensor] | None = None  # as params
     shard_losses: list[float] | None = None  # reference only: its loss on each rank's share, before its step
     no_grad: dict[str, int] | None = None  # reference only: parameter -> a rank whose micro-batch left it gradless
     grads: dict[str, torch.Tensor] | None = None  # reference only: the gradient this step applied
 
 
 def micro_batches(setup: Setup, step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Rank ``rank``'s ``accum`` micro-batches of step ``step``."""
+    """Rank ``rank``'s ``accum`` micro-batches of step ``step``; under the pipeline, every rank's are all
+    ``ranks x accum`` micro-batches of the step (each stage runs every one)."""
+    if setup.pipeline:
+        return [pair for r in range(setup.world_size) for pair in _share(setup, step, r)]
+    return _share(setup, step, rank)
+
+
+def _share(setup: Setup, step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     start = step * setup.global_batch + rank * setup.accum * setup.micro_batch
     bounds = [start + k * setup.micro_batch for k in range(setup.accum + 1)]
     return [(setup.inputs[a:b], setup.targets[a:b]) for a, b in zip(bounds, bounds[1:])]
@@ -164,6 +193,7 @@ def _record(model: nn.Module, loss: float, keep: bool, state: dict | None = None
         param_digests={n: _digest(t) for n, t in params.items()},
         buffer_digests={n: _digest(t) for n, t in buffers.items()},
         params=params if keep else None,
+        buffers=buffers if keep else None,
     )
 
 
@@ -198,20 +228,21 @@ def _probe_shards(model: nn.Module, setup: Setup, step: int, loss_fn) -> tuple[l
     probe = copy.deepcopy(model)
     shard_losses, no_grad = [], {}
     recipe = setup.recipe.step_recipe(sharded_grads=False)  # the ranks' forward, its rounding included
-    for rank in range(setup.world_size):
+    for rank in range(1 if setup.pipeline else setup.world_size):  # a pipeline's ranks all run every micro-batch
         total = 0.0
-        for x, y in micro_batches(setup, step, rank):
+        micro = micro_batches(setup, step, rank)
+        for x, y in micro:
             probe.zero_grad(set_to_none=True)
             torch.manual_seed(_step_seed(setup, step, rank))
             with recipe.autocast("cpu"):
                 loss = loss_fn(probe(x), y)
             loss.backward()
-            total += loss.item() / setup.accum
+            total += loss.item() / len(micro)
             for name, p in probe.named_parameters():
                 if p.requires_grad and p.grad is None:
                     no_grad.setdefault(name, rank)
         shard_losses.append(total)
-    return shard_losses, no_grad
+    return shard_losses * (setup.world_size if setup.pipeline else 1), no_grad
 
 
 def reference_batch(setup: Setup, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -225,7 +256,7 @@ def run_reference(setup: Setup, probe: bool = True) -> list[StepRecord]:
     model = fresh_model(setup, setup.seed, load=True)
     loss_fn = build_loss(setup.loss_spec, setup.loss_kwargs)
     opt = build_optimizer(setup, model.parameters())
-    recipe = setup.recipe.step_recipe(sharded_grads=False, world_size=setup.world_size)
+    recipe = setup.recipe.step_recipe(sharded_grads=False, world_size=setup.backward_weight_ratio)
     schedule = setup.recipe.schedule(opt, setup.steps)
     records = []
     for step in range(setup.steps):
@@ -241,6 +272,8 @@ def run_reference(setup: Setup, probe: bool = True) -> list[StepRecord]:
 
 def rank_main(rank: int, world_size: int, setup: Setup, wrappers: list[str]) -> dict[str, list[StepRecord]]:
     """On every rank: for each wrapper, a fresh model, wrapped, trained ``setup.steps`` steps on this rank's share."""
+    if setup.pipeline:
+        return {wrapper: _pipeline_records(rank, world_size, setup) for wrapper in wrappers}
     results = {}
     for wrapper in wrappers:
         # A different start on every rank but 0 (the reference's): the broadcast at construction must fix it.
@@ -257,3 +290,33 @@ def rank_main(rank: int, world_size: int, setup: Setup, wrappers: list[str]) -> 
             records.append(_record(model, loss, keep=rank == 0, state=_gathered_state(wrapped), names=names))
         results[wrapper] = records
     return results
+
+
+def _pipeline_records(rank: int, world_size: int, setup: Setup) -> list[StepRecord]:
+    """Rank ``rank`` as stage ``rank`` of one pipeline, stepped as the worker's ``PipelineStep`` steps: forward and
+    backward through the stages, the recipe's ``optimizer_step``, the schedule. Recorded: the merged whole model."""
+    from app.parallel.pipeline import build_pipeline_stage, merge_state_dicts  # PyTorch's pipelining: on use
+
+    # Every stage from the reference's start: a pipeline broadcasts nothing, the worker builds it from one seed.
+    model = fresh_model(setup, setup.seed, load=True)
+    whole = copy.deepcopy(model)  # the stages' merged state lands here after each step, to be recorded
+    runner = build_pipeline_stage(
+        model, stage_index=rank, num_stages=world_size, n_microbatches=world_size * setup.accum,
+        schedule=setup.pipeline_schedule, loss_fn=build_loss(setup.loss_spec, setup.loss_kwargs),
+        split=setup.pipeline_split, recipe=setup.recipe.step_recipe(sharded_grads=True),
+    )  # fmt: skip
+    opt = build_optimizer(setup, runner.module.parameters())
+    schedule = setup.recipe.schedule(opt, setup.steps)
+    first, last = runner.stage.is_first, runner.stage.is_last
+    records = []
+    for step in range(setup.steps):
+        torch.manual_seed(_step_seed(setup, step, rank))
+        ((x, y),) = reference_batch(setup, step)  # cut into the micro-batches by the schedule, in order
+        result = runner.forward_backward(x if first else None, y if last else None)
+        runner.optimizer_step(opt)
+        schedule.step()
+        parts: list = [None] * world_size
+        torch.distributed.all_gather_object(parts, {k: v.cpu() for k, v in runner.state_dict().items()})
+        whole.load_state_dict(merge_state_dicts(parts))
+        records.append(_record(whole, result.loss, keep=rank == 0))
+    return records

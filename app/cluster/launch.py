@@ -43,6 +43,7 @@ import socket
 import sys
 import threading
 
+from app.checkpoint_dir import checkpoint_bytes, find_checkpoints
 from app.cli import first_line, setup_logging
 from app.cluster.compose_env import describe_env_file
 from app.cluster.elastic import (
@@ -167,10 +168,10 @@ STORAGE_ADVICE = "free space or fix the permissions (or point checkpoint_dir els
 
 
 def newest_checkpoint_bytes(directory: str) -> int:
-    """The size of the newest ``step-*.pt`` file, or (ZeRO's shards and manifest, replaced whole) of every file."""
-    files = [e for e in os.scandir(directory) if e.is_file() and not e.name.startswith(".")]
-    steps = sorted((e for e in files if e.name.startswith("step-") and e.name.endswith(".pt")), key=lambda e: e.name)
-    return steps[-1].stat().st_size if steps else sum(e.stat().st_size for e in files)
+    """The size of the newest complete checkpoint of either kind: a ``step-*.pt`` file, or a sharded one's shards and
+    manifest (app.checkpoint_dir); 0 when there is none."""
+    found = find_checkpoints(directory)
+    return checkpoint_bytes(found[0]) if found else 0
 
 
 def store_address(args) -> tuple[str, int] | None:

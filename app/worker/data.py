@@ -86,7 +86,52 @@ def stack_samples(pairs: list, device: torch.device, dtype: torch.dtype) -> tupl
     return (x.to(dtype) if x.is_floating_point() else x), y
 
 
-class GlobalBatches:
+def equal_micro_batch_count(global_batch: int, world_size: int, micro_batch: int) -> int:
+    """Micro-batches of at most ``micro_batch`` that the largest share of ``global_batch`` over ``world_size``
+    ranks takes: what every rank runs when their counts must be equal (``BatchShare(equal_counts=True)``)."""
+    largest = -(-global_batch // world_size)
+    return -(-largest // micro_batch)
+
+
+class BatchShare:
+    """Which samples of every global batch are this rank's, and how they are cut into micro-batches: what both
+    dealers (``GlobalBatches`` and app.worker.data_stream's ``StreamBatches``) share.
+
+    ``start`` and ``local_samples`` place this rank's contiguous share in the global batch (shares differ by at most
+    one sample), ``sizes`` cuts it into micro-batches of at most ``micro_batch``, ``grad_scale`` weighs its gradient.
+    ``equal_counts``: every rank cuts its share into as many micro-batches as the largest share needs (for a kind
+    whose every micro-batch runs a collective: a rank with one fewer would leave its peers waiting in it); a share
+    smaller than that count is a ValueError.
+    """
+
+    def __init__(
+        self,
+        global_batch: int,
+        micro_batch: int,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        equal_counts: bool = False,
+    ):
+        self.global_batch, self.micro_batch, self.rank, self.world_size = global_batch, micro_batch, rank, world_size
+        self.device, self.dtype, self.equal_counts = device, dtype, equal_counts
+        self.start, self.local_samples = split_global_batch(global_batch, world_size, rank)
+        self.sizes = micro_batch_sizes(self.local_samples, micro_batch)
+        if equal_counts:
+            count = equal_micro_batch_count(global_batch, world_size, micro_batch)
+            if self.local_samples < count:
+                raise ValueError(
+                    f"rank {rank}'s {self.local_samples} samples cannot fill the {count} micro-batches every rank runs"
+                )
+            base, extra = divmod(self.local_samples, count)  # as equal as possible, none above micro_batch
+            self.sizes = [base + (1 if i < extra else 0) for i in range(count)]
+        # The wrapper averages gradients over ranks; a share larger or smaller than 1/world_size must weigh more or
+        # less, so the average is the full global batch's gradient.
+        self.grad_scale = self.local_samples * world_size / global_batch
+
+
+class GlobalBatches(BatchShare):
     """This rank's share of each step's global batch, as micro-batches of at most ``micro_batch`` samples.
 
     Args:
@@ -98,6 +143,7 @@ class GlobalBatches:
         rank, world_size: this rank's place; shares differ by at most one sample.
         seed: the shuffle's seed (``seed + epoch`` per epoch, the same on every rank).
         device: where the batches are put.
+        equal_counts: every rank takes as many micro-batches (``BatchShare``).
 
     Example::
 
@@ -116,13 +162,15 @@ class GlobalBatches:
         seed: int,
         device: torch.device,
         dtype: torch.dtype = torch.float32,
+        equal_counts: bool = False,
     ):
         if not world_size <= global_batch <= len(dataset):
             raise ValueError(
                 f"global batch {global_batch} must lie between world_size={world_size} and "
                 f"dataset_size={len(dataset)}: raise dataset_size or change the batch"
             )
-        self.device, self.dtype, self.size = device, dtype, len(dataset)
+        super().__init__(global_batch, micro_batch, rank, world_size, device, dtype, equal_counts)
+        self.size, self.seed = len(dataset), seed
         if isinstance(dataset, Dataset):
             # Token ids stay integers; float features take the model's precision (TrainConfig.dtype).
             floating = dataset.inputs.is_floating_point()
@@ -132,12 +180,6 @@ class GlobalBatches:
         else:  # map-style: read sample by sample when its micro-batch comes (a file-backed set need not fit twice)
             self.inputs = self.targets = None
             self.samples = dataset
-        self.global_batch, self.micro_batch, self.seed = global_batch, micro_batch, seed
-        self.start, self.local_samples = split_global_batch(global_batch, world_size, rank)
-        self.sizes = micro_batch_sizes(self.local_samples, micro_batch)
-        # The wrapper averages gradients over ranks; a share larger or smaller than 1/world_size must weigh more or
-        # less, so the average is the full global batch's gradient.
-        self.grad_scale = self.local_samples * world_size / global_batch
         self.epoch = 0
         self.consumed = 0  # positions of this epoch's permutation used so far, by all ranks together
         self._order = self._permutation(self.epoch)

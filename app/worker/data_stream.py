@@ -35,8 +35,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-from app.parallel.accum import micro_batch_sizes, split_global_batch
-from app.worker.data import GlobalBatches, stack_samples
+from app.worker.data import BatchShare, GlobalBatches, stack_samples
 
 
 def is_stream(data: Any) -> bool:
@@ -60,24 +59,16 @@ def resumable(data: Any) -> str | None:
     )
 
 
-def build_batches(
-    dataset: Any,
-    global_batch: int,
-    micro_batch: int,
-    rank: int,
-    world_size: int,
-    seed: int,
-    device: torch.device,
-    dtype: torch.dtype = torch.float32,
-) -> GlobalBatches | StreamBatches:
-    """The dealer for ``dataset``: ``StreamBatches`` for a stream (``seed`` unused: its order is its own), else
-    ``GlobalBatches``."""
+def build_batches(dataset: Any, seed: int, share: BatchShare) -> GlobalBatches | StreamBatches:
+    """The dealer of ``share`` for ``dataset``: ``StreamBatches`` for a stream (``seed`` unused: its order is its
+    own), else ``GlobalBatches``."""
+    place = (share.global_batch, share.micro_batch, share.rank, share.world_size)
     if is_stream(dataset):
-        return StreamBatches(dataset, global_batch, micro_batch, rank, world_size, device, dtype)
-    return GlobalBatches(dataset, global_batch, micro_batch, rank, world_size, seed, device, dtype)
+        return StreamBatches(dataset, *place, share.device, share.dtype, share.equal_counts)
+    return GlobalBatches(dataset, *place, seed, share.device, share.dtype, share.equal_counts)
 
 
-class StreamBatches:
+class StreamBatches(BatchShare):
     """This rank's share of each step's global batch, taken from a stream (the members ``GlobalBatches`` has).
 
     Example::
@@ -96,14 +87,12 @@ class StreamBatches:
         world_size: int,
         device: torch.device,
         dtype: torch.dtype = torch.float32,
+        equal_counts: bool = False,
     ):
         if not world_size <= global_batch:
             raise ValueError(f"global batch {global_batch} must be at least world_size={world_size}")
-        self.stream, self.device, self.dtype = stream, device, dtype
-        self.global_batch, self.micro_batch = global_batch, micro_batch
-        self.start, self.local_samples = split_global_batch(global_batch, world_size, rank)
-        self.sizes = micro_batch_sizes(self.local_samples, micro_batch)
-        self.grad_scale = self.local_samples * world_size / global_batch  # as GlobalBatches' (its comment says why)
+        super().__init__(global_batch, micro_batch, rank, world_size, device, dtype, equal_counts)
+        self.stream = stream
         self.stateful = has_state(stream)
         self.epoch = 0
         self.consumed = 0  # samples of this pass taken so far, by all ranks together

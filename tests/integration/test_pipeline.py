@@ -197,3 +197,100 @@ def test_bad_input_is_one_line_naming_the_fix():
     assert "1f1b needs n_microbatches >= stages (1 < 2)" in messages[2]
     assert "schedule='zb': choose one of gpipe, 1f1b" in messages[3]
     assert all("\n" not in m for m in messages)
+
+
+# Under autocast the pipeline's micro-batches round differently from one process's whole batch, and AdamW turns that
+# into parameter differences (app.check's reason for 1e-2); measured here after 4 steps at lr 1e-3: see docs/check.md.
+AUTOCAST_TOLERANCE = 2e-3
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_stage(model, rank: int, world: int, scaler, micro: int = 4):
+    """This rank's stage of ``model`` under ``scaler``'s autocast dtype (fp16 with one, else bf16), clipping at 1."""
+    from app.parallel.accum import StepRecipe
+    from app.parallel.pipeline.split import model_sequence, split_names, stage_ranges
+    from app.parallel.pipeline.stages import build_pipeline_stage
+
+    sequence = model_sequence(model)
+    recipe = StepRecipe(torch.float16 if scaler else torch.bfloat16, scaler, grad_clip_norm=1.0)
+    return build_pipeline_stage(
+        model, stage_index=rank, num_stages=world, n_microbatches=micro, recipe=recipe,
+        split=split_names(sequence, stage_ranges(sequence, world)),
+    )  # fmt: skip
+
+
+def autocast_and_compare(rank: int, world: int, dtype: str, steps: int) -> dict:
+    """A ``world``-stage pipeline under autocast (fp16: a ShardedGradScaler) with clipping, and one process running
+    ``accumulation_step`` with the same recipe on the whole batch, AdamW on both."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from app.parallel.accum import StepRecipe, accumulation_step
+    from app.worker.models import DeepMLP
+
+    torch.manual_seed(0)
+    model = DeepMLP(width=WIDTH, depth=DEPTH)
+    reference = copy.deepcopy(model)
+    runner = autocast_stage(model, rank, world, ShardedGradScaler("cpu") if dtype == "fp16" else None)
+    opt = torch.optim.AdamW(runner.module.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    # One process's loss weighs each sample 1/M of a micro-batch's: its scale M times higher backwards the same fp16.
+    ref_scaler = torch.amp.GradScaler("cpu", 2.0**16 * 4) if dtype == "fp16" else None
+    ref_recipe = StepRecipe(AUTOCAST[dtype], ref_scaler, grad_clip_norm=1.0)
+    rows = []
+    for step in range(steps):
+        x, y = batch(step, BATCH)
+        stats = runner.forward_backward(x, y)
+        norm, skipped = runner.optimizer_step(opt)
+        ref = accumulation_step(reference, ref_opt, [(x, y)], F.mse_loss, check_finite=False, recipe=ref_recipe)
+        ref_sd = reference.state_dict()
+        dp = max((v - ref_sd[k]).abs().max().item() for k, v in runner.state_dict().items())
+        rows.append(
+            {"loss": abs(stats.loss - ref.loss), "norm": abs(norm - ref.grad_norm), "dp": dp, "skipped": skipped,
+             "bytes": stats.activation_bytes}
+        )  # fmt: skip
+    return {"rows": rows}
+
+
+@pytest.mark.parametrize(("dtype", "world"), [("bf16", 2), ("fp16", 2), ("bf16", 4)])
+def test_autocast_pipeline_equals_one_process_under_the_same_autocast(dtype, world):
+    results = run_world(autocast_and_compare, world, dtype, 4)
+    for r in results:
+        for row in r["rows"]:
+            assert row["dp"] <= AUTOCAST_TOLERANCE and row["loss"] <= AUTOCAST_TOLERANCE, row
+            assert row["norm"] <= AUTOCAST_TOLERANCE and not row["skipped"], row
+    if world == 2:
+        # The activations cross in the dtype they come out of a Linear in: half the bytes of fp32 (4 x [4, 32] x 2).
+        assert [r["rows"][-1]["bytes"] for r in results] == [4 * 4 * WIDTH * 2] * 2
+
+
+def one_stage_overflows(rank: int, world: int) -> dict:
+    """An inf in the last stage's gradient only: every stage must skip that step and halve its scale alike."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from app.worker.models import DeepMLP
+
+    torch.manual_seed(0)
+    runner = autocast_stage(DeepMLP(width=WIDTH, depth=DEPTH), rank, world, ShardedGradScaler("cpu", 2.0**10))
+    opt = torch.optim.AdamW(runner.module.parameters(), lr=1e-3)
+    before = {k: v.clone() for k, v in runner.state_dict().items()}
+    x, y = batch(0, BATCH)
+    runner.forward_backward(x, y)
+    if runner.stage.is_last:
+        next(runner.module.parameters()).grad.view(-1)[0] = float("inf")
+    _, skipped = runner.optimizer_step(opt)
+    unchanged = all(torch.equal(v, before[k]) for k, v in runner.state_dict().items())
+    scale = runner.stage.recipe.scaler.get_scale()
+    runner.forward_backward(x, y)
+    _, skipped_next = runner.optimizer_step(opt)
+    return {"skipped": skipped, "unchanged": unchanged, "scale": scale, "skipped_next": skipped_next}
+
+
+def test_an_overflow_on_one_stage_skips_the_step_on_every_stage():
+    results = run_world(one_stage_overflows, 2)
+    assert results == [{"skipped": True, "unchanged": True, "scale": 2.0**9, "skipped_next": False}] * 2
+
+
+def test_a_scaler_that_does_not_agree_over_the_stages_is_refused():
+    two_layers = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="recipe.scaler must be a ShardedGradScaler"):
+        autocast_stage(two_layers, 0, 2, torch.amp.GradScaler("cpu"))

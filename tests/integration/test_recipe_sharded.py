@@ -141,7 +141,7 @@ def ddp_recipe(tmp_path_factory):
 def test_each_stage_runs_the_recipe_as_ddp_and_resumes_its_schedule(tmp_path, ddp_recipe, stage):
     import json
 
-    from app.parallel.zero.checkpoint import MANIFEST
+    from app.checkpoint_dir import MANIFEST, newest_sharded
     from app.worker.checkpoint.files import checkpoint_path, load_checkpoint
     from tests.integration.test_train_sharded import STEPS, TOLERANCE, _max_diff, sharded_params
     from tests.integration.test_train_sharded import _train as train_worker
@@ -151,5 +151,5 @@ def test_each_stage_runs_the_recipe_as_ddp_and_resumes_its_schedule(tmp_path, dd
     ddp = load_checkpoint(checkpoint_path(ddp_recipe, STEPS))["model"]
     diff = _max_diff(sharded_params(tmp_path), dict(ddp))
     assert diff < TOLERANCE, f"{stage} with the recipe, resumed: max |Δparam| {diff:.3g} vs ddp"
-    extra = json.loads((tmp_path / MANIFEST).read_text())["extra"]
+    extra = json.loads((newest_sharded(tmp_path) / MANIFEST).read_text())["extra"]
     assert extra["lr_scheduler"] == {"last_epoch": STEPS, "base_lr": pytest.approx(3e-3 * 50 / 25)}

@@ -12,8 +12,13 @@
   (float64, ``FLOAT64_TOLERANCE``), zero3 resumes ddp's checkpoint within ``TOLERANCE`` of ddp throughout, ddp
   resumes zero3's, and ``python -m app.export`` turns the sharded checkpoint into a safetensors file the bare model
   loads, equal to the shards.
-- A checkpoint of another stage, or a shard that no longer matches the manifest: ``config error: ...``, one
-  line, exit 2, and the checkpoint directory unchanged. So is an ``fsdp_units`` naming no module.
+- A checkpoint of another stage: ``config error: ...``, one line, exit 2, and the checkpoint directory unchanged. So
+  is an ``fsdp_units`` naming no module. A newest sharded checkpoint whose shard no longer matches its manifest, or
+  whose save never wrote its manifest, is skipped with a warning naming it, and the run resumes from the one before
+  and ends where an uninterrupted run ends.
+- Retention: each sharded save is a ``sharded-step-*`` directory; ``keep_checkpoints`` keeps the newest of plain and
+  sharded together (a run that moved ddp -> zero2 -> ddp keeps the newest N of either kind), and ``app.export``
+  reads the newest. A checkpoint_dir in the older layout (shards and manifest at its top) still resumes.
 - A save the disk refuses stops every zero2 rank with the ddp path's one line (naming checkpoint_dir, the cause and
   the file) and exit 74, as ``parallel=ddp`` does (tests/integration/test_resume.py): no traceback, no retry.
 - ``ddp_zero_*`` metrics after a short zero2 run: exact bytes for MiniMLP's one bucket, wait times > 0.
@@ -35,7 +40,7 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from app.parallel.zero.checkpoint import MANIFEST
+from app.checkpoint_dir import MANIFEST, find_checkpoints, newest_sharded, sharded_path
 from app.worker.checkpoint.files import checkpoint_path, load_checkpoint
 from app.worker.config import ConfigError, TrainConfig
 from app.worker.metrics import TrainMetrics
@@ -70,8 +75,9 @@ def _train(directory, world: int, steps: int = STEPS, **settings) -> str:
 
 
 def sharded_params(directory) -> dict[str, torch.Tensor]:
-    """The whole model's parameters, put together from a sharded checkpoint's files (no process group needed)."""
-    d = Path(directory)
+    """The whole model's parameters, put together from the newest sharded checkpoint's files in a checkpoint_dir
+    (no process group needed)."""
+    d = newest_sharded(directory)
     manifest = json.loads((d / MANIFEST).read_text())
     flat = {name: torch.full((torch.Size(shape).numel(),), float("nan")) for name, shape in manifest["params"].items()}
     for shard in manifest["shards"]:
@@ -104,6 +110,16 @@ def test_each_stage_trains_like_ddp(tmp_path, reference, stage):
     assert diff < TOLERANCE, f"{stage}: max |Δparam| {diff:.3g} vs ddp"
 
 
+def test_zero3_ranks_with_unequal_shares_run_equal_micro_batch_counts_and_train_like_ddp(tmp_path, reference):
+    # 50 samples over 3 ranks are 17/17/16: micro-batches of <= 8 would be 3/3/2, and stage 3 reduce-scatters after
+    # each one, so rank 2 would leave the others waiting in their third (a hang until the collective timeout).
+    # Every rank cuts its share into 3 instead; the global batch is the same, so is the training.
+    _train(tmp_path, 3, parallel="zero3")
+    ddp = load_checkpoint(checkpoint_path(reference, STEPS))["model"]
+    diff = _max_diff(sharded_params(tmp_path), dict(ddp))
+    assert diff < TOLERANCE, f"zero3 on 3 ranks: max |Δparam| {diff:.3g} vs ddp on 2"
+
+
 @pytest.fixture(scope="module")
 def zero2_world4(tmp_path_factory) -> dict:
     top = tmp_path_factory.mktemp("zero2")
@@ -115,7 +131,9 @@ def zero2_world4(tmp_path_factory) -> dict:
 def test_zero2_resumes_on_another_world_size_where_it_stopped(zero2_world4):
     top = zero2_world4["top"]
     log = _train(top / "resharded", 3, steps=12, parallel="zero2", dtype="float64")
-    assert re.search(r"resumed from \S+manifest.json \(step 8, epoch \d+, saved by a world of 4", log), log
+    assert re.search(
+        r"resumed from \S+/sharded-step-00000008/manifest.json \(step 8, epoch \d+, saved by a world of 4", log
+    )
     assert "training mini_mlp from step 8 to 12" in log
     # The logged loss is rank 0's own share (another share at world 3), so the parameters are what is compared:
     # they match only if the resumed run took the same 4 global batches as the uninterrupted one.
@@ -125,7 +143,7 @@ def test_zero2_resumes_on_another_world_size_where_it_stopped(zero2_world4):
 
 
 def _snapshot(directory: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def _refused(directory: Path, world: int = 2, **settings) -> str:
@@ -195,12 +213,79 @@ def test_zero3_resumes_a_ddp_checkpoint_and_ddp_resumes_zero3s_and_the_export_lo
     assert re.search(rf"resumed from \S+manifest\.json \(step {STEPS}", log), log
 
 
-def test_a_shard_that_does_not_match_the_manifest_is_refused(tmp_path, zero2_world4):
+def test_a_damaged_newest_sharded_checkpoint_falls_back_to_the_one_before_and_ends_as_if_uninterrupted(
+    tmp_path, zero2_world4
+):
     d = _copy(zero2_world4["top"] / "resharded", tmp_path / "ckpt")
-    shard = d / json.loads((d / MANIFEST).read_text())["shards"][1]["file"]
-    shard.write_bytes(shard.read_bytes() + b"\0")  # changed after the manifest was written
-    error = _refused(d, parallel="zero2", dtype="float64")
-    assert shard.name in error and "does not match the manifest" in error, error
+    for found in find_checkpoints(d):
+        if found.step > 8:  # what another test of this module may have trained on from here
+            shutil.rmtree(found.path)
+    newest = sharded_path(d, 8)
+    shard = newest / json.loads((newest / MANIFEST).read_text())["shards"][1]["file"]
+    shard.write_bytes(shard.read_bytes() + b"\0")  # changed after its manifest was written
+    unfinished = sharded_path(d, 10)  # a later save killed before its manifest: no checkpoint
+    shutil.copytree(newest, unfinished)
+    (unfinished / MANIFEST).unlink()
+    log = _train(d, 4, steps=12, parallel="zero2", dtype="float64")
+    assert re.search(
+        rf"WARNING skipping {re.escape(str(unfinished))}: no manifest.json, its save did not finish", log
+    ), log
+    assert re.search(
+        rf"WARNING checkpoint {newest} is unusable \({shard}: sha256 \w+\.\.\. does not match the manifest's .*\); "
+        r"renamed to sharded-step-00000008\.corrupt; trying the previous one",
+        log,
+    ), log
+    assert re.search(
+        r"resumed from \S+/sharded-step-00000004/manifest.json \(step 4, epoch \d+, saved by a world of 4", log
+    )
+    diff = _max_diff(sharded_params(d), sharded_params(zero2_world4["top"] / "whole"))
+    assert diff < FLOAT64_TOLERANCE, f"max |Δparam| {diff:.3g} after falling back to step 4"
+    # The unfinished save is gone (the run passed its step), the damaged one kept aside for inspection.
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith("sharded-")) == [
+        "sharded-step-00000004",
+        "sharded-step-00000008",
+        "sharded-step-00000008.corrupt",
+        "sharded-step-00000012",
+    ]
+
+
+def _kept(directory: Path) -> list[str]:
+    return [f.path.name for f in find_checkpoints(directory, incomplete=True)]
+
+
+def test_keep_checkpoints_keeps_the_newest_sharded_saves(tmp_path):
+    _train(tmp_path, 2, steps=10, parallel="zero2", checkpoint_every=2, keep_checkpoints=2)  # saves 2, 4, ..., 10
+    assert _kept(tmp_path) == ["sharded-step-00000010", "sharded-step-00000008"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*_kept(tmp_path), "progress.json"])
+
+
+def test_a_run_that_moves_between_kinds_keeps_the_newest_n_of_either_and_exports_the_newest(tmp_path):
+    d, keep = tmp_path / "ckpt", {"checkpoint_every": 2, "keep_checkpoints": 3}
+    _train(d, 2, steps=4, parallel="ddp", **keep)
+    _train(d, 2, steps=8, parallel="zero3", **keep)
+    assert _kept(d) == ["sharded-step-00000008", "sharded-step-00000006", "step-00000004.pt"]
+    exported = tmp_path / "model.pt"
+    done = run_module("app.export", str(d), str(exported))
+    assert done.returncode == 0, describe(done)
+    assert _max_diff(torch.load(exported, weights_only=True), sharded_params(d)) == 0  # step 8's, not 4's
+    log = _train(d, 2, steps=10, parallel="ddp", **keep)
+    assert re.search(r"resumed from \S+/sharded-step-00000008/manifest.json \(step 8", log), log
+    assert _kept(d) == ["step-00000010.pt", "sharded-step-00000008", "sharded-step-00000006"]
+
+
+def test_a_checkpoint_dir_in_the_older_layout_resumes_and_counts_as_one_checkpoint(tmp_path, reference):
+    d = tmp_path / "ckpt"
+    _train(d, 2, steps=4, parallel="zero2")
+    step_dir = sharded_path(d, 4)
+    for part in step_dir.iterdir():  # shards and manifest at the top of checkpoint_dir, as saves used to leave them
+        part.rename(d / part.name)
+    step_dir.rmdir()
+    log = _train(d, 2, steps=STEPS, parallel="zero2")
+    assert re.search(rf"resumed from {re.escape(str(d / MANIFEST))} \(step 4, epoch \d+, saved by a world of 2", log)
+    ddp = load_checkpoint(checkpoint_path(reference, STEPS))["model"]
+    diff = _max_diff(sharded_params(d), dict(ddp))
+    assert diff < TOLERANCE, f"zero2 resumed from the older layout: max |Δparam| {diff:.3g} vs ddp"
+    assert _kept(d) == ["sharded-step-00000008", "ckpt"]  # kept (keep_checkpoints=5): a user's checkpoint not lost
 
 
 @contextlib.contextmanager
@@ -227,8 +312,8 @@ def test_a_save_the_disk_refuses_ends_every_zero_rank_in_one_line_with_exit_74(t
         assert len(errors) == 1, err
         assert f"checkpoint_dir {ckpt} could not take the checkpoint of step 4: File too large (EFBIG)" in errors[0]
         assert "No checkpoint was written" in errors[0] and "Traceback" not in err, err
-    left = [p.name for p in ckpt.iterdir() if p.name.startswith(("shard-", ".shard-", MANIFEST))]
-    assert left == [], "a failed save leaves no shard, no manifest and no temporary file"
+    left = [p.name for p in ckpt.iterdir() if p.name.startswith(("sharded-", "shard-", ".shard-", MANIFEST))]
+    assert left == [], "a failed save leaves no directory, no shard, no manifest and no temporary file"
 
 
 def test_fsdp_units_naming_no_module_is_a_config_error(tmp_path):

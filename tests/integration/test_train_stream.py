@@ -1,5 +1,6 @@
 """Streaming data on real ranks: a run over ``token_stream`` (files read in chunks) stopped at step 4 on 2 ranks and
-resumed on 3 ends with the parameters of a straight 2-rank run; a one-shot generator is refused at start-up.
+resumed on 3 ends with the parameters of a straight 2-rank run; a one-shot generator, and a packed file with a line
+that is no document (app.worker.data_pack), are refused at start-up in one line.
 
 float64, so the sum over 3 ranks' shares in another order than 2's stays far below the tolerance of 1e-12 (as
 tests/integration/test_train_sharded.py's); a resume that lost or repeated one global batch moves every parameter
@@ -77,3 +78,20 @@ def test_a_one_shot_generator_is_refused_before_training(tmp_path):
     ], describe(result)
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+
+
+def test_a_packed_file_with_a_line_that_is_no_document_is_refused_in_one_line(tmp_path):
+    (tmp_path / "docs.jsonl").write_text('[1, 2, 3]\n[4, "x"]\n')
+    kwargs = f'{{"paths": ["{tmp_path / "docs.jsonl"}"], "seq_len": 2, "sep": 0}}'
+    result = run_process(
+        "--model", "tiny_transformer", "--data", "packed_files", "--data-kwargs", kwargs, "--micro-batch", "2",
+        "--wrapper", "none", "--metrics-port", "0",
+    )  # fmt: skip
+    assert result.returncode == 2, describe(result)
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [
+        f"config error: data='packed_files': reading the stream raised ValueError: {tmp_path / 'docs.jsonl'}: the "
+        f"line at byte 10 is not a JSON list of token ids (integers >= 0); write one document per line as [id, id, "
+        f"...]"
+    ], describe(result)
+    assert "Traceback" not in result.stderr

@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
+from app.diagnostics import collectives as recorded
 from app.parallel.ddp import DistributedDataParallel as DDP
+from app.parallel.zero import stage1
 from app.parallel.zero.stage1 import ZeroRedundancyOptimizer, partition_by_size
 from app.parallel.zero.stage2 import ShardedGradDataParallel
 from app.parallel.zero.stage3 import FullyShardedDataParallel
@@ -183,6 +185,33 @@ def test_stage2_overlapping_its_all_gather_walks_with_everyone(world, kind, accu
     """overlap_gather: the parameters read right after each step (through the wrapper) are the gathered ones."""
     results = run_world(train_stage, world, 2, kind, accum, 4, {"overlap_gather": True}, timeout=300)
     assert_walks_with_everyone(results, 2)
+
+
+def stage1_in_small_buckets(rank, world):
+    """Stage 1 with broadcast buckets of 1 KiB: every owner's partition goes in several broadcasts."""
+    stage1.BROADCAST_BUCKET_BYTES = 1024
+    sizes, send = [], recorded.broadcast
+
+    def counting(tensor, name, *args, **kwargs):
+        if name.startswith("ZeRO-1 parameters"):
+            sizes.append(tensor.numel() * tensor.element_size())
+        return send(tensor, name, *args, **kwargs)
+
+    stage1.recorded.broadcast = counting
+    result = train_stage(rank, world, 1, "mlp", steps=2)
+    return result | {"sizes": sizes}
+
+
+def test_stage1_broadcasts_in_buckets_of_bounded_size_and_still_walks_with_everyone():
+    # The bucket bound is what keeps the step's copy of the parameters at two buckets instead of the whole model.
+    results = run_world(stage1_in_small_buckets, 2, timeout=300)
+    assert_walks_with_everyone(results, 1)
+    params = sum(p.numel() for p in build("mlp").parameters())
+    sizes = results[0]["sizes"]
+    largest = max(p.numel() for p in build("mlp").parameters()) * 4
+    assert max(sizes) <= max(1024, largest), sizes
+    assert sum(sizes) == 2 * params * 4, "two steps must broadcast every parameter once each"
+    assert len(sizes) > 2 * 2, f"{len(sizes)} broadcasts: as many as owners, not buckets"
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app.parallel.zero.checkpoint import CheckpointError, load_sharded, save_sharded
+from app.parallel.zero.checkpoint import CheckpointError, DamagedCheckpoint, load_sharded, save_sharded
 from app.world import run_world
 from tests.integration.test_zero import batch, build, full_parameters, wrap
 
@@ -86,8 +86,8 @@ def try_load(rank, world, stage, directory):
     except CheckpointError as e:
         after = full_parameters(stage, wrapped, model)
         unchanged = before is None or all(torch.equal(before[n], after[n]) for n in before)
-        return str(e), unchanged
-    return None, None
+        return str(e), unchanged, isinstance(e, DamagedCheckpoint)
+    return None, None, None
 
 
 def _break_a_byte(directory: Path) -> str:
@@ -124,7 +124,9 @@ def test_a_bad_checkpoint_is_one_clear_error_on_every_rank(damage, tmp_path):
         (tmp_path / shard).unlink()
         expected = f"{shard}: listed in the manifest but unreadable"
     results = run_world(try_load, 2, load_stage, str(tmp_path), timeout=120)
-    for message, unchanged in results:
+    for message, unchanged, damaged in results:
         assert message is not None and expected in message, message
         assert "\n" not in message
         assert unchanged, "a failed load changed the parameters"
+        # Damaged files let the worker resume the checkpoint before; another stage's checkpoint stops it (exit 2).
+        assert damaged == (damage != "stage"), (damage, message)

@@ -256,3 +256,27 @@ def test_a_rank_that_cannot_read_rank_0s_choice_names_the_shared_storage(tmp_pat
     )  # fmt: skip
     with pytest.raises(RuntimeError, match=r"rank 1 cannot read .*checkpoint_dir must be storage shared by all ranks"):
         ckpt._load_on_peer(path)  # one line: the regex's `.` stops at a newline
+
+
+def test_rank_0_notes_the_last_step_it_reached_which_a_resume_counts_as_redone(tmp_path):
+    # progress.json is how a resume knows how many steps the lost world had trained past its checkpoint
+    # (ddp_steps_redone_total): rank 0 writes it, the others and a run without checkpoint_dir do not.
+    import json
+    from types import SimpleNamespace
+
+    from app.worker.checkpoint.checkpointer import Checkpointer
+
+    def checkpointer(directory: str, rank: int) -> Checkpointer:
+        ctx = SimpleNamespace(rank=rank, is_main=rank == 0)
+        return Checkpointer(
+            directory, every=2, keep=2, ctx=ctx, model=None, optimizer=None, batches=None,
+            model_name="mini_mlp", seed=0, lr=0.1, global_batch=8,
+        )  # fmt: skip
+
+    (tmp_path / "peer").mkdir()
+    checkpointer(str(tmp_path / "peer"), 1).note_progress(7)
+    assert not any((tmp_path / "peer").iterdir())
+    checkpointer("", 0).note_progress(7)  # no checkpoint_dir: nothing anywhere, no error
+    checkpointer(str(tmp_path), 0).note_progress(7)
+    checkpointer(str(tmp_path), 0).note_progress(9)
+    assert json.loads((tmp_path / "progress.json").read_text()) == {"step": 9}

@@ -7,6 +7,7 @@ is imported or any process group is joined.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -67,6 +68,33 @@ def test_effective_batch_sets_accumulation_per_world_size():
     assert TrainConfig(micro_batch=32, grad_accum_steps=2).global_batch(3, 2) == 192  # no effective_batch: grows
 
 
+def test_zero3_refuses_a_global_batch_whose_smallest_share_cannot_fill_every_ranks_micro_batches():
+    # Stage 3 reduce-scatters after each micro-batch, so every rank runs as many as the largest share needs. 4 over
+    # 3 ranks is 2/1/1 samples: with micro_batch=1 rank 0 needs 2, and the others cannot cut 1 sample into 2 (it
+    # hung before this check, seen in tests/integration/test_train_composed.py).
+    cfg = TrainConfig(parallel="zero3", effective_batch=4, micro_batch=1)
+    with pytest.raises(ConfigError) as e:
+        cfg.check_world(3)
+    assert str(e.value) == (
+        "parallel=zero3: effective_batch=4 over world_size=3 leaves some ranks 1 samples for the 2 micro-batches of "
+        "micro_batch <= 1 every rank runs (zero3 reduce-scatters after each one); set effective_batch to a multiple "
+        "of 3 (e.g. 6) or raise micro_batch"
+    )
+    assert cfg.check_world(2) == 2 and cfg.check_world(4) == 1  # even shares
+    assert TrainConfig(parallel="zero3", effective_batch=12, micro_batch=2).check_world(5) == 2  # 3/3/2/2/2: 2 each
+    assert TrainConfig(parallel="zero2", effective_batch=4, micro_batch=1).check_world(3) == 2  # no_sync: one sync
+
+
+def test_zero3_ranks_cut_unequal_shares_into_equal_micro_batch_counts():
+    from app.worker.data import BatchShare
+
+    def sizes(world, equal):
+        return [BatchShare(12, 2, r, world, "cpu", None, equal_counts=equal).sizes for r in range(world)]
+
+    assert sizes(5, False) == [[2, 1], [2, 1], [2], [2], [2]]  # ddp and zero1/2: one sync per step, any counts
+    assert sizes(5, True) == [[2, 1], [2, 1], [1, 1], [1, 1], [1, 1]]  # zero3: a reduce-scatter per micro-batch
+
+
 def test_world_checks_name_the_fields():
     with pytest.raises(ConfigError, match=r"^dataset_size=48 .* micro_batch=32; raise dataset_size to >= 64"):
         TrainConfig(dataset_size=48, micro_batch=32).check_world(2)
@@ -108,7 +136,7 @@ def test_unknown_env_setting_is_an_error_with_the_nearest_name():
         ({"min_lr_ratio": 1.5}, "min_lr_ratio"),
         ({"grad_clip_norm": -1.0}, "grad_clip_norm"),
         ({"lr_reference_batch": -64}, "lr_reference_batch"),
-        ({"autocast": "bf16", "lr_schedule": "cosine", "parallel": "pipeline"}, "autocast"),
+        ({"autocast": "bf16", "lr_schedule": "cosine", "parallel": "dp"}, "autocast"),
         ({"grad_clip_norm": 1.0, "parallel": "dp"}, "grad_clip_norm"),
         ({"pipeline_split": "net.2"}, "pipeline_split"),  # parallel=ddp: nothing to split
         ({"pipeline_split": "net.2,,net.4", "parallel": "pipeline"}, "pipeline_split"),
@@ -140,11 +168,11 @@ BAD = {
     "bad yaml key": (["--config", "@bad.yaml"], {}, "unknown setting 'stpes'"),
     "wrapper none with 2 ranks": (["--wrapper", "none"], {"WORLD_SIZE": "2"}, "wrapper=none with world_size=2"),
     "unknown flag": (["--stpes", "5"], {}, "--stpes"),
-    "the recipe with a pipeline": (
-        ["--autocast", "bf16", "--parallel", "pipeline"],
+    "the recipe with DataParallel": (
+        ["--autocast", "bf16", "--parallel", "dp"],
         {},
-        "autocast=bf16: the recipe runs with parallel=ddp|zero1|zero2|zero3 (not yet in the pipeline step); unset "
-        "it, or use one of those",
+        "autocast=bf16: the recipe runs with parallel=ddp|pipeline|zero1|zero2|zero3 (not yet in the dp step); "
+        "unset it, or use one of those",
     ),
     "unknown env setting": ([], {"DDP_STESP": "10"}, "DDP_STESP: no such setting (did you mean DDP_STEPS?)"),
     "env value of the wrong type": ([], {"DDP_LR": "abc"}, "lr='abc' (from env DDP_LR): must be a float"),
@@ -287,6 +315,16 @@ def test_a_pipelines_effective_batch_is_split_among_its_replicas(world_size, rep
     assert (stages, replicas) == (2, world_size // 2)
     assert cfg.pipeline_batch(world_size) == replica_batch and replica_batch * replicas == 64
     assert TrainConfig(parallel="pipeline", pipeline_stages=2, micro_batch=32).pipeline_batch(world_size) == 32
+
+
+def test_an_effective_batch_the_replicas_cannot_split_names_the_multiple_to_choose():
+    cfg = TrainConfig(parallel="pipeline", pipeline_stages=2, effective_batch=64, pipeline_microbatches=3)
+    message = (
+        "effective_batch=64 does not split into 2 replicas x pipeline_microbatches=3 equal micro-batches; "
+        "choose a multiple of 6"
+    )
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        cfg.pipeline_layout(4)
 
 
 def test_seq_len_bounds_only_the_transformers_built_in_sequences():

@@ -81,6 +81,17 @@ def test_later_worlds_keep_torchs_last_call(rendezvous):
     assert state.deadline <= datetime.now(timezone.utc) + LAST_CALL
 
 
+def test_without_a_known_count_the_first_world_keeps_torchs_last_call(rendezvous):
+    # wait_for_peers timed out, or there is no store to count on: nobody knows how many replicas are coming, so
+    # the first arrival must not form a world of one.
+    reporter, join = rendezvous
+    reporter.first_of_job = True
+    for i in range(2):
+        state = join(i)
+    assert not state.complete, "a world formed before torch's last call, with no replica count known"
+    assert state.deadline <= datetime.now(timezone.utc) + LAST_CALL
+
+
 def test_a_job_has_started_once_its_rendezvous_has_members_a_formed_world_or_a_past_round():
     """What a launcher reads at a real c10d store before waiting for its peers (``Reporter.job_started``): torch's
     own rendezvous state, written with torch's own backend. Joining at once is right only for a started job."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -318,3 +320,65 @@ def test_the_newest_checkpoint_size_counts_only_finished_checkpoint_files(tmp_pa
     (tmp_path / "step-00000005.pt").write_bytes(b"a" * 7)
     (tmp_path / "step-00000010.pt").write_bytes(b"b" * 9)
     assert newest_checkpoint_bytes(str(tmp_path)) == 9
+
+
+REDUNDANT_CONTAINER = """
+import os, sys
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+from app.cluster.elastic import Reporter
+from app.worker.config.launch import LaunchConfig
+
+reporter = Reporter(None, "job", None, settings=LaunchConfig(redundant_grace_seconds=0.5))
+reporter.local_id = 7
+state = _RendezvousState()  # torch's own: its join puts a member past MAX on the redundancy list
+node = _NodeDesc(reporter.me, os.getpid(), 7) if sys.argv[1] == "me" else _NodeDesc("other", 1, 7)
+state.redundancy_list.add(node)
+reporter.state = lambda: state
+reporter.watch_redundancy(4, refuse=lambda reason: print("refused:", reason, flush=True))
+"""
+
+
+def test_a_container_past_max_workers_exits_2_after_the_grace_period_and_only_that_one():
+    def watch(who: str) -> subprocess.Popen:
+        argv = [sys.executable, "-c", REDUNDANT_CONTAINER, who]
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    redundant, member = watch("me"), watch("other")
+    out, err = redundant.communicate(timeout=60)
+    assert redundant.returncode == 2, err
+    assert "refused: one container more than the world's maximum of 4 workers (MAX_WORKERS)" in out
+    assert "scale to at most 4" in err
+    assert member.poll() is None, "a container in the world must not be told it is one too many"
+    member.kill()
+    member.communicate()
+
+
+def test_an_unreadable_rendezvous_state_is_none_with_its_cause_in_the_debug_log(caplog):
+    # The reporter's reads are a courtesy (never break the agent), so the traceback at debug level is all that is
+    # left to find why the reports went quiet.
+    reporter = Reporter(("127.0.0.1", 1), "job", None)
+
+    def store_gone():
+        raise ConnectionResetError("the store went away")
+
+    reporter._read = store_gone
+    with caplog.at_level(logging.DEBUG, logger="app.cluster.launch"):
+        assert reporter.state() is None
+    assert str(caplog.records[-1].exc_info[1]) == "the store went away"
+
+
+def test_the_newest_checkpoint_size_is_the_newest_complete_one_of_either_kind(tmp_path):
+    # Sharded saves each in their own directory: the newest complete one is summed (shards and manifest), an
+    # unfinished newer one (no manifest) and the older plain files are not.
+    from app.cluster.launch import newest_checkpoint_bytes
+
+    (tmp_path / "step-00000004.pt").write_bytes(b"p" * 7)
+    done = tmp_path / "sharded-step-00000006"
+    done.mkdir()
+    (done / "shard-00000-of-00002-ab.pt").write_bytes(b"s" * 40)
+    (done / "shard-00001-of-00002-ab.pt").write_bytes(b"s" * 50)
+    (done / "manifest.json").write_bytes(b"m" * 10)
+    unfinished = tmp_path / "sharded-step-00000008"
+    unfinished.mkdir()
+    (unfinished / "shard-00000-of-00002-cd.pt").write_bytes(b"u" * 1000)
+    assert newest_checkpoint_bytes(str(tmp_path)) == 100

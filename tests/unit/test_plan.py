@@ -103,3 +103,11 @@ def test_predictions_within_15_percent_of_the_measured_peaks():
             for run, predicted in (("fresh", plan_.peak), ("resume", plan_.resume_peak)):
                 measured = row[run]["peak_bytes"]
                 assert abs(predicted / measured - 1) <= 0.15, f"{kind} N={world} {run}: {predicted=} {measured=}"
+
+
+def test_zero1_in_flight_uses_stage1s_broadcast_bucket():
+    # The planner imports no torch, so it repeats stage 1's bucket: a change to one must reach the other.
+    from app import plan
+    from app.parallel.zero import stage1
+
+    assert plan.BROADCAST_BUCKET_BYTES == stage1.BROADCAST_BUCKET_BYTES

@@ -83,3 +83,24 @@ def test_the_shipped_launch_settings_are_in_order():
     k8s = re.search(r"--rdzv-conf=([\w=.,]+)", (REPO / "k8s/elastic/kustomization.yaml").read_text())[1]
     check_launch_timeouts(k8s, collective)
     assert rdzv_timeouts(k8s)["join_timeout"] == 900
+
+
+def test_the_rendezvous_defaults_assumed_are_torchs_own():
+    # A launcher without --rdzv-conf gets torch's defaults: the order is checked against those, so they must be
+    # what torch's c10d handler really takes (read off a real one, not its docs).
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    params = RendezvousParameters("c10d", "127.0.0.1:0", "job", 1, 1)
+    settings = create_handler(store, C10dRendezvousBackend(store, "job"), params).settings
+    torchs = {
+        "join_timeout": settings.timeout.join.total_seconds(),
+        "last_call_timeout": settings.timeout.last_call.total_seconds(),
+        "close_timeout": settings.timeout.close.total_seconds(),
+        "keep_alive_interval": settings.keep_alive_interval.total_seconds(),
+        "keep_alive_max_attempt": float(settings.keep_alive_max_attempt),
+    }
+    assert rdzv_timeouts("") == torchs

@@ -120,3 +120,29 @@ def test_init_from_that_does_not_fit_is_a_config_error_naming_the_setting(tmp_pa
     torch.save(nn.Linear(2, 2).state_dict(), tmp_path / "small.pt")
     with pytest.raises(ConfigError, match=r"^init_from='.*small\.pt': .*does not fit the model \(missing: "):
         build_model(TrainConfig(init_from=str(tmp_path / "small.pt")))
+
+
+def test_a_checkpoint_dir_gives_its_newest_checkpoint_that_loads_and_is_left_as_it_was(tmp_path, caplog):
+    import json
+
+    from app.parallel.zero.checkpoint import FORMAT
+
+    state = {"step": 3, "model_name": "mini_mlp", "model": _trained().state_dict(), "optimizer": {}, "data": {}}
+    save_checkpoint(tmp_path, state | {"rng": {}}, keep=5)
+    (tmp_path / "step-00000004.pt").write_bytes(b"torn")  # a plain file that does not load
+    newest = tmp_path / "sharded-step-00000005"  # a sharded one whose shard is gone
+    newest.mkdir()
+    shard = {"rank": 0, "file": "shard-00000-of-00001-ab.pt", "sha256": "0" * 64, "pieces": {}}
+    manifest = {"format": FORMAT, "params": {}, "shards": [shard], "param_groups": [], "extra": {"step": 5}}
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    model = MiniMLP()
+    load_model_state(model, read_model_state(tmp_path), str(tmp_path))
+    assert _equal(model, _trained())  # step 3's
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 2 and "sharded-step-00000005" in warned[0] and "step-00000004.pt" in warned[1], warned
+    assert "listed in the manifest but unreadable" in warned[0]
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # a reader renames nothing
+    (tmp_path / "step-00000003.pt").write_bytes(b"torn too")
+    with pytest.raises(WeightsError, match=r"none of its 3 checkpoints loads"):
+        read_model_state(tmp_path)

@@ -21,6 +21,17 @@ at named modules of any model that is a sequence of its children: ``split.py``),
 measures each step (compute vs blocked time, bytes sent) and adds data parallelism across pipeline replicas with
 this project's DDP wrapper over a sub-group (``build_pipeline_groups``).
 
+[Note: a pipeline under autocast] With a ``recipe`` (``app.parallel.accum.StepRecipe``), every stage's forward and
+the loss run under ``torch.autocast``; the parameters stay fp32, the master weights each stage's optimizer steps. An
+activation crosses to the next stage in the dtype it comes out in (bf16 after a Linear, fp32 after an op autocast
+keeps in fp32) and its gradient comes back in that dtype: PyTorch sizes the receive buffers from one forward run
+under the same autocast (``TimedStage._compute_outputs``). Not cast to fp32 for the wire: that doubles the bytes,
+and the next stage would hand its first op an fp32 tensor where one process hands it the bf16 one (an op that
+promotes, an add with an fp32 tensor, rounds otherwise), so the pipeline would no longer be one process's forward
+cut in pieces. fp16 adds a ``ShardedGradScaler``: the loss is scaled before the schedule backwards it, and
+``optimizer_step`` unscales, all-reduces one found-inf flag over the world (every stage skips the same step, every
+scale halves alike), clips and steps. bf16 has fp32's range: no scaler.
+
 Every rank builds the whole model from the same seed and keeps its slice: the stages start as the slices of one
 model, which is what makes a pipeline comparable with single-process training. (A model too big for one host would
 be built on the ``meta`` device and materialised per stage instead.)
@@ -36,10 +47,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from app.diagnostics import collectives as recorded
+from app.parallel.accum import StepRecipe
 from app.parallel.ddp import DistributedDataParallel
 from app.parallel.model_parallel import merge_stage_state_dicts, sequential_of, split_model
 from app.parallel.pipeline.split import SequenceStage, model_sequence, stage_ranges
@@ -77,8 +90,9 @@ class TimedStage(PipelineStage):
     neighbour or handing it a tensor: that is what the bubble is made of on this stage.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, recipe: StepRecipe | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.recipe = recipe or StepRecipe()
         self.compute_seconds = 0.0
         self.sent_bytes = 0
         self._receiving: list = []  # flight recorder entries of receives not yet waited for (done by the next compute)
@@ -134,13 +148,24 @@ class TimedStage(PipelineStage):
         self.sent_bytes += sum(op.tensor.nelement() * op.tensor.element_size() for op in ops)
         return self._record(ops, "gradients out", bwd_chunk_id)
 
+    def autocast(self):
+        """The recipe's autocast on this stage's device: its forward and the loss run under it, backward does not."""
+        return self.recipe.autocast(self.device.type)
+
+    def _compute_outputs(self, *args, module: nn.Module, **kwargs):
+        # The forward PyTorch runs once to infer what the stages send each other: under the same autocast as the
+        # real forwards, so the receive buffers it sizes have the dtypes the activations really come out in.
+        with self.autocast():
+            return super()._compute_outputs(*args, module=module, **kwargs)
+
     def forward_maybe_with_nosync(self, *args, **kwargs):
-        if isinstance(self.submod, DistributedDataParallel):
-            # Every micro-batch's forward runs without sync; the last backward is armed in
-            # backward_maybe_with_nosync, as PyTorch's PipelineStage does for its own DDP.
-            with self.submod.no_sync():
-                return self.submod(*args, **kwargs)
-        return super().forward_maybe_with_nosync(*args, **kwargs)
+        with self.autocast():
+            if isinstance(self.submod, DistributedDataParallel):
+                # Every micro-batch's forward runs without sync; the last backward is armed in
+                # backward_maybe_with_nosync, as PyTorch's PipelineStage does for its own DDP.
+                with self.submod.no_sync():
+                    return self.submod(*args, **kwargs)
+            return super().forward_maybe_with_nosync(*args, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if isinstance(self.submod, DistributedDataParallel) and last_backward:
@@ -198,6 +223,11 @@ class PipelineRunner:
             if t is not None:
                 self.check_batch(t.shape[0])
         compute0, bytes0 = self.stage.compute_seconds, self.stage.sent_bytes
+        scaler = self.stage.recipe.scaler
+        if scaler is not None:
+            # Only the last stage scales a loss, but every stage's optimizer_step unscales its gradients: a scale
+            # made here (GradScaler's lazy start), the same initial value on every stage.
+            scaler.scale(torch.zeros((), device=self.stage.device))
         losses: list[torch.Tensor] = []
         start = time.perf_counter()
         if self.stage.is_first:
@@ -208,7 +238,8 @@ class PipelineRunner:
             self.schedule.step(return_outputs=False)
         self.stage.sends_done()  # (every schedule waits for its sends before its step returns)
         # The loss broadcast is part of the step: the last stage blocks in it while the others drain their backward.
-        loss = self._share_loss(losses)
+        # The losses the schedule kept were scaled for backward (fp16): shared unscaled.
+        loss = self._share_loss(losses) / (scaler.get_scale() if scaler is not None else 1.0)
         wall = time.perf_counter() - start
         compute = self.stage.compute_seconds - compute0
         blocked = max(0.0, wall - compute)
@@ -224,6 +255,18 @@ class PipelineRunner:
         src = self._last_stage_rank if self._last_stage_rank is not None else self.num_stages - 1
         recorded.broadcast(value, "pipeline: the loss", src=src, group=self.group)
         return value.item()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> tuple[float | None, bool]:
+        """The recipe's end of a step on this stage's ``optimizer``: unscale (fp16), clip by the whole model's norm,
+        step unless some stage found an inf/NaN gradient, update the scale; then the gradients are dropped.
+        Returns ``(grad_norm before clipping or None, skipped)``, the same on every rank. Collective: every rank.
+
+        ``ShardedGradScaler.unscale_`` all-reduces its found-inf flag over the world, so one stage's overflow skips
+        the step on every stage and every scale halves alike: the stages stay one model with one scale.
+        """
+        grad_norm, skipped = self.stage.recipe.step(self, optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm, skipped
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip the gradients by their global L2 norm over the whole model, as ``torch.nn.utils.clip_grad_norm_`` does
@@ -340,6 +383,7 @@ def build_pipeline_stage(
     balance: str = "params",
     bucket_cap_mb: float = 25.0,
     split: Sequence[str] | None = None,
+    recipe: StepRecipe | None = None,
 ) -> PipelineRunner:
     """Build this rank's stage of ``model``, on PyTorch's pipelining engine.
 
@@ -359,6 +403,8 @@ def build_pipeline_stage(
         bucket_cap_mb: the DDP wrapper's bucket size when ``dp_group`` is given.
         split: the names in ``model_sequence(model)`` where stages 2.. begin (``plan_split`` checks and balances
             them); ``None``: ``split_model`` by ``balance``.
+        recipe: autocast for every stage's forward and the loss, an fp16 ``ShardedGradScaler`` (one found-inf
+            flag over the world) and clipping, as ``optimizer_step`` applies them; None: fp32, no clipping.
 
     Example::
 
@@ -371,6 +417,11 @@ def build_pipeline_stage(
         raise ValueError(f"a pipeline needs >= 2 stages, got {num_stages}: run data parallel (--parallel ddp) instead")
     if n_microbatches < 1:
         raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
+    if recipe is not None and recipe.scaler is not None and not isinstance(recipe.scaler, ShardedGradScaler):
+        raise ValueError(
+            "recipe.scaler must be a ShardedGradScaler: each stage holds a slice of the gradient, and every stage must "
+            "skip a step whose gradient overflowed on any of them"
+        )
     if schedule == "1f1b" and n_microbatches < num_stages:
         raise ValueError(
             f"1f1b needs n_microbatches >= stages ({n_microbatches} < {num_stages}): raise n_microbatches or use gpipe"
@@ -388,7 +439,7 @@ def build_pipeline_stage(
     submod = module
     if dp_group is not None:
         submod = DistributedDataParallel(module, process_group=dp_group, bucket_cap_mb=bucket_cap_mb)
-    stage = TimedStage(submod, stage_index, num_stages, torch.device(device), group=group)
+    stage = TimedStage(submod, stage_index, num_stages, torch.device(device), group=group, recipe=recipe)
     timed_loss = _timed(loss_fn, stage)
     sched = SCHEDULES[schedule](stage, n_microbatches=n_microbatches, loss_fn=timed_loss, scale_grads=True)
     return PipelineRunner(module, stage, sched, prefix, group, dp_group, schedule)
@@ -396,10 +447,13 @@ def build_pipeline_stage(
 
 def _timed(loss_fn: Callable, stage: TimedStage) -> Callable:
     # The loss is computed by the schedule between the last stage's forward and backward: compute, not waiting.
+    # Under the recipe's autocast, as accumulation_step computes it; scaled (fp16), since the schedule backwards it.
     def loss(output, target):
         start = time.perf_counter()
         try:
-            return loss_fn(output, target)
+            with stage.autocast():
+                value = loss_fn(output, target)
+            return stage.recipe.scale(value)
         finally:
             stage.compute_seconds += time.perf_counter() - start
 

@@ -3,7 +3,7 @@
 A ZeRO rank holds 1/N of the optimizer state (and, in stage 3, of the parameters). Gathering all of it onto rank 0
 to save it would need on one rank the very memory sharding saved, so each rank writes what it holds:
 
-    directory/
+    directory/                       the worker's: checkpoint_dir/sharded-step-00000060/ (app.checkpoint_dir)
       shard-00000-of-00004-<id>.pt   rank 0's pieces (+ the replicated tensors: buffers, frozen parameters)
       ...
       shard-00003-of-00004-<id>.pt   (<id>: fresh for each save, so a save never overwrites the files in use)
@@ -18,9 +18,11 @@ each rank reads the pieces overlapping what it now holds, from whichever of the 
 time: no rank ever holds more than a few shards' worth of state).
 
 Every file is written atomically (app.files: temporary file, fsync, rename, directory fsync) and the manifest only
-after every shard is on disk, so a crash mid-save leaves either the old manifest (whose digests then reject the new
-files) or the new one. Nothing is copied to save it, nor held twice to load it. Anything wrong on load raises a
-one-line ``CheckpointError``.
+after every shard is on disk, so a crash mid-save leaves a directory without a manifest (no checkpoint: the worker
+resumes from the one before) or, saving again into one that had a manifest, the old manifest (whose digests then
+reject the new files). Nothing is copied to save it, nor held twice to load it. Anything wrong on load raises a
+one-line ``CheckpointError``; ``DamagedCheckpoint`` when the files are what is wrong (a changed or missing shard, no
+readable manifest), so that an older checkpoint may load, rather than the checkpoint being another run's.
 
     save_sharded(directory, model, optimizer, extra={"step": step})   # on every rank, collectively
     extra = load_sharded(directory, model, optimizer)                  # on every rank, any world size
@@ -28,6 +30,7 @@ one-line ``CheckpointError``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -40,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from app.checkpoint_dir import MANIFEST
 from app.cli import first_line
 from app.files import write_atomically
 from app.parallel.zero.stage1 import ZeroRedundancyOptimizer
@@ -47,11 +51,15 @@ from app.parallel.zero.stage2 import ShardedGradDataParallel
 from app.parallel.zero.stage3 import FullyShardedDataParallel
 
 FORMAT = "ddp-cluster.sharded-checkpoint.v1"
-MANIFEST = "manifest.json"
 
 
 class CheckpointError(Exception):
     """A sharded checkpoint that cannot be loaded here: another stage, a changed file, a missing piece."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """The checkpoint's files are damaged or incomplete (no readable manifest, a shard changed or missing, pieces
+    that do not cover the model): not a mismatch with this run, so an older checkpoint may still load."""
 
 
 class ShardWriteError(CheckpointError):
@@ -165,6 +173,8 @@ def save_sharded(directory, model: nn.Module, optimizer, extra: dict | None = No
         payload["replicated"] = {
             k: v.detach().clone() for k, v in _bare(model).state_dict().items() if k not in sharded
         }
+    # Looked at before the broadcast below, which no rank passes before rank 0 sends: nobody has created it yet.
+    created = rank == 0 and not directory.exists()  # a failed save removes it again: nothing of it is left
     # A fresh name per save: the files of the checkpoint the current manifest describes are never overwritten,
     # so until the new manifest replaces it, the old checkpoint stays whole.
     token = [os.urandom(4).hex() if rank == 0 else None]
@@ -190,6 +200,10 @@ def save_sharded(directory, model: nn.Module, optimizer, extra: dict | None = No
     )
     if verdict[0] is not None:
         (directory / name).unlink(missing_ok=True)  # the space it took, for the next try; no manifest lists it
+        dist.barrier(group=process_group)  # every rank's file gone before rank 0 removes the directory
+        if created:
+            with contextlib.suppress(OSError):  # not empty (another writer's file): then it stays
+                directory.rmdir()
         raise ShardWriteError(*verdict[0])
     dist.barrier(group=process_group)  # nobody returns before the checkpoint is complete
 
@@ -237,9 +251,9 @@ def read_manifest(directory) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: no manifest (not a sharded checkpoint, or its save did not finish)") from None
+        raise DamagedCheckpoint(f"{path}: no manifest (not a sharded checkpoint, or its save did not finish)") from None
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: unreadable manifest ({e})") from None
+        raise DamagedCheckpoint(f"{path}: unreadable manifest ({e})") from None
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
     return manifest
@@ -253,10 +267,10 @@ def _read_shard(directory: Path, shard: dict) -> dict:
             while block := f.read(1 << 20):
                 sha256.update(block)
     except OSError as e:
-        raise CheckpointError(f"{path}: listed in the manifest but unreadable ({e.strerror})") from None
+        raise DamagedCheckpoint(f"{path}: listed in the manifest but unreadable ({e.strerror})") from None
     digest = sha256.hexdigest()
     if digest != shard["sha256"]:
-        raise CheckpointError(
+        raise DamagedCheckpoint(
             f"{path}: sha256 {digest[:12]}... does not match the manifest's {shard['sha256'][:12]}...: the file "
             f"changed after the manifest was written (an interrupted save?); use another checkpoint"
         )
@@ -279,7 +293,9 @@ def load_sharded(directory, model: nn.Module, optimizer, process_group=None, sou
         manifest, stage, entries, state, buffers, scalars, replicated = loaded
         error = None
     except Exception as e:  # noqa: BLE001 (any rank's failure must reach every rank, or the others would hang)
-        error = str(e) if isinstance(e, CheckpointError) else f"{directory}: {type(e).__name__}: {e}"
+        error = (str(e), isinstance(e, DamagedCheckpoint))
+        if not isinstance(e, CheckpointError):
+            error = (f"{directory}: {type(e).__name__}: {e}", False)
     _agree(error, process_group)  # all ranks read what they need, or none changes anything
     _install(entries, state, buffers, scalars)
     for group, saved in zip(optimizer.param_groups, manifest["param_groups"]):
@@ -290,12 +306,14 @@ def load_sharded(directory, model: nn.Module, optimizer, process_group=None, sou
     return manifest.get("extra", {})
 
 
-def _agree(error: str | None, process_group) -> None:
-    """Raise ``CheckpointError`` on every rank if any rank failed (the lowest rank's message)."""
+def _agree(error: tuple[str, bool] | None, process_group) -> None:
+    """Raise ``CheckpointError`` on every rank if any rank failed (the lowest rank's message; ``DamagedCheckpoint``
+    if that rank found the files damaged). ``error``: this rank's (message, damaged), or None."""
     errors = [None] * dist.get_world_size(process_group)
     dist.all_gather_object(errors, error, group=process_group)
     if (first := next((e for e in errors if e), None)) is not None:
-        raise CheckpointError(first_line(first))
+        message, damaged = first
+        raise (DamagedCheckpoint if damaged else CheckpointError)(first_line(message))
 
 
 def _read_for_this_rank(directory: Path, model: nn.Module, optimizer, manifest: dict, read=None):
@@ -329,7 +347,7 @@ def _read_for_this_rank(directory: Path, model: nn.Module, optimizer, manifest: 
         del payload  # before the next file is read: one file's tensors at a time
     for name, (lo, hi) in needed.items():
         if filled[name] != hi - lo:
-            raise CheckpointError(
+            raise DamagedCheckpoint(
                 f"{directory}: the shards hold {filled[name]} of elements [{lo}, {hi}) of {name!r}: the manifest "
                 f"does not match its files"
             )
@@ -459,7 +477,7 @@ def consolidate(directory) -> Consolidated:
         del payload  # one file's tensors at a time
     for name, count in covered.items():  # a gap or an overlap: the shards are not one model
         if (count != 1).any():
-            raise CheckpointError(f"{directory}: the shards do not cover every element of {name!r} exactly once")
+            raise DamagedCheckpoint(f"{directory}: the shards do not cover every element of {name!r} exactly once")
     model = replicated | {name: flat[name].pop("param").view(shape) for name, shape in shapes.items()}
     optimizer = {n: scalars[n] | {k: v.view(shapes[n]) for k, v in flat[n].items()} for n in shapes}
     return Consolidated(model, optimizer, manifest["param_groups"], manifest.get("extra", {}))

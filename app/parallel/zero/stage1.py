@@ -40,6 +40,9 @@ from app.diagnostics import collectives as recorded
 # Optimizers that cannot step a subset of the parameters on its own: LBFGS re-evaluates the whole model through a
 # closure and keeps one flat history over *all* parameters, so 1/N of it is not a smaller LBFGS.
 _NOT_SHARDABLE = (torch.optim.LBFGS,)
+# The most bytes one broadcast of updated parameters carries: DDP's bucket cap, large enough that a small model
+# still goes in one broadcast per owner, small enough that the two in flight cost little beside the model.
+BROADCAST_BUCKET_BYTES = 25 * 2**20
 
 
 def refuse_unshardable(optimizer_class: type) -> None:
@@ -147,23 +150,22 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return loss
 
     def broadcast_partitions(self) -> None:
-        """Every rank sends its updated parameters and receives the others': one flat broadcast per owner.
+        """Every rank sends its updated parameters and receives the others': flat broadcasts of at most
+        ``BROADCAST_BUCKET_BYTES`` each, owner after owner.
 
-        At most two owners' flats are alive at once (each is 1/N of the model): launching all N and waiting at the
-        end would hold a second copy of the whole model on every rank.
+        At most two flats are alive at once, so the copy this costs is two buckets whatever the model's size:
+        one flat per owner would hold a second copy of the whole model at world 2 (two owners of half each).
         """
         pending: list[tuple] = []
         for r in range(self.world_size):
-            params = [p for ps in self._partition[r] for p in ps]
-            if not params:
-                continue
-            # One flat tensor per owner: N broadcasts per step instead of one per parameter (the latency floor).
-            flat = torch.cat([p.reshape(-1) for p in params]) if r == self.rank else _empty_like_flat(params)
             src, group = self._owner_global_rank[r], self.process_group
-            work = recorded.broadcast(flat, f"ZeRO-1 parameters of rank {r}", src=src, group=group, async_op=True)
-            pending.append((work, params, flat))
-            if len(pending) > 1:
-                _unflatten(*pending.pop(0))
+            for params in _buckets([p for ps in self._partition[r] for p in ps], BROADCAST_BUCKET_BYTES):
+                # Flat: one broadcast per bucket instead of one per parameter (the latency floor).
+                flat = torch.cat([p.reshape(-1) for p in params]) if r == self.rank else _empty_like_flat(params)
+                work = recorded.broadcast(flat, f"ZeRO-1 parameters of rank {r}", src=src, group=group, async_op=True)
+                pending.append((work, params, flat))
+                if len(pending) > 1:
+                    _unflatten(*pending.pop(0))
         for item in pending:
             _unflatten(*item)
 
@@ -225,6 +227,20 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 self.optim.state[p] = {k: _to_like(v, p) for k, v in saved.items()}
         for group, local in zip(self.param_groups, self.optim.param_groups):
             local.update({k: v for k, v in group.items() if k != "params"})
+
+
+def _buckets(params: list[torch.Tensor], limit_bytes: int):
+    """``params`` in order, cut into runs of at most ``limit_bytes`` (a larger parameter is a run of its own)."""
+    run, size = [], 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if run and size + nbytes > limit_bytes:
+            yield run
+            run, size = [], 0
+        run.append(p)
+        size += nbytes
+    if run:
+        yield run
 
 
 def _unflatten(work, params: list[torch.Tensor], flat: torch.Tensor) -> None:

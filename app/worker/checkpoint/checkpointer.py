@@ -1,17 +1,19 @@
 """The ``Checkpointer``: resume, cadence, every rank's RNG state, the save on rank 0 (the file format is
 app.worker.checkpoint.files).
 
-``Checkpointer`` is what the training loop talks to: it resumes every rank from the newest valid file (rank 0
-decides), says when a save is due (``should_save``), gathers every rank's RNG state and writes on rank 0. Loading
-maps every tensor to the CPU and lets ``load_state_dict`` place it: the model's tensors are copied onto the model's
-device, while AdamW's ``step`` counters stay on the CPU where AdamW keeps them (on a GPU they would cost host syncs).
+``Checkpointer`` is what the training loop talks to: it resumes every rank from the newest checkpoint of either kind
+that loads (rank 0 lists them; a damaged or unfinished one is skipped with a warning naming it and why), says when a
+save is due (``should_save``), gathers every rank's RNG state and writes on rank 0. Loading maps every tensor to the
+CPU and lets ``load_state_dict`` place it: the model's tensors are copied onto the model's device, while AdamW's
+``step`` counters stay on the CPU where AdamW keeps them (on a GPU they would cost host syncs).
 
 The ZeRO step kinds (``parallel=zero1|zero2|zero3``, app.worker.steps.zero) hand over a ``ShardedState`` instead:
-their checkpoint is ``app.parallel.zero.checkpoint``'s, one shard per rank and ``manifest.json`` in
-``checkpoint_dir`` (replaced whole by each save: one checkpoint, not ``keep``), the step, the sampler position, the
+their checkpoint is ``app.parallel.zero.checkpoint``'s, one shard per rank and ``manifest.json`` in a directory of
+its own per save (``checkpoint_dir/sharded-step-00000060/``, app.checkpoint_dir), the step, the sampler position, the
 RNG states, generation, wall time and global batch in the manifest's ``extra``. It resumes on any world size (the
-shards are cut again); a checkpoint of another stage, or shards that do not match the manifest, is a
-``CheckpointMismatch`` (exit 2) before anything is loaded or written.
+shards are cut again); a checkpoint of another stage or model is a ``CheckpointMismatch`` (exit 2) before anything
+is loaded or written, shards that do not match their manifest a damaged checkpoint (the previous one is tried).
+Both kinds count together towards ``keep`` (``app.checkpoint_dir.prune``, rank 0, once a save is complete).
 
 Across kinds: a ZeRO stage resumes a plain ``step-*.pt`` (every rank reads it whole and keeps its shard), and plain
 DDP resumes a sharded checkpoint (every rank consolidates it, one shard file at a time): ddp -> zero3 -> ddp, on any
@@ -35,23 +37,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from app.checkpoint_dir import MANIFEST, SHARDED, Found, find_checkpoints, prune, set_aside, sharded_path
 from app.parallel.zero.checkpoint import (
-    MANIFEST,
     CheckpointError,
+    DamagedCheckpoint,
     ShardWriteError,
     consolidate,
     load_sharded,
-    read_manifest,
     save_sharded,
 )
-from app.worker.checkpoint.files import (
-    checkpoint_path,
-    list_checkpoints,
-    load_checkpoint,
-    load_latest,
-    save_checkpoint,
-    unusable_reason,
-)
+from app.worker.checkpoint.files import load_checkpoint, save_checkpoint, unusable_reason
 from app.worker.checkpoint.weights import WeightsError, consolidated_from_plain, plain_optimizer_state
 
 log = logging.getLogger(__name__)
@@ -145,28 +140,64 @@ class Checkpointer:
 
     # -- resume -----------------------------------------------------------------------------------------------------
     def resume(self) -> Resumed | None:
-        """Every rank loads the checkpoint rank 0 found to be the newest valid one (a broadcast: all must call)."""
+        """Every rank loads the newest checkpoint of either kind that loads (a broadcast: all must call).
+
+        Rank 0 lists the candidates, so every rank tries the same ones in the same order even if a file changes
+        while they look. One that is damaged or incomplete is skipped with a warning naming it and why (set aside as
+        ``.corrupt`` when damaged, as ``files.load_latest`` does) and the previous one is tried; one that belongs to
+        another run (model, stage, pipeline) stops the run with ``CheckpointMismatch`` instead.
+        """
         if not self.directory:
             return None
-        if isinstance(self.model, ShardedState):
-            return self._resume_sharded(self.model)
-        if self._newest_format() == "sharded":  # every rank looks: the storage is shared, nobody waits
-            return self._resume_from_sharded()
-        ctx = self.ctx
-        found = load_latest(self.directory) if ctx.is_main else None
-        chosen = torch.tensor([found[1]["step"] if found else -1], dtype=torch.int64, device=ctx.device)
-        # Rank 0 decides, so all ranks resume from the same step even if a file changes while they look.
-        dist.broadcast(chosen, src=0)
-        step = int(chosen.item())
-        if step < 0:
+        listed = [find_checkpoints(self.directory, incomplete=True) if self.ctx.is_main else None]
+        dist.broadcast_object_list(listed, src=0)
+        for found in listed[0]:
+            resumed = self._resume_from(found)
+            if resumed is not None:
+                return resumed
+        return None
+
+    def _resume_from(self, found: Found) -> Resumed | None:
+        """Load ``found`` on every rank, or None (every rank together) when it is damaged or incomplete."""
+        if not found.complete:
+            if self.ctx.is_main:
+                log.warning(
+                    "skipping %s: no %s, its save did not finish; trying the previous one", found.path, MANIFEST
+                )
             return None
-        path = checkpoint_path(self.directory, step)
-        state = found[1] if found is not None else self._load_on_peer(path)
-        if state["model_name"] != self.model_name:
-            raise CheckpointMismatch(
-                f"checkpoint_dir={self.directory!r} holds {state['model_name']} checkpoints "
-                f"but model={self.model_name}; use another checkpoint_dir or model"
-            )
+        sharded = self.model if isinstance(self.model, ShardedState) else None
+        try:
+            if found.kind == SHARDED:
+                return self._load_sharded(sharded, found) if sharded else self._consolidate_sharded(found)
+            state = self._read_plain(found)
+            if state is None:
+                return None
+            return self._plain_into_shards(sharded, state, found.path) if sharded else self._load_plain(state, found)
+        except DamagedCheckpoint as e:  # raised on every rank together: all move on to the previous one
+            if self.ctx.is_main:
+                aside = set_aside(found)
+                log.warning("checkpoint %s is unusable (%s); %s; trying the previous one", found.path, e, aside)
+            return None
+
+    def _read_plain(self, found: Found) -> dict[str, Any] | None:
+        """Rank 0 validates the file and says whether it loads; each peer then reads it too (None: it did not)."""
+        state, reason = None, None
+        if self.ctx.is_main:
+            try:
+                state = load_checkpoint(found.path)
+            except Exception as e:  # noqa: BLE001 - any failure to read means "unusable": fall back to the previous
+                reason = unusable_reason(e)
+        verdict = [reason]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            if self.ctx.is_main:
+                aside = set_aside(found)
+                log.warning("checkpoint %s is unusable (%s); %s; trying the previous one", found.path, reason, aside)
+            return None
+        return state if state is not None else self._load_on_peer(found.path)
+
+    def _load_plain(self, state: dict[str, Any], found: Found) -> Resumed:
+        self._check_model_name(state["model_name"])
         if "pipeline_stages" in state["optimizer"] and isinstance(self.optimizer, torch.optim.Optimizer):
             raise CheckpointMismatch(
                 f"checkpoint_dir={self.directory!r} holds a {state['optimizer']['pipeline_stages']}-stage pipeline's "
@@ -176,10 +207,11 @@ class Checkpointer:
         self.optimizer.load_state_dict(state["optimizer"])  # moves state to the parameters' device, `step` stays
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr  # the configured lr wins over the saved one: changing it on resume is allowed
+        step = int(state["step"])
         self._restore_recipe(state, step)
         self.batches.load_state_dict(state["data"])
         self._restore_rng(state["rng"], step)
-        return self._resumed(state, step, path)
+        return self._resumed(state, step, found.path)
 
     def _recipe_state(self) -> dict[str, Any]:
         """The schedule's and the GradScaler's states, where the kind has them (small, JSON-able: the manifest)."""
@@ -208,25 +240,20 @@ class Checkpointer:
             steps_redone=last_seen - step if last_seen is not None and last_seen > step else None,
         )
 
-    def _resume_sharded(self, sharded: ShardedState) -> Resumed | None:
+    def _load_sharded(self, sharded: ShardedState, found: Found) -> Resumed:
         """Every rank loads its part of the sharded checkpoint (collective), cut for this world's size."""
-        d = Path(self.directory)
-        newest = self._newest_format()  # every rank looks (shared storage): all start fresh, or all load
-        if newest != "sharded":
-            return self._resume_from_plain(sharded) if newest == "plain" else None
         try:
-            # Raises on every rank, before anything is changed, on another stage, model or a changed shard.
-            extra = load_sharded(d, sharded.model, sharded.optimizer)
+            # Raises on every rank, before anything is changed: DamagedCheckpoint for damaged files (the caller
+            # falls back), CheckpointError for another stage or model.
+            extra = load_sharded(found.path, sharded.model, sharded.optimizer)
+        except DamagedCheckpoint:
+            raise
         except CheckpointError as e:
             raise CheckpointMismatch(f"checkpoint_dir={self.directory!r}: {e}") from None
-        if extra.get("model_name") != self.model_name:
-            raise CheckpointMismatch(
-                f"checkpoint_dir={self.directory!r} holds {extra.get('model_name')} checkpoints "
-                f"but model={self.model_name}; use another checkpoint_dir or model"
-            )
+        self._check_model_name(extra.get("model_name"))
         for group in sharded.optimizer.param_groups:
             group["lr"] = self.lr  # the configured lr wins, as for a plain checkpoint
-        return self._restore_extra(extra, d / MANIFEST)
+        return self._restore_extra(extra, found.named)
 
     def _restore_extra(self, extra: dict[str, Any], path: Path) -> Resumed:
         """What a checkpoint saves beside the model and optimizer: the schedule, data position and RNG streams."""
@@ -240,16 +267,9 @@ class Checkpointer:
         return self._resumed(extra, step, path)
 
     # -- resume across kinds: a plain checkpoint under ZeRO, a sharded one under plain DDP -------------------------
-    def _resume_from_plain(self, sharded: ShardedState) -> Resumed:
-        """A ZeRO stage resumes the newest ``step-*.pt`` (rank 0 decides): every rank reads it whole and keeps its
-        shard. Costs the whole state in memory once on every rank, as the plain run that wrote it held it."""
-        found = load_latest(self.directory) if self.ctx.is_main else None
-        chosen = [int(found[1]["step"]) if found else -1]
-        dist.broadcast_object_list(chosen, src=0)
-        if chosen[0] < 0:
-            return None
-        path = checkpoint_path(self.directory, chosen[0])
-        state = found[1] if found is not None else self._load_on_peer(path)
+    def _plain_into_shards(self, sharded: ShardedState, state: dict[str, Any], path: Path) -> Resumed:
+        """A ZeRO stage resumes a ``step-*.pt``: every rank has read it whole and keeps its shard. Costs the whole
+        state in memory once on every rank, as the plain run that wrote it held it."""
         self._check_model_name(state.get("model_name"))
         try:
             whole = consolidated_from_plain(state)
@@ -266,36 +286,31 @@ class Checkpointer:
         )
         return self._restore_extra(extra, path)
 
-    def _resume_from_sharded(self) -> Resumed:
+    def _consolidate_sharded(self, found: Found) -> Resumed:
         """Plain DDP resumes a ZeRO stage's sharded checkpoint: every rank consolidates it (one shard at a time)."""
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise CheckpointMismatch(
                 f"checkpoint_dir={self.directory!r} holds a sharded checkpoint (parallel=zero1|zero2|zero3, "
-                f"{MANIFEST}); resume it with a zero stage or parallel=ddp, or use another checkpoint_dir"
+                f"{found.named}); resume it with a zero stage or parallel=ddp, or use another checkpoint_dir"
             )
+        whole, error = None, None
         try:
-            whole = consolidate(self.directory)
+            whole = consolidate(found.path)
         except CheckpointError as e:
-            raise CheckpointMismatch(f"checkpoint_dir={self.directory!r}: {e}") from None
+            error = (str(e), isinstance(e, DamagedCheckpoint))
+        errors = [None] * self.ctx.world_size
+        dist.all_gather_object(errors, error)  # each rank read it alone: all fall back, or all load
+        if (first := next((e for e in errors if e), None)) is not None:
+            if first[1]:
+                raise DamagedCheckpoint(first[0])
+            raise CheckpointMismatch(f"checkpoint_dir={self.directory!r}: {first[0]}")
         self._check_model_name(whole.extra.get("model_name"))
         self.model.load_state_dict(whole.model)
         self.optimizer.load_state_dict(plain_optimizer_state(whole, self.model, self.optimizer))
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
-        log.info("resuming from the sharded checkpoint in %s (consolidated on every rank)", self.directory)
-        return self._restore_extra(whole.extra, Path(self.directory) / MANIFEST)
-
-    def _newest_format(self) -> str | None:
-        """ "plain" or "sharded": which of the two kinds of checkpoint in ``checkpoint_dir`` holds the later step
-        (a run that moved from one kind to the other leaves both); None when there is neither."""
-        plain = list_checkpoints(self.directory)
-        try:
-            sharded_step = int(read_manifest(self.directory).get("extra", {}).get("step", -1))
-        except CheckpointError:  # no manifest (or an unreadable one: the sharded resume says so if it is chosen)
-            sharded_step = -1 if not (Path(self.directory) / MANIFEST).exists() else float("inf")
-        if not plain and sharded_step < 0:
-            return None
-        return "sharded" if sharded_step > (plain[0][0] if plain else -1) else "plain"
+        log.info("resuming from the sharded checkpoint %s (consolidated on every rank)", found.path)
+        return self._restore_extra(whole.extra, found.named)
 
     def _check_model_name(self, name: str | None) -> None:
         if name != self.model_name:
@@ -403,14 +418,18 @@ class Checkpointer:
             "wall_time": time.time(),
             "global_batch": self.global_batch,
         } | self._recipe_state()
+        directory = sharded_path(self.directory, step)
         try:
-            save_sharded(self.directory, sharded.model, sharded.optimizer, extra=extra)
+            save_sharded(directory, sharded.model, sharded.optimizer, extra=extra)
         except ShardWriteError as e:  # on every rank together: the same one line as a plain checkpoint's
             raise CheckpointWriteError(
                 f"checkpoint_dir {self.directory} could not take the checkpoint of step {step}: {e.cause}, writing "
                 f"{e.where}. Free space or fix the permissions, or point checkpoint_dir elsewhere. {self.last_good()}"
             ) from None
-        return (Path(self.directory) / MANIFEST, time.perf_counter() - t0) if self.ctx.is_main else None
+        if not self.ctx.is_main:
+            return None
+        prune(self.directory, self.keep, newest=step)  # save_sharded returned: every shard and the manifest are on disk
+        return directory / MANIFEST, time.perf_counter() - t0
 
     def note_progress(self, step: int) -> None:
         """Rank 0 records the last step it reached (cheap, not fsynced: losing it only loses a statistic)."""
@@ -425,10 +444,8 @@ class Checkpointer:
             tmp.unlink(missing_ok=True)
 
     def last_good(self) -> str:
-        if self.directory and (Path(self.directory) / MANIFEST).exists():
-            return f"Last good checkpoint kept: {Path(self.directory) / MANIFEST} (sharded)."
-        found = list_checkpoints(self.directory) if self.directory else []
-        return f"Last good checkpoint kept: {found[0][1]}." if found else "No checkpoint was written."
+        found = find_checkpoints(self.directory) if self.directory else []
+        return f"Last good checkpoint kept: {found[0].named}." if found else "No checkpoint was written."
 
 
 def _encode_rng(state: torch.Tensor) -> str:

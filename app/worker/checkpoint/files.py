@@ -16,48 +16,41 @@ pickled code. Writing: temp file in the same directory, flush + fsync, ``os.repl
 directory; a crash at any moment leaves either the old set of files or the new one, never a half-written
 ``step-*.pt``. Loading: a file that ``torch.load`` rejects (truncated) or whose digest does not match (bits changed)
 is reported with a warning naming it, renamed to ``step-XXXXXXXX.pt.corrupt`` (kept for inspection, no longer counted
-as a checkpoint) and the next older one is tried. Pruning keeps the newest ``keep`` checkpoints up to and including
-the one just written and never deletes anything newer: a torn file with a higher step never pushes a good one out.
+as a checkpoint) and the next older one is tried. Pruning (``app.checkpoint_dir.prune``, the one policy for plain
+and sharded checkpoints) keeps the newest ``keep`` up to and including the one just written and never deletes
+anything newer: a torn file with a higher step never pushes a good one out.
 
 The ``Checkpointer`` (``checkpointer.py``) is what the training loop uses; this module is the file format:
-writing, listing, loading, validating and pruning ``step-*.pt`` files.
+writing, listing, loading and validating ``step-*.pt`` files.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import re
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from app.checkpoint_dir import PLAIN, Found, find_checkpoints, plain_path, prune, set_aside
 from app.cli import first_line
 from app.files import write_atomically
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1
-_NAME = re.compile(r"^step-(\d{8,})\.pt$")
 REQUIRED = ("format", "step", "model_name", "model", "optimizer", "data", "rng", "digest")
 
 
-def checkpoint_path(directory: str | Path, step: int) -> Path:
-    return Path(directory) / f"step-{step:08d}.pt"
+checkpoint_path = plain_path  # this module's name for it, as its callers know it
 
 
 def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every checkpoint file in ``directory``, newest (highest step) first."""
-    d = Path(directory)
-    if not d.is_dir():
-        return []
-    found = [(int(m.group(1)), d / m.group(0)) for m in map(_NAME.match, os.listdir(d)) if m]
-    return sorted(found, reverse=True)
+    """``(step, path)`` of every plain checkpoint file in ``directory``, newest (highest step) first."""
+    return [(f.step, f.path) for f in find_checkpoints(directory) if f.kind == PLAIN]
 
 
 def digest(state: dict[str, Any]) -> str:
@@ -114,7 +107,8 @@ def checkpoint_dir_problem(directory: str | Path, is_main: bool) -> str | None:
 
 
 def save_checkpoint(directory: str | Path, state: dict[str, Any], keep: int) -> Path:
-    """Write ``state`` (which must hold "step") atomically as ``step-XXXXXXXX.pt``; keep the newest ``keep``."""
+    """Write ``state`` (which must hold "step") atomically as ``step-XXXXXXXX.pt``; keep the newest ``keep``
+    checkpoints of either kind (``app.checkpoint_dir.prune``)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     state = {**state, "format": FORMAT}
@@ -123,21 +117,6 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], keep: int) -> 
     write_atomically(final, lambda f: torch.save(state, f))
     prune(d, keep, newest=int(state["step"]))
     return final
-
-
-def prune(directory: Path, keep: int, newest: int) -> None:
-    """Delete all but the ``keep`` newest checkpoints at or below step ``newest`` (the one just written).
-
-    Files above ``newest`` are left alone: this writer did not produce them, so they are either unvalidated (a
-    resume that skipped them renames them ``.corrupt``) or someone else's; counting them would let a torn file with
-    a higher step delete the good one just written.
-    """
-    older = [path for step, path in list_checkpoints(directory) if step <= newest]
-    for path in older[max(keep, 1) :]:
-        path.unlink(missing_ok=True)
-    for stale in directory.glob(".step-*.pt.tmp-*"):  # left by a writer that crashed mid-write
-        if stale.stat().st_mtime < time.time() - 60:
-            stale.unlink(missing_ok=True)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -158,12 +137,13 @@ def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
     Each one rejected on the way is renamed ``<name>.corrupt``: kept for inspection, but no longer a checkpoint,
     so it neither counts towards ``keep`` nor gets tried again. Only rank 0 calls this.
     """
-    for _, path in list_checkpoints(directory):
+    for step, path in list_checkpoints(directory):
         try:
             return path, load_checkpoint(path)
         except Exception as e:  # noqa: BLE001 - any failure to read means "unusable": fall back to the previous
             reason = unusable_reason(e)
-            log.warning("checkpoint %s is unusable (%s); %s; trying the previous one", path, reason, _set_aside(path))
+            aside = set_aside(Found(step, PLAIN, path))
+            log.warning("checkpoint %s is unusable (%s); %s; trying the previous one", path, reason, aside)
     return None
 
 
@@ -175,12 +155,3 @@ def unusable_reason(e: Exception) -> str:
         detail = first_line(str(e).partition("WeightsUnpickler error:")[2])
         reason = "refused by the weights-only loader" + (f": {detail.split(' Please')[0]}" if detail else "")
     return reason
-
-
-def _set_aside(path: Path) -> str:
-    aside = path.with_name(path.name + ".corrupt")
-    try:
-        os.replace(path, aside)
-    except OSError as e:
-        return f"could not rename it to {aside.name} ({e.strerror})"
-    return f"renamed to {aside.name}"

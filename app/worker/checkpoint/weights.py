@@ -6,8 +6,10 @@ What ``init_from`` and ``python -m app.export`` read (``read_model_state``):
 - a ``.safetensors`` file (the ``safetensors`` package: ``pip install 'ddp-cluster[export]'``);
 - a ``.pt`` file: a bare ``state_dict`` (``torch.save(model.state_dict(), path)``) or one of our ``step-*.pt``
   checkpoints (its model);
-- a ``checkpoint_dir``: its newest valid ``step-*.pt``, or its sharded checkpoint (``manifest.json``: ZeRO 1-3, any
-  world size), consolidated on this one process.
+- a ``checkpoint_dir``: its newest checkpoint that loads, of either kind (app.checkpoint_dir): a ``step-*.pt``, or a
+  sharded one (``sharded-step-*/``, or ``manifest.json`` at the top in the older layout: ZeRO 1-3, any world size),
+  consolidated on this one process. One that does not load is named in a warning and the previous one is read; the
+  directory is left as it is.
 
 Every ``torch.load`` here is ``weights_only=True``: a file that would run pickled code is refused, not run.
 ``load_model_state`` matches by name and shape and names the first mismatches in one line.
@@ -15,13 +17,17 @@ Every ``torch.load`` here is ``weights_only=True``: a file that would run pickle
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from app.parallel.zero.checkpoint import MANIFEST, CheckpointError, Consolidated, consolidate
-from app.worker.checkpoint.files import list_checkpoints, load_checkpoint, load_latest, unusable_reason
+from app.checkpoint_dir import SHARDED, find_checkpoints
+from app.parallel.zero.checkpoint import CheckpointError, Consolidated, consolidate
+from app.worker.checkpoint.files import load_checkpoint, unusable_reason
+
+log = logging.getLogger(__name__)
 
 SHOWN = 3  # mismatched names listed in an error; the rest are counted
 
@@ -51,17 +57,18 @@ def read_model_state(source: str | Path) -> dict[str, torch.Tensor]:
 
 
 def _from_checkpoint_dir(path: Path) -> dict[str, torch.Tensor]:
-    if (path / MANIFEST).exists():
+    found = find_checkpoints(path)
+    if not found:
+        raise WeightsError(f"{path}: no step-*.pt checkpoint and no sharded one: not a checkpoint_dir")
+    for checkpoint in found:
         try:
-            return consolidate(path).model
-        except CheckpointError as e:
-            raise WeightsError(str(e)) from None
-    if not list_checkpoints(path):
-        raise WeightsError(f"{path}: no step-*.pt checkpoint and no {MANIFEST}: not a checkpoint_dir")
-    found = load_latest(path)
-    if found is None:
-        raise WeightsError(f"{path}: no checkpoint in it loads (each was set aside as .corrupt)")
-    return found[1]["model"]
+            if checkpoint.kind == SHARDED:
+                return consolidate(checkpoint.path).model
+            return load_checkpoint(checkpoint.path)["model"]
+        except Exception as e:  # noqa: BLE001 - any failure to read means "unusable": read the previous one
+            reason = str(e) if isinstance(e, CheckpointError) else unusable_reason(e)
+            log.warning("checkpoint %s is unusable (%s); reading the previous one", checkpoint.named, reason)
+    raise WeightsError(f"{path}: none of its {len(found)} checkpoints loads (the warnings above say why)")
 
 
 def _from_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -98,9 +98,7 @@ class TrainConfig:
     warmup_steps: int = _doc("optimizer steps of linear warm-up from lr / warmup_steps to lr (0 = none)", 0)
     min_lr_ratio: float = _doc("lr_schedule=cosine|linear: the last step's lr as a fraction of lr (0..1)", 0.0)
     lr_reference_batch: int = _doc("linear scaling rule: lr × global batch / this many samples (0 = lr as given)", 0)
-    autocast: str = _doc(
-        "mixed precision of forward and loss: none | bf16 | fp16 (fp16 adds a GradScaler; not in a pipeline)", "none"
-    )
+    autocast: str = _doc("mixed precision of forward and loss: none | bf16 | fp16 (fp16 adds a GradScaler)", "none")
     grad_clip_norm: float = _doc(
         "clip the gradient's global L2 norm to this, over every rank's shards under ZeRO, every stage in a pipeline "
         "(0 = off)",
@@ -385,7 +383,26 @@ class TrainConfig:
                 f"effective_batch={self.effective_batch} is larger than dataset_size={self.dataset_size}: one step "
                 f"would need more samples than an epoch holds; raise dataset_size or lower effective_batch"
             )
+        if self.parallel == "zero3":
+            self._check_zero3_micro_batches(world_size)
         return grad_accum_steps_for(self.effective_batch, world_size, self.micro_batch)
+
+    def _check_zero3_micro_batches(self, world_size: int) -> None:
+        # Stage 3 reduce-scatters after every micro-batch (app.worker.steps.zero: it has no no_sync), so every rank
+        # cuts its share into as many micro-batches as the largest share needs; a share with fewer samples than
+        # that count cannot (micro_batch=1 and uneven shares), and its rank would leave the others waiting.
+        from app.worker.data import equal_micro_batch_count  # torch: check_world's part, as its docstring says
+
+        count = equal_micro_batch_count(self.effective_batch, world_size, self.micro_batch)
+        smallest = self.effective_batch // world_size
+        if smallest < count:
+            fits = -(-self.effective_batch // world_size) * world_size
+            raise ConfigError(
+                f"parallel=zero3: effective_batch={self.effective_batch} over world_size={world_size} leaves some "
+                f"ranks {smallest} samples for the {count} micro-batches of micro_batch <= {self.micro_batch} every "
+                f"rank runs (zero3 reduce-scatters after each one); set effective_batch to a multiple of "
+                f"{world_size} (e.g. {fits}) or raise micro_batch"
+            )
 
     def global_batch(self, world_size: int, grad_accum_steps: int) -> int:
         """Samples per optimizer step over all ranks: ``effective_batch`` when set (the same at every world size),

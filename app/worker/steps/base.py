@@ -8,8 +8,8 @@ work; each builds what it needs from ``(cfg, ctx, model, loss_fn)`` and exposes 
 - ``model_state`` / ``optimizer_state``: the two ``Stateful``s (``state_dict``/``load_state_dict``) the
   ``Checkpointer`` saves and restores: always the *whole, bare* model's state, so every checkpoint loads into
   ``build_model(cfg)`` (app.worker.workload) without a wrapper; ``lr_schedule`` / ``grad_scaler``: two more, or
-  None where the kind has none (``parallel=ddp`` and zero* run the recipe of app.worker.recipe: autocast, GradScaler,
-  clipping, schedule; ``parallel=pipeline`` all of it but autocast and so the GradScaler);
+  None where the kind has none (``parallel=ddp``, zero* and pipeline run the recipe of app.worker.recipe: autocast,
+  GradScaler, clipping, schedule);
 - ``batches`` (this rank's share of each global batch), ``global_batch``, ``describe_batch()`` for the start line;
 - ``before_save()`` (collective: whatever must be gathered first) and ``final_checksum()`` (collective: the
   FINISHED checksum of the whole model, the same on every rank, app.parallel.checksum).

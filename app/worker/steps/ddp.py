@@ -14,6 +14,7 @@ from torch import nn
 from app.parallel import wrap_model
 from app.parallel.accum import StepResult, accumulation_step
 from app.parallel.probes import comm_probe
+from app.worker.data import BatchShare
 from app.worker.data_stream import build_batches
 from app.worker.metrics import synchronize_for
 from app.worker.models import parameter_checksum
@@ -40,9 +41,11 @@ class DDPStep:
         self.model = inputs.model.to(ctx.device, dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
         dataset = build_splits(cfg)[0]  # the set app.train tried before the process group formed
-        self.batches = build_batches(
-            dataset, self.global_batch, cfg.micro_batch, ctx.rank, ctx.world_size, cfg.seed, ctx.device, dtype
-        )
+        share = BatchShare(
+            self.global_batch, cfg.micro_batch, ctx.rank, ctx.world_size, ctx.device, dtype,
+            equal_counts=self.sync_every_micro_batch,  # a collective per micro-batch: every rank runs as many
+        )  # fmt: skip
+        self.batches = build_batches(dataset, cfg.seed, share)
         # The bare model and its optimizer are Stateful as they are: checkpoints never hold the wrapper.
         self.model_state, self.optimizer_state = self.model, self.optimizer
         # The schedule's lr scales with this world's global batch (lr_reference_batch), fixed by effective_batch.

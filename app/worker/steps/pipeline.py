@@ -14,7 +14,9 @@ stage's parameters. The Trainer's loop, checkpoints, progress and stop logic are
 
 - Split: ``pipeline_split`` names where stages 2.. begin, or the stages are balanced by parameter count
   (``app.worker.workload.pipeline_split``, checked with the rest of the workload before any rank waits).
-- Recipe: the lr schedule and clipping by the whole model's norm (over every stage); autocast is refused.
+- Recipe: all of it (app.worker.recipe): the lr schedule, clipping by the whole model's norm (over every stage),
+  autocast bf16/fp16 in every stage's forward (activations cross in the dtype they come out in), fp16 with a
+  ``ShardedGradScaler`` whose found-inf flag is all-reduced over the world: every stage skips the same step.
 - Data: rank r is stage ``r % S`` of replica ``r // S``; the data is dealt to the replicas, so every stage of one
   replica reads the same batch (the first stage uses the inputs, the last the labels).
 - Checkpoints: one file per step as for ``parallel=ddp``, whose ``model`` is the whole model merged from the stages
@@ -26,6 +28,7 @@ stage's parameters. The Trainer's loop, checkpoints, progress and stop logic are
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -33,14 +36,16 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from app.parallel.accum import NonFiniteLossError
 from app.parallel.pipeline.stages import build_pipeline_groups, build_pipeline_stage, merge_state_dicts
 from app.parallel.probes import NoCommProbe
 from app.worker.checkpoint.checkpointer import CheckpointMismatch
+from app.worker.data import BatchShare
 from app.worker.data_stream import build_batches
 from app.worker.models import parameter_checksum
-from app.worker.recipe import LRSchedule
+from app.worker.recipe import LRSchedule, build_step_recipe
 from app.worker.steps.base import MicroBatches, StepInputs, StepOutcome
 from app.worker.workload import build_model, build_splits, pipeline_split
 
@@ -107,6 +112,9 @@ class PipelineStep:
         self.global_batch = batch * replicas
         self.model = model.to(ctx.device)
         pp_group, dp_group, self.stage, replica = build_pipeline_groups(num_stages)
+        recipe = build_step_recipe(cfg, ctx.device)
+        if recipe.scaler is not None:  # each stage holds a slice of the gradient: one found-inf flag for all
+            recipe = dataclasses.replace(recipe, scaler=ShardedGradScaler(ctx.device.type))
         self.split = pipeline_split(cfg, self.model, num_stages)  # (check_workload checked it before any rank waited)
         self.runner = build_pipeline_stage(
             self.model,
@@ -120,15 +128,16 @@ class PipelineStep:
             loss_fn=loss_fn,
             bucket_cap_mb=cfg.bucket_cap_mb,
             split=self.split,
+            recipe=recipe,
         )
         self.optimizer = torch.optim.AdamW(self.runner.module.parameters(), lr=cfg.lr)
-        # The recipe but autocast (checks.check_recipe): the schedule steps every stage's optimizer alike, clipping
-        # is by the norm over every stage (PipelineRunner.clip_grad_norm_); no GradScaler without fp16.
+        # The schedule steps every stage's optimizer alike; clipping and the scaler are the runner's optimizer_step.
         self.lr_schedule = LRSchedule(self.optimizer, cfg, self.global_batch)
-        self.grad_scaler = None
+        self.grad_scaler = recipe.scaler
         dataset = build_splits(cfg)[0]  # the set app.train tried before the process group formed
         # The replicas split the data; rank and world size of the sampler are the replica's, not the rank's.
-        self.batches = build_batches(dataset, self.global_batch, batch, replica, replicas, cfg.seed, ctx.device)
+        share = BatchShare(self.global_batch, batch, replica, replicas, ctx.device, torch.float32)
+        self.batches = build_batches(dataset, cfg.seed, share)
         self.model_state = _GatheredModel(self.runner)
         self.optimizer_state = _StageOptimizers(self.optimizer, self.stage, num_stages)
         self.probe = NoCommProbe()  # the pipeline's traffic is counted by the stage (ddp_pipeline_*)
@@ -161,10 +170,7 @@ class PipelineStep:
         if agree_nonfinite(stage.is_last and not math.isfinite(result.loss)):
             raise NonFiniteLossError(f"loss is {result.loss} on the last stage", local=stage.is_last)
         opt0 = time.perf_counter()
-        clip = self.cfg.grad_clip_norm
-        grad_norm = self.runner.clip_grad_norm_(clip) if clip > 0 else None
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm, skipped = self.runner.optimizer_step(self.optimizer)
         lr = self.optimizer.param_groups[0]["lr"]  # what this step used, before the schedule moves on
         self.lr_schedule.step()
         optimizer_seconds = time.perf_counter() - opt0
@@ -187,6 +193,7 @@ class PipelineStep:
             exposed_seconds=None,
             lr=lr,
             grad_norm=grad_norm,
+            skipped=skipped,
         )
 
     def describe_batch(self) -> str:
