@@ -230,3 +230,28 @@ def test_stage3_a_prefetch_the_forward_did_not_use_is_freed_at_its_end():
     left, state = run_world(_stage3_other_path, 2, 1, timeout=300)[0]
     assert plain_left == left == [0, 0, 0]
     assert all(torch.equal(state[k], plain[k]) for k in plain)
+
+
+def _stage2_transformer(rank, world, overlap):
+    """TinyTransformer: MultiheadAttention reads its out_proj's weight without out_proj's forward ever running."""
+    torch.manual_seed(0)
+    wrapped = ShardedGradDataParallel(TinyTransformer(layers=2), bucket_cap_mb=0.01, overlap_gather=overlap)
+    opt = wrapped.build_optimizer(torch.optim.AdamW, lr=LR)
+    stale = []  # per attention forward: is its out_proj's bucket still in flight when the attention starts?
+    for block in wrapped.module.blocks:
+        bucket = wrapped._slot[id(block.attn.out_proj.weight)][0]
+        block.attn.register_forward_pre_hook(lambda *_, b=bucket: stale.append(b in wrapped._gathers))
+    for step in range(3):  # nothing reads the parameters between the steps: only the forward's hooks wait
+        tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(10 * step + rank))
+        opt.zero_grad()
+        F.cross_entropy(wrapped(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        opt.step()
+    return parameter_checksum(wrapped), stale[2:], len(wrapped._buckets)  # the first forward had nothing in flight
+
+
+def test_stage2_overlap_waits_for_a_parameter_its_module_never_runs_before_the_parent_reads_it():
+    plain = run_world(_stage2_transformer, 2, False, timeout=300)
+    overlapped = run_world(_stage2_transformer, 2, True, timeout=300)
+    for (digest, _, _), (overlapped_digest, stale, buckets) in zip(plain, overlapped):
+        assert buckets > 2 and digest == overlapped_digest
+        assert stale and not any(stale), stale
