@@ -52,17 +52,27 @@ def test_stage3_walks_with_one_process_ddp_and_torch_zero(world, kind, accum):
     assert_walks_with_everyone(results, 3)
 
 
+@pytest.mark.parametrize(
+    ("world", "kind", "options"),
+    [(2, "mlp", {"prefetch": 1}), (4, "tied", {"prefetch": 2}), (2, "frozen", {"reshard_after_forward": False})],
+)
+def test_stage3_prefetching_walks_with_one_process_ddp_and_torch_zero(world, kind, options):
+    results = run_world(train_stage, world, 3, kind, 2, 4, options, timeout=300)
+    assert_walks_with_everyone(results, 3)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Against PyTorch's fully_shard (FSDP2), fp32 and bf16
 # --------------------------------------------------------------------------------------------------------------------
-def vs_fully_shard(rank, world, kind, dtype_name, accum=1, steps=3, reduce_name=""):
-    """``reduce_name``: the gradients' reduce dtype (both sides); "" for the compute dtype, as PyTorch's default."""
+def vs_fully_shard(rank, world, kind, dtype_name, accum=1, steps=3, reduce_name="", options=None):
+    """``reduce_name``: the gradients' reduce dtype (both sides); "" for the compute dtype, as PyTorch's default.
+    ``options``: our wrapper's other settings (``prefetch``, ``reshard_after_forward``)."""
     dtype = getattr(torch, dtype_name) if dtype_name else None
     reduce_dtype = getattr(torch, reduce_name) if reduce_name else dtype
     torch.manual_seed(0)
     base = build(kind)
     ours_model, theirs_model, reference = (copy.deepcopy(base) for _ in range(3))
-    ours = FullyShardedDataParallel(ours_model, compute_dtype=dtype, reduce_dtype=reduce_dtype)
+    ours = FullyShardedDataParallel(ours_model, compute_dtype=dtype, reduce_dtype=reduce_dtype, **(options or {}))
     opt = torch.optim.AdamW(ours.parameters(), lr=LR)
     mesh = init_device_mesh("cpu", (world,))
     policy = MixedPrecisionPolicy(
@@ -109,6 +119,14 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(("world", "kind", "accum"), [(2, "mlp", 1), (4, "tied", 1), (2, "frozen", 2)])
 def test_fp32_equals_pytorchs_fully_shard(world, kind, accum):
     vs_torch, vs_fp32 = run_world(vs_fully_shard, world, kind, None, accum, timeout=300)[0]
+    assert max(vs_torch) <= PARAM_TOL, vs_torch
+    assert max(vs_fp32) <= PARAM_TOL, vs_fp32
+
+
+@pytest.mark.parametrize("options", [{"prefetch": 1}, {"prefetch": 2, "reshard_after_forward": False}], ids=str)
+def test_prefetching_equals_pytorchs_fully_shard(options):
+    """PyTorch's fully_shard prefetches one unit too; ours with prefetch and resharding on or off: the same steps."""
+    vs_torch, vs_fp32 = run_world(vs_fully_shard, 2, "mlp", None, 2, 3, "", options, timeout=300)[0]
     assert max(vs_torch) <= PARAM_TOL, vs_torch
     assert max(vs_fp32) <= PARAM_TOL, vs_fp32
 

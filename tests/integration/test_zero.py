@@ -77,9 +77,11 @@ def wrap(stage: int, model: nn.Module, **kwargs):
         ddp = DDP(model)
         return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
     if stage == 2:
-        wrapped = ShardedGradDataParallel(model, bucket_cap_mb=kwargs.get("bucket_cap_mb", 0.001))
+        cap, overlap = kwargs.get("bucket_cap_mb", 0.001), kwargs.get("overlap_gather", False)
+        wrapped = ShardedGradDataParallel(model, bucket_cap_mb=cap, overlap_gather=overlap)
         return wrapped, wrapped.build_optimizer(torch.optim.AdamW, lr=LR)
-    wrapped = FullyShardedDataParallel(model, units=kwargs.get("units"), compute_dtype=kwargs.get("compute_dtype"))
+    options = {k: kwargs[k] for k in ("units", "compute_dtype", "prefetch", "reshard_after_forward") if k in kwargs}
+    wrapped = FullyShardedDataParallel(model, **options)
     return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=LR)
 
 
@@ -100,19 +102,23 @@ class _nothing:
 
 
 def full_parameters(stage: int, wrapped, model: nn.Module) -> dict[str, torch.Tensor] | None:
-    """The bare model's parameters by name (stage 3: gathered, on rank 0 only; ``None`` elsewhere)."""
+    """The bare model's parameters by name (stage 3: gathered, on rank 0 only; ``None`` elsewhere).
+
+    Read through the wrapper, as its users do: stage 2's ``overlap_gather`` may still be gathering them."""
     if stage == 3:
         state = wrapped.full_state_dict()
         return state or None
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n.removeprefix("module."): p.detach().clone() for n, p in wrapped.named_parameters()}
 
 
 def max_diff(ours: dict, module: nn.Module) -> float:
     return max((ours[n] - p.detach()).abs().max().item() for n, p in module.named_parameters())
 
 
-def train_stage(rank, world, stage, kind, accum=1, steps=4, **wrap_kwargs):
-    """Train ``stage`` next to one process, our DDP + AdamW and PyTorch's DDP + ZeroRedundancyOptimizer(AdamW)."""
+def train_stage(rank, world, stage, kind, accum=1, steps=4, options=None, **wrap_kwargs):
+    """Train ``stage`` next to one process, our DDP + AdamW and PyTorch's DDP + ZeroRedundancyOptimizer(AdamW);
+    ``options``: the wrapper's settings (``overlap_gather``, ``prefetch``, ...), as ``wrap_kwargs``."""
+    wrap_kwargs.update(options or {})
     torch.manual_seed(0)
     base = build(kind)
     reference, ddp_model, torch_model, model = (copy.deepcopy(base) for _ in range(4))
@@ -145,7 +151,7 @@ def train_stage(rank, world, stage, kind, accum=1, steps=4, **wrap_kwargs):
                 diffs[name].append(max_diff(ours, other))
         if stage != 3:
             digests = [None] * world
-            dist.all_gather_object(digests, parameter_checksum(model))
+            dist.all_gather_object(digests, parameter_checksum(wrapped))  # through the wrapper: gathered
             same_on_all_ranks &= len(set(digests)) == 1
     return {"diffs": diffs, "same": same_on_all_ranks}
 
@@ -172,6 +178,13 @@ def assert_walks_with_everyone(results, stage):
 def test_stage_walks_with_one_process_ddp_and_torch_zero(stage, world, kind, accum):
     results = run_world(train_stage, world, stage, kind, accum, timeout=300)
     assert_walks_with_everyone(results, stage)
+
+
+@pytest.mark.parametrize(("world", "kind", "accum"), [(2, "mlp", 2), (4, "tied", 1), (2, "frozen", 1)])
+def test_stage2_overlapping_its_all_gather_walks_with_everyone(world, kind, accum):
+    """overlap_gather: the parameters read right after each step (through the wrapper) are the gathered ones."""
+    results = run_world(train_stage, world, 2, kind, accum, 4, {"overlap_gather": True}, timeout=300)
+    assert_walks_with_everyone(results, 2)
 
 
 def stage1_in_small_buckets(rank, world):

@@ -13,7 +13,11 @@ an all-reduce's first half, and each rank ends up holding only the summed gradie
     3. when backward ends, each rank waits and keeps its chunk, divided by N: ``shard.grad``. The flat gradient
        is freed: between steps a rank holds 1/N of the gradients;
     4. the optimizer steps the shards (its state is 1/N, as in stage 1); then every bucket is all-gathered back
-       into the flat buffers, so every rank's parameters are whole and equal again.
+       into the flat buffers, so every rank's parameters are whole and equal again. With ``overlap_gather=True``
+       the all-gathers are only launched (last bucket first: the first layers'), and each module's forward
+       pre-hook waits for the buckets its parameters lie in, so the later buckets arrive while the first layers
+       compute; a read through the wrapper (``parameters()``, ``state_dict()``, a checkpoint) or the next
+       ``step()`` waits for all of them.
 
     p_n.grad ─┐                                             rank r keeps chunk r        optimizer.step()
     ...       ├─► bucket 0 full ─► reduce_scatter(SUM) ───► shard_0.grad = chunk / N ─► AdamW(shards) ─► all_gather
@@ -26,6 +30,7 @@ Use::
     loss_fn(model(x), y).backward()
     opt.step(); opt.zero_grad()
     with model.no_sync(): ...                                 # gradient accumulation: no communication
+    model = ShardedGradDataParallel(MiniMLP(), overlap_gather=True)   # the all-gather runs into the next forward
 
 PyTorch has no class for exactly this (FSDP's ``SHARD_GRAD_OP`` is close); the constructor follows our DDP's.
 Try it: ``torchrun --standalone --nproc-per-node=2 -m app.demos.zero_demo --stage 2``.
@@ -187,12 +192,25 @@ class ShardedGradDataParallel(nn.Module):
         bucket_cap_mb: bucket size in MiB (a bucket closes once it holds at least this much, as in DDP).
             Bigger buckets: fewer collectives, later first launch. Each bucket is padded to a multiple of N.
         init_sync: broadcast rank 0's parameters and buffers at construction (``False``: the ranks agree already).
+        overlap_gather: launch the parameters' all-gather after ``step()`` without waiting; each bucket is waited
+            for just before the forward of the first module that reads it (the module holding the parameter, or
+            its nearest ancestor whose forward ran in the last forward seen). Off by default: code that reads the
+            *bare* model's parameters between a step and the next forward (``model.module.parameters()``, the
+            worker's final checksum) must call ``wait_parameters()`` first, and so must a model whose forward
+            reads another module's parameter before that module's own forward runs.
 
     Parameters with ``requires_grad=False`` are not sharded: every rank keeps them whole and nobody steps them.
     Every trainable parameter must get a gradient in each synchronised backward (no ``find_unused_parameters``).
     """
 
-    def __init__(self, module: nn.Module, process_group=None, bucket_cap_mb: float | None = None, init_sync=True):
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group=None,
+        bucket_cap_mb: float | None = None,
+        init_sync=True,
+        overlap_gather: bool = False,
+    ):
         super().__init__()
         self.module = module
         self.process_group = process_group
@@ -227,6 +245,15 @@ class ShardedGradDataParallel(nn.Module):
         self._works = InFlight()
         self._next_bucket = 0
         self._callback_queued = False
+        self.overlap_gather = overlap_gather
+        self._gathers: dict[int, tuple] = {}  # bucket index -> (work, its input): all-gathers still in flight
+        self._ran: set[int] = set()  # id() of every module whose forward was seen to run
+        self._waits: dict[int, list[int]] | None = None  # id(module) -> buckets its forward pre-hook waits for
+        for sub in module.modules():
+            sub.register_forward_pre_hook(self._before_module_forward)
+        for m in (self, module):  # state_dict / load_state_dict of the wrapper or the bare model: gathered first
+            m.register_state_dict_pre_hook(lambda *_: self.wait_parameters())
+            m.register_load_state_dict_pre_hook(lambda *_: self.wait_parameters())
 
     def _add_bucket(self, params: list[nn.Parameter], names: list[str]) -> None:
         for pos, p in enumerate(params):
@@ -263,21 +290,76 @@ class ShardedGradDataParallel(nn.Module):
         """``optimizer_class`` over this rank's shards, made to all-gather the parameters after every ``step()``."""
         refuse_unshardable(optimizer_class)
         optimizer = optimizer_class(self.shard_parameters(), **defaults)
+        # The step writes the shards, views of the flat buffers an all-gather may still be writing into: wait first.
+        optimizer.register_step_pre_hook(lambda *_: self.wait_parameters())
         optimizer.register_step_post_hook(lambda *_: self.gather_parameters())
         return optimizer
 
     @torch.no_grad()
     def gather_parameters(self) -> None:
-        """All-gather every bucket's chunks into its flat buffer: each rank's parameters whole and equal again."""
-        works, t0 = [], time.perf_counter()
-        for i, b in enumerate(self._buckets):
+        """All-gather every bucket's chunks into its flat buffer: each rank's parameters whole and equal again.
+
+        With ``overlap_gather`` the all-gathers are only launched, last bucket first (the first layers' parameters,
+        the first the next forward needs), and each is waited for by the forward pre-hook of the first module that
+        reads its parameters, so the gathers of later layers run while earlier layers compute. Anything else that
+        reads the parameters through this wrapper waits for them all first (``wait_parameters``)."""
+        self.wait_parameters()
+        if self.overlap_gather and self._waits is None and self._ran:
+            self._waits = self._wait_map()
+        t0 = time.perf_counter()
+        for i in reversed(range(len(self._buckets))):
+            b = self._buckets[i]
             # The input is a copy: the shard is a view of the very buffer being gathered into.
             shard = b.shard.detach().clone()
-            works.append(recorded.all_gather_into_tensor(b.flat, shard, f"ZeRO bucket {i}", self.process_group, True))
+            work = recorded.all_gather_into_tensor(b.flat, shard, f"ZeRO bucket {i}", self.process_group, True)
+            self._gathers[i] = (work, shard)
             self.comm_bytes["all_gather"] += b.nbytes
-        for w in works:
-            w.wait()
         self.comm_seconds["all_gather"] += time.perf_counter() - t0
+        if not (self.overlap_gather and self._waits is not None):
+            self.wait_parameters()  # no forward seen yet (or no overlap): nothing knows which module needs what
+
+    @property
+    def gathers_in_flight(self) -> int:
+        """All-gathers launched and not yet waited for (``overlap_gather``: between a step and the next forward)."""
+        return len(self._gathers)
+
+    def wait_parameters(self, buckets=None) -> None:
+        """Wait for the all-gathers still in flight (of ``buckets``, default all): the parameters are whole after."""
+        t0 = time.perf_counter()
+        for i in sorted(self._gathers if buckets is None else buckets, reverse=True):
+            entry = self._gathers.pop(i, None)
+            if entry is not None:
+                entry[0].wait()
+        self.comm_seconds["all_gather"] += time.perf_counter() - t0
+
+    def _before_module_forward(self, module: nn.Module, _inputs) -> None:
+        self._ran.add(id(module))
+        if self._gathers:
+            self.wait_parameters(self._waits.get(id(module), ()) if self._waits is not None else None)
+
+    def _wait_map(self) -> dict[int, list[int]]:
+        """Which buckets each module's forward pre-hook waits for: a parameter's bucket is waited for by the nearest
+        module, from the one that holds it up to the root, whose forward was seen to run (a module whose forward
+        never runs, MultiheadAttention's ``out_proj``, has its parameters read by its parent's)."""
+        modules = dict(self.module.named_modules(remove_duplicate=False))
+        waits: dict[int, set[int]] = {}
+        for name, sub in modules.items():
+            for p in sub.parameters(recurse=False):
+                if id(p) not in self._slot:
+                    continue  # frozen: never gathered
+                path = name.split(".") if name else []
+                holder = self.module  # no module on the way ran: the root waits
+                for k in range(len(path), 0, -1):
+                    if id(modules[".".join(path[:k])]) in self._ran:
+                        holder = modules[".".join(path[:k])]
+                        break
+                waits.setdefault(id(holder), set()).add(self._slot[id(p)][0])
+        return {k: sorted(v) for k, v in waits.items()}
+
+    def _named_members(self, *args, **kwargs):
+        # parameters(), named_parameters(), buffers() through the wrapper: the parameters are read whole.
+        self.wait_parameters()
+        return super()._named_members(*args, **kwargs)
 
     # -- one synchronised backward -------------------------------------------------------------------------------
     def _grad_hook(self, param: torch.Tensor) -> None:
@@ -285,6 +367,7 @@ class ShardedGradDataParallel(nn.Module):
             return  # inside no_sync(): leave the gradient to accumulate in p.grad
         if not self._callback_queued:
             # First hook of this backward: autograd calls _finalize_backward once the whole pass is done.
+            self.wait_parameters()  # a gather that no forward waited for (a parameter read outside forward)
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
             self._next_bucket, self._works = 0, InFlight()
@@ -329,6 +412,7 @@ class ShardedGradDataParallel(nn.Module):
     # -- what this rank holds (bench, checkpoint) ----------------------------------------------------------------
     def flat_shards(self) -> list[tuple[FlatShard, nn.Parameter]]:
         """Each bucket's layout and this rank's chunk of it (the sharded checkpoint cuts along these)."""
+        self.wait_parameters()  # a checkpoint reads or writes the shards: no gather may still write into them
         return [(b.flat_shard, b.shard) for b in self._buckets]
 
     @property

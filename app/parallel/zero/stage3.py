@@ -10,6 +10,12 @@ as one flat fp32 shard per rank. A unit exists whole only while it computes:
                (the flat gradient goes when its reduce-scatter is done: at most two in flight, ``InFlight``)
     end:       wait, divide by N, add into shard.grad; the optimizer steps the shards (its state is 1/N too)
 
+``prefetch=k`` (PyTorch's FSDP prefetches 1) launches the all-gathers of the next k units while this one computes:
+in forward by the order the last forward ran the units, in backward by the reverse of this forward's; never more
+than k + 1 units (the root's aside) gathered at once, so memory stays bounded. ``reshard_after_forward=False``
+keeps each unit whole from its forward to its reduce-scatter: one all-gather a unit per step instead of two, for
+every unit whole between forward and backward (PyTorch's name; stage 2's memory for the parameters).
+
 *Free* means: the gathered buffer's storage is resized to 0 bytes; every parameter is a view of that buffer, and
 so is every tensor autograd saved from it, so the backward all-gather (which resizes it back and writes into it)
 repairs them all at once. The write is hidden from autograd's version counter (as PyTorch's FSDP2 does): the
@@ -35,6 +41,7 @@ Try it: ``torchrun --standalone --nproc-per-node=2 -m app.demos.zero_demo --stag
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import time
 
@@ -60,31 +67,50 @@ class _Unit:
         with torch.no_grad():
             for p, o, n, shape in zip(params, s.offsets, s.numels, s.shapes):
                 p.data = self.full[o : o + n].view(shape)  # once: from now on only the storage comes and goes
-        self.gathered = True
-        self.free()
+        self.full.untyped_storage().resize_(0)  # gathered only while needed
+        self.gathered = False
+        self.work = None  # the all-gather in flight into ``full`` (a prefetch), with its input; None once waited
+        self.position = -1  # its index in the order the current forward ran the units
         self.grad: torch.Tensor | None = None
         self.local: torch.Tensor | None = None  # under no_sync(): the unit's whole gradient, summed on this rank
         self.pending = 0
 
-    def gather(self) -> None:
-        """Make the unit whole: resize the buffer's storage back and all-gather every rank's shard into it."""
-        if self.gathered:
-            return
-        storage = self.full.untyped_storage()
-        storage.resize_(self.full.numel() * self.full.element_size())
-        t0 = time.perf_counter()
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
-            shard = self.shard.detach().to(self.full.dtype)
-            recorded.all_gather_into_tensor(self.full, shard, f"FSDP unit {self.name}", self.fsdp.process_group)
-        self.fsdp.comm_seconds["all_gather"] += time.perf_counter() - t0
-        self.fsdp.comm_bytes["all_gather"] += self.full.numel() * self.full.element_size()
-        self.gathered = True
+    def gather(self, wait: bool = True) -> None:
+        """Make the unit whole: resize the buffer's storage back and all-gather every rank's shard into it.
+
+        ``wait=False`` (a prefetch) only launches the all-gather; ``wait()`` (the unit's own hook) completes it."""
+        if not self.gathered:
+            storage = self.full.untyped_storage()
+            storage.resize_(self.full.numel() * self.full.element_size())
+            t0 = time.perf_counter()
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
+                # No copy in the shard's own dtype: no gather outlives the forward or backward that launched it (both
+                # free what they prefetched and did not use), so the optimizer never steps a shard being sent.
+                shard = self.shard.detach().to(self.full.dtype)
+                source, group = f"FSDP unit {self.name}", self.fsdp.process_group
+                self.work = (recorded.all_gather_into_tensor(self.full, shard, source, group, True), shard)
+            self.fsdp.comm_seconds["all_gather"] += time.perf_counter() - t0
+            self.fsdp.comm_bytes["all_gather"] += self.full.numel() * self.full.element_size()
+            self.gathered = True
+            self.fsdp.count_gathered(self, +1)
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Complete the all-gather in flight, if any: the parameters hold every rank's values after."""
+        if self.work is not None:
+            t0 = time.perf_counter()
+            self.work[0].wait()
+            self.work = None
+            self.fsdp.comm_seconds["all_gather"] += time.perf_counter() - t0
 
     def free(self) -> None:
         """Give the gathered copy's memory back; the parameters keep their shapes, their storage holds 0 bytes."""
         if self.gathered:
+            self.wait()  # gloo may still be writing into the storage
             self.full.untyped_storage().resize_(0)
             self.gathered = False
+            self.fsdp.count_gathered(self, -1)
 
     def reduce_scatter(self) -> None:
         """All of this unit's gradients are in: launch the async reduce-scatter, free the full parameters."""
@@ -114,6 +140,11 @@ class FullyShardedDataParallel(nn.Module):
         reduce_dtype: what the gradients are reduce-scattered in: fp32 by default, whatever the compute dtype (the
             sum of N low-precision gradients loses what fp32 keeps; PyTorch's ``MixedPrecisionPolicy`` calls it the
             same); ``None``: the compute dtype (half the bytes on the wire).
+        prefetch: how many units' all-gathers run ahead of the unit computing (0: none, each gathered when
+            needed). At most ``prefetch`` + 1 units other than the root are gathered at once (one more per level
+            of units nested in units); ``max_units_gathered`` counts it.
+        reshard_after_forward: ``False`` keeps every unit whole from its forward until its gradients are
+            reduce-scattered (no second all-gather in backward; the limit above then applies to forward only).
 
     Every trainable parameter must get a gradient in every backward (there is no ``find_unused_parameters``).
     Gradient accumulation needs nothing special: each backward reduce-scatters and adds into ``shard.grad``; or,
@@ -128,8 +159,17 @@ class FullyShardedDataParallel(nn.Module):
         process_group=None,
         init_sync=True,
         reduce_dtype=torch.float32,
+        prefetch: int = 0,
+        reshard_after_forward: bool = True,
     ):
         super().__init__()
+        if prefetch < 0:
+            raise ValueError(f"prefetch={prefetch}: the number of units gathered ahead must be >= 0")
+        self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
+        self.units_gathered = 0  # units other than the root whose storage is allocated now (gathered or in flight)
+        self.max_units_gathered = 0  # the most there ever were at once
+        self._order: list[_Unit] = []  # the units in the order the last complete forward ran them
+        self._running: list[_Unit] = []  # ... this forward's, so far
         for name, dtype in (("compute_dtype", compute_dtype), ("reduce_dtype", reduce_dtype)):
             if dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
                 raise ValueError(f"{name}={dtype}: choose None, torch.float32, torch.bfloat16 or torch.float16")
@@ -151,6 +191,7 @@ class FullyShardedDataParallel(nn.Module):
         self.comm_seconds = {"all_gather": 0.0, "reduce_scatter": 0.0}
         self.reduce_scatters = InFlight()  # this backward's, each with its unit, in launch order
         self._callback_queued = False
+        self._root_unit = None  # count_gathered() runs while the units are made
         assignment = assign_parameters(module, unit_modules)
         self.units: list[_Unit] = []
         for unit_name, params in assignment.items():
@@ -166,7 +207,7 @@ class FullyShardedDataParallel(nn.Module):
                 p.register_post_accumulate_grad_hook(self._make_grad_hook(unit))
             if unit is not self._root_unit:
                 sub = module.get_submodule(unit.name)
-                sub.register_forward_pre_hook(lambda *_, u=unit: u.gather())
+                sub.register_forward_pre_hook(lambda *_, u=unit: self._before_unit_forward(u))
                 sub.register_forward_hook(lambda _m, _i, out, u=unit: self._after_unit_forward(u, out))
 
     @staticmethod
@@ -179,14 +220,28 @@ class FullyShardedDataParallel(nn.Module):
                     del sub._parameters[attr]
                     sub.__dict__[attr] = p
 
+    def count_gathered(self, unit: _Unit, change: int) -> None:
+        if unit is not self._root_unit:
+            self.units_gathered += change
+            self.max_units_gathered = max(self.max_units_gathered, self.units_gathered)
+
     # -- forward -------------------------------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
+        for unit in self.units:  # always fresh: the optimizer may have stepped since a copy was gathered
+            if unit is self._root_unit or torch._C._current_graph_task_id() == -1:
+                unit.free()
         if self._root_unit is not None:
-            self._root_unit.free()
-            self._root_unit.gather()  # always fresh: the optimizer may have stepped since the last forward
+            self._root_unit.gather()
         if self.compute_dtype is not None:
             inputs, kwargs = _cast_floats((inputs, kwargs), self.compute_dtype)
+        self._running = []
         output = self.module(*inputs, **kwargs)
+        if torch._C._current_graph_task_id() == -1:
+            self._order = self._running  # what the next forward prefetches by, and this backward
+            if self.reshard_after_forward:
+                for unit in self.units:  # a prefetch the forward took another path past: not left in flight
+                    if unit is not self._root_unit:
+                        unit.free()
         tensors = [t for t in tensors_in(output) if t.requires_grad]
         if tensors:
             # The first gradient of backward reaches the output: queue the end-of-backward step then.
@@ -195,16 +250,43 @@ class FullyShardedDataParallel(nn.Module):
             output = _cast_floats(output, torch.float32)
         return output
 
+    def _before_unit_forward(self, unit: _Unit) -> None:
+        unit.gather()
+        if torch._C._current_graph_task_id() != -1:
+            return  # an activation checkpoint's recomputation inside backward: no forward order to follow
+        k = unit.position = len(self._running)  # where its backward finds it (nested units come after it)
+        self._running.append(unit)
+        if k < len(self._order) and self._order[k] is unit:  # the same path as the last forward: prefetch by it
+            self._prefetch(self._order[k + 1 : k + 1 + self.prefetch])
+
+    def _prefetch(self, units: list[_Unit]) -> None:
+        """Launch the all-gathers of ``units`` (in order), keeping at most ``prefetch`` + 1 units gathered."""
+        for unit in units:
+            if unit.gathered or unit is self._root_unit:
+                continue
+            if self.units_gathered >= self.prefetch + 1:
+                return
+            unit.gather(wait=False)
+
     def _after_unit_forward(self, unit: _Unit, output) -> None:
         if torch._C._current_graph_task_id() != -1:
             # A forward inside backward: an activation checkpoint recomputing this unit, whose backward is about
             # to read the parameters; they stay whole until its reduce-scatter frees them.
             return
-        unit.free()  # reshard after forward: the point of stage 3
+        if self.reshard_after_forward:
+            unit.free()  # the point of stage 3; otherwise the unit stays whole until its gradients are in
         tensors = [t for t in tensors_in(output) if t.requires_grad]
         if tensors:
-            # Backward reaches this unit when its output's gradient is computed: gather it again right then.
-            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: unit.gather(), mode="any")
+            # Backward reaches this unit when its output's gradient is computed: gather it again right then (and
+            # prefetch the unit that ran before it in forward: the next one backward needs).
+            hook = functools.partial(self._before_unit_backward, self._running, unit.position)
+            torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
+
+    def _before_unit_backward(self, order: list[_Unit], k: int, _grads=None) -> None:
+        """Backward reached ``order[k]``, the k-th unit its forward ran: gather it; prefetch the ones before it."""
+        order[k].gather()
+        earlier = [u for u in reversed(order[max(0, k - self.prefetch) : k]) if u.pending]  # not reduced yet
+        self._prefetch(earlier)
 
     # -- backward ------------------------------------------------------------------------------------------------
     def _on_backward_start(self, _grads) -> None:
@@ -262,6 +344,9 @@ class FullyShardedDataParallel(nn.Module):
                 f"in this backward; the ranks would hang waiting for their reduce-scatter. Make the loss depend "
                 f"on every trainable parameter, or freeze the unused ones before wrapping"
             )
+        for unit in self.units:
+            if unit is not self._root_unit:
+                unit.free()  # a prefetch the backward never reached (every unit is reduce-scattered otherwise)
         with torch.no_grad():
             for unit, chunk in self.reduce_scatters.results():
                 # SUM / N in fp32: the shard is fp32, and so the mean is taken after the (possibly bf16) transfer.
