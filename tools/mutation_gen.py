@@ -32,11 +32,13 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
         ("app/worker/checkpoint*",),
         (
             "tests/unit/test_checkpoint*.py",
+            "tests/unit/test_weights*.py",  # weights.py: init_from and the export's reader
             "tests/integration/test_resume*.py",
             # the sharded resume (Checkpointer._resume_sharded): a ZeRO run resumed on another world size
             "tests/integration/test_train_sharded*.py::test_zero2_resumes_on_another_world_size_where_it_stopped",
         ),
     ),
+    (("app/checkpoint_dir*",), ("tests/unit/test_checkpoint_dir*.py", "tests/unit/test_launch*.py")),
     (
         ("app/worker/config*",),
         (
@@ -112,6 +114,8 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
             "tests/unit/test_steps*.py",
             "tests/integration/test_train.py",
             "tests/integration/test_resume*.py",
+            # the trainer's observations with metrics on (every other run here has them off)
+            "tests/integration/test_metrics.py::test_a_resumed_world_counts_its_generation_and_the_steps_it_redoes",
             "-k",
             SLOW,
         ),

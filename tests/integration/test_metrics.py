@@ -314,6 +314,9 @@ def test_a_resumed_world_counts_its_generation_and_the_steps_it_redoes(tmp_path)
         # lie between it and the scrape (3 s of margin for a loaded machine).
         assert 0 < v[f"ddp_reformation_seconds{r}"] < scraped_at[rank] - written - 3, (v, scraped_at, written)
         assert v[f"ddp_optimizer_steps_total{r}"] == 12 - 5
+    # Rank 0 writes (and times) every checkpoint of the new world: steps 10 and 12 (checkpoint_every of the run).
+    count, total = (values[0][f'ddp_checkpoint_duration_seconds_{s}{{rank="0"}}'] for s in ("count", "sum"))
+    assert count >= 1 and 0 < total / count < 30, (count, total)
 
 
 @pytest.mark.e2e

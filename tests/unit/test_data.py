@@ -158,3 +158,21 @@ def test_the_built_in_loss_is_pytorchs_cross_entropy_for_class_and_next_token_lo
     tokens, targets = torch.randn(3, 4, 7, generator=gen), torch.randint(0, 7, (3, 4), generator=gen)
     expected = F.cross_entropy(tokens.permute(0, 2, 1), targets)  # PyTorch's own [B, C, T] form
     torch.testing.assert_close(cross_entropy(tokens, targets), expected)
+
+
+@pytest.mark.parametrize(
+    ("global_batch", "world", "micro", "counts"),
+    [(50, 3, 8, 3), (12, 5, 2, 2), (11, 3, 4, 1), (64, 4, 16, 1), (65, 4, 16, 2)],
+)
+def test_equal_counts_give_every_rank_the_largest_shares_micro_batch_count(global_batch, world, micro, counts):
+    # zero3 reduce-scatters after every micro-batch: a rank with fewer would leave the others waiting in one.
+    shares = [
+        GlobalBatches(teacher_classification(256, 0), global_batch, micro, r, world, 0, torch.device("cpu"))
+        for r in range(world)
+    ]
+    for share in shares:
+        share.cut_equal_counts()
+    assert [len(s.sizes) for s in shares] == [counts] * world
+    assert all(sum(s.sizes) == s.local_samples and max(s.sizes) <= micro for s in shares)
+    with pytest.raises(ValueError, match="rank 1's 1 samples cannot fill the 2 micro-batches every rank runs"):
+        GlobalBatches(teacher_classification(8, 0), 4, 1, 1, 3, 0, torch.device("cpu")).cut_equal_counts()
