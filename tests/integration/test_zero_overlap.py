@@ -255,3 +255,36 @@ def test_stage2_overlap_waits_for_a_parameter_its_module_never_runs_before_the_p
     for (digest, _, _), (overlapped_digest, stale, buckets) in zip(plain, overlapped):
         assert buckets > 2 and digest == overlapped_digest
         assert stale and not any(stale), stale
+
+
+def _stage2_gathers_at_launch(rank, world):
+    """Gathers already in flight as each all-gather of a step is launched, without overlap and with it."""
+    from app.diagnostics import collectives as recorded
+
+    launch, seen = recorded.all_gather_into_tensor, []
+    out = {}
+    for overlap in (False, True):
+        wrapped, opt = stage2(overlap)
+
+        def counting(*args, w=wrapped, **kwargs):
+            seen.append(w.gathers_in_flight)
+            return launch(*args, **kwargs)
+
+        recorded.all_gather_into_tensor = counting
+        seen.clear()
+        train_step(wrapped, opt, 0, rank)
+        wrapped.wait_parameters()
+        out[overlap] = list(seen)
+        recorded.all_gather_into_tensor = launch
+    return out
+
+
+def test_stage2_without_overlap_keeps_at_most_two_gathers_and_their_shard_copies_in_flight():
+    # Each gather in flight holds a copy of its bucket's shard: launched all at once they would be a second copy of
+    # the rank's whole shard (what memory.json showed as zero2's excess over its formula).
+    from app.parallel.zero.stage2 import GATHERS_IN_FLIGHT
+
+    seen = run_world(_stage2_gathers_at_launch, 2, timeout=120)[0]
+    assert len(seen[False]) == DEPTH > GATHERS_IN_FLIGHT  # a bucket per layer's weight
+    assert max(seen[False]) == GATHERS_IN_FLIGHT, seen
+    assert seen[True] == list(range(DEPTH)), seen  # overlap launches them all before the next forward

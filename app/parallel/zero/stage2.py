@@ -50,6 +50,7 @@ from app.parallel.ddp.module_sync import broadcast_coalesced
 from app.parallel.zero.stage1 import refuse_unshardable
 
 DEFAULT_BUCKET_CAP_MB = 25
+GATHERS_IN_FLIGHT = 2  # all-gathers of the parameters in flight after a step, without overlap_gather
 
 
 @torch.no_grad()
@@ -314,6 +315,10 @@ class ShardedGradDataParallel(nn.Module):
             work = recorded.all_gather_into_tensor(b.flat, shard, f"ZeRO bucket {i}", self.process_group, True)
             self._gathers[i] = (work, shard)
             self.comm_bytes["all_gather"] += b.nbytes
+            if not self.overlap_gather and len(self._gathers) > GATHERS_IN_FLIGHT:
+                # Each gather in flight holds a copy of its shard: all of them at once would be a second copy of
+                # this rank's whole shard of the parameters. Overlap launches them all, and pays that copy.
+                self.wait_parameters([max(self._gathers)])
         self.comm_seconds["all_gather"] += time.perf_counter() - t0
         if not (self.overlap_gather and self._waits is not None):
             self.wait_parameters()  # no forward seen yet (or no overlap): nothing knows which module needs what
