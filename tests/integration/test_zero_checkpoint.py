@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from app.parallel.zero import checkpoint as zero_checkpoint
 from app.parallel.zero.checkpoint import CheckpointError, DamagedCheckpoint, load_sharded, save_sharded
 from app.world import run_world
 from tests.integration.test_zero import batch, build, full_parameters, wrap
@@ -33,7 +34,9 @@ def train(wrapped, opt, rank, world, steps) -> None:
         opt.step()
 
 
-def save_then_go_on(rank, world, stage, kind, directory):
+def save_then_go_on(rank, world, stage, kind, directory, file_bytes=None):
+    if file_bytes is not None:  # a rank's shard cut into files of at most this many bytes of tensors
+        zero_checkpoint.SHARD_FILE_BYTES = file_bytes
     torch.manual_seed(0)
     model = build(kind)
     wrapped, opt = wrap(stage, model)
@@ -52,14 +55,23 @@ def resume(rank, world, stage, kind, directory, steps=STEPS):
     return full_parameters(stage, wrapped, model)
 
 
-@pytest.mark.parametrize(("stage", "kind"), [(1, "frozen"), (2, "tied"), (3, "tied"), (3, "frozen")])
-def test_save_on_4_resume_on_3_equals_an_uninterrupted_run(stage, kind, tmp_path):
-    uninterrupted = run_world(save_then_go_on, 4, stage, kind, str(tmp_path), timeout=300)[0]
+@pytest.mark.parametrize(
+    ("stage", "kind", "file_bytes"),
+    [(1, "frozen", None), (2, "tied", None), (3, "tied", None), (3, "frozen", None)]
+    + [(2, "frozen", 256), (3, "tied", 256)],
+)
+def test_save_on_4_resume_on_3_equals_an_uninterrupted_run(stage, kind, file_bytes, tmp_path):
+    # file_bytes: each rank's shard in several files (what bounds a loading rank's memory to one file at a time),
+    # the replicated tensors in rank 0's first.
+    uninterrupted = run_world(save_then_go_on, 4, stage, kind, str(tmp_path), file_bytes, timeout=300)[0]
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["world_size"] == 4 and manifest["stage"] == stage
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["manifest.json", *(s["file"] for s in manifest["shards"])]
     )
+    parts = {r: [s["part"] for s in manifest["shards"] if s["rank"] == r] for r in range(4)}
+    assert all(p == list(range(len(p))) for p in parts.values()), parts
+    assert (len(manifest["shards"]) > 4) == bool(file_bytes), parts
     resumed = run_world(resume, 3, stage, kind, str(tmp_path), timeout=300)[0]
     worst = max((resumed[n] - uninterrupted[n]).abs().max().item() for n in uninterrupted)
     assert resumed.keys() == uninterrupted.keys()

@@ -7,8 +7,9 @@ to save it would need on one rank the very memory sharding saved, so each rank w
       shard-00000-of-00004-<id>.pt   rank 0's pieces (+ the replicated tensors: buffers, frozen parameters)
       ...
       shard-00003-of-00004-<id>.pt   (<id>: fresh for each save, so a save never overwrites the files in use)
-      manifest.json             written last, by rank 0: world size, stage, per shard its file, sha256 digest and
-                                which elements [lo, hi) of which parameter it holds; the parameters' shapes
+      shard-00003-of-00004-<id>-1.pt a rank's shard in more than one file when it holds over SHARD_FILE_BYTES
+      manifest.json             written last, by rank 0: world size, stage, per file its rank, part, sha256 digest
+                                and which elements [lo, hi) of which parameter it holds; the parameters' shapes
 
 A *piece* is elements ``[lo, hi)`` of one parameter, flattened, with the same elements of each optimizer-state
 tensor (AdamW's ``exp_avg``, ``exp_avg_sq``); 0-dim state (``step``) travels as it is. Stage 1 pieces are whole
@@ -51,6 +52,9 @@ from app.parallel.zero.stage2 import ShardedGradDataParallel
 from app.parallel.zero.stage3 import FullyShardedDataParallel
 
 FORMAT = "ddp-cluster.sharded-checkpoint.v1"
+# The most tensor bytes in one file of a rank's shard: a loading rank holds one file at a time beside the state it
+# fills, so its peak grows by this much, not by the whole shard (a sixth to a half of the model's state).
+SHARD_FILE_BYTES = 64 * 2**20
 
 
 class CheckpointError(Exception):
@@ -167,10 +171,10 @@ def save_sharded(directory, model: nn.Module, optimizer, extra: dict | None = No
             tensors = {"param": values[off : off + hi - lo]}
             tensors |= {k: v[off : off + hi - lo] for k, v in tensors_of.items()}
             pieces[name] = {"lo": lo, "hi": hi, "tensors": tensors, "scalars": dict(scalars)}
-    payload = {"pieces": pieces}
-    if rank == 0:  # buffers and frozen parameters: the same on every rank, stored once
+    payloads = [{"pieces": part} for part in _files_of(pieces, SHARD_FILE_BYTES)]
+    if rank == 0:  # buffers and frozen parameters: the same on every rank, stored once, in rank 0's first file
         sharded = _sharded_names(model, optimizer, stage)
-        payload["replicated"] = {
+        payloads[0]["replicated"] = {
             k: v.detach().clone() for k, v in _bare(model).state_dict().items() if k not in sharded
         }
     # Looked at before the broadcast below, which no rank passes before rank 0 sends: nobody has created it yet.
@@ -181,31 +185,54 @@ def save_sharded(directory, model: nn.Module, optimizer, extra: dict | None = No
     dist.broadcast_object_list(
         token, src=dist.get_global_rank(process_group, 0) if process_group else 0, group=process_group
     )
-    name = f"shard-{rank:05d}-of-{world:05d}-{token[0]}.pt"
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        digest = write_atomically(directory / name, lambda f: _save_hashed(payload, f))
-        mine = {"rank": rank, "file": name, "sha256": digest}
-        mine["pieces"] = {n: [p["lo"], p["hi"]] for n, p in pieces.items()}
-    except OSError as e:
-        mine = (f"{directory / name} (rank {rank})", _why(e))
+    names = [f"shard-{rank:05d}-of-{world:05d}-{token[0]}{f'-{k}' if k else ''}.pt" for k in range(len(payloads))]
+    mine = _write_shard_files(directory, names, payloads, rank)
     shards = [None] * world
     dist.all_gather_object(shards, mine, group=process_group)  # every rank learns whether every shard is on disk
     failed = next((s for s in shards if isinstance(s, tuple)), None)
     if failed is None and rank == 0:
-        failed = _write_manifest(directory, model, optimizer, stage, world, extra, shards)
+        listed = [entry for files in shards for entry in files]
+        failed = _write_manifest(directory, model, optimizer, stage, world, extra, listed)
     verdict = [failed]  # rank 0's manifest too: a rank that failed alone would leave the others at the barrier
     dist.broadcast_object_list(
         verdict, src=dist.get_global_rank(process_group, 0) if process_group else 0, group=process_group
     )
     if verdict[0] is not None:
-        (directory / name).unlink(missing_ok=True)  # the space it took, for the next try; no manifest lists it
+        for name in names:
+            (directory / name).unlink(missing_ok=True)  # the space it took, for the next try; no manifest lists it
         dist.barrier(group=process_group)  # every rank's file gone before rank 0 removes the directory
         if created:
             with contextlib.suppress(OSError):  # not empty (another writer's file): then it stays
                 directory.rmdir()
         raise ShardWriteError(*verdict[0])
     dist.barrier(group=process_group)  # nobody returns before the checkpoint is complete
+
+
+def _files_of(pieces: dict, limit_bytes: int) -> list[dict]:
+    """``pieces`` in order, cut into the files of one rank's shard, each of at most ``limit_bytes`` of tensors (a
+    larger piece alone): a rank that loads them holds one file at a time, not its whole shard."""
+    files, size = [{}], 0
+    for name, piece in pieces.items():
+        nbytes = sum(t.numel() * t.element_size() for t in piece["tensors"].values())
+        if files[-1] and size + nbytes > limit_bytes:
+            files, size = [*files, {}], 0
+        files[-1][name] = piece
+        size += nbytes
+    return files
+
+
+def _write_shard_files(directory: Path, names: list[str], payloads: list[dict], rank: int) -> list[dict] | tuple:
+    """This rank's files, each written atomically; their manifest entries, or (where, cause) if the disk refused."""
+    entries = []
+    for part, (name, payload) in enumerate(zip(names, payloads, strict=True)):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            digest = write_atomically(directory / name, lambda f, p=payload: _save_hashed(p, f))
+        except OSError as e:
+            return f"{directory / name} (rank {rank})", _why(e)
+        pieces = {n: [p["lo"], p["hi"]] for n, p in payload["pieces"].items()}
+        entries.append({"rank": rank, "part": part, "file": name, "sha256": digest, "pieces": pieces})
+    return entries
 
 
 def _write_manifest(directory: Path, model, optimizer, stage: int, world: int, extra, shards) -> tuple | None:
@@ -337,10 +364,11 @@ def _read_for_this_rank(directory: Path, model: nn.Module, optimizer, manifest: 
     replicated = None
     for shard in manifest["shards"]:
         overlaps = [n for n, (lo, hi) in shard["pieces"].items() if n in needed and _overlap((lo, hi), needed[n])]
-        if not overlaps and shard["rank"] != 0:
+        holds_replicated = shard["rank"] == 0 and shard.get("part", 0) == 0  # rank 0's first file
+        if not overlaps and not holds_replicated:
             continue  # a file with nothing for this rank is never read
         payload = read(shard)  # one file at a time: its tensors are dropped after the copy
-        if shard["rank"] == 0:
+        if holds_replicated:
             replicated = payload.get("replicated", {})
         for name in overlaps:
             filled[name] += _copy_piece(payload["pieces"][name], needed[name], where[name], buffers, scalars)
