@@ -21,8 +21,8 @@ once, and the output).
 (``bench/results/memory.json``) or given with ``--base``. Every kind also builds the whole model once (the worker
 builds it, then shards it): ``construction`` = base + Ψ·p; the peak of a fresh start is the larger of the two.
 
-A *resume* peaks in the load instead: a sharded rank holds one checkpoint file (its shard of parameters and state)
-and the buffers it fills (as much again) beside its parameters (and zero1's gradient buckets): held + 2·(p + K)Ψ/N.
+A *resume* peaks in the load instead: a sharded rank holds the state it fills, (p + K)Ψ/N, and one checkpoint file
+of at most 64 MiB at a time, beside its parameters (and zero1's gradient buckets).
 ddp's rank holds the model, the loaded file (parameters and state) and one more copy of the parameters: a term
 read off the measurements (base + 3Ψ·p + Ψ·K), not derived.
 
@@ -47,6 +47,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results" / "memory.js
 DEFAULT_BASE_BYTES = 256 * 2**20  # an idle worker's peak when no results file says (torch + gloo + threads)
 DEFAULT_BUCKET_CAP_MB = 25  # the worker's (and PyTorch's) default
 BROADCAST_BUCKET_BYTES = 25 * 2**20  # app.parallel.zero.stage1's: this module imports no torch, so it is repeated
+SHARD_FILE_BYTES = 64 * 2**20  # app.parallel.zero.checkpoint's, repeated for the same reason
 MIB = 2**20
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -160,12 +161,8 @@ def predict(
         "zero3": 3 * unit,
     }[kind]
     shard = -(-(whole + facts.psi * optimizer_bytes) // world_size)  # a rank's file: its parameters' and state's share
-    resume_held = {
-        "ddp": 3 * whole + k,
-        "zero1": p + g + 2 * shard,
-        "zero2": p + 2 * shard,
-        "zero3": p + 2 * shard,
-    }[kind]
+    held = shard + min(SHARD_FILE_BYTES, shard)  # the state it fills, and one file of at most SHARD_FILE_BYTES
+    resume_held = {"ddp": 3 * whole + k, "zero1": p + g + held, "zero2": p + held, "zero3": p + held}[kind]
     return Prediction(kind, world_size, p, g, k, unit, in_flight, facts.activation_bytes, base, whole, resume_held)
 
 

@@ -111,3 +111,10 @@ def test_zero1_in_flight_uses_stage1s_broadcast_bucket():
     from app.parallel.zero import stage1
 
     assert plan.BROADCAST_BUCKET_BYTES == stage1.BROADCAST_BUCKET_BYTES
+
+
+def test_resume_term_uses_the_sharded_checkpoints_file_size():
+    from app import plan
+    from app.parallel.zero import checkpoint
+
+    assert plan.SHARD_FILE_BYTES == checkpoint.SHARD_FILE_BYTES
