@@ -201,13 +201,19 @@ def measure_memory(rank: int, world: int, base: nn.Module, cfg: dict) -> dict:
     return out
 
 
-def measure_time(rank: int, world: int, base: nn.Module, cfg: dict) -> dict:
-    variants = {name: Variant(name, base, cfg["bucket_cap_mb"]) for name in VARIANTS}
+def warmed_variants(rank: int, base: nn.Module, cfg: dict, names: list[str]) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Each variant built from ``base`` and stepped ``cfg["warmup"]`` times untimed; this rank's batch."""
+    variants = {name: Variant(name, base, cfg["bucket_cap_mb"]) for name in names}
     x, y = batch(rank, cfg["batch"], cfg["width"])
     for v in variants.values():
         for _ in range(cfg["warmup"]):
             v.step(x, y)
         v.finish()
+    return variants, x, y
+
+
+def measure_time(rank: int, world: int, base: nn.Module, cfg: dict) -> dict:
+    variants, x, y = warmed_variants(rank, base, cfg, VARIANTS)
     start_bytes = {name: v.comm_bytes() for name, v in variants.items()}
     per_repeat: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for repeat in range(cfg["repeats"]):
@@ -374,16 +380,21 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_args(p: argparse.ArgumentParser, repeats: int) -> None:
+    """The model and the timed run: what this bench and bench.zero_phases share."""
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], help="worlds to run (default 2 4)")
     p.add_argument("--width", type=int, default=512, help="MLP width (default 512)")
     p.add_argument("--depth", type=int, default=8, help="Linear layers (default 8)")
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step (default 32)")
-    p.add_argument("--repeats", type=int, default=5, help="interleaved repeats (default 5)")
+    p.add_argument("--repeats", type=int, default=repeats, help=f"interleaved repeats (default {repeats})")
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant per repeat (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
     p.add_argument("--bucket-cap-mb", type=float, default=1.0, help="every wrapper's bucket size, MiB (default 1)")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_args(p, repeats=5)
     p.add_argument("--timeout", type=float, default=900, help="seconds a world may take (default 900)")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results/zero.json)")
     args = p.parse_args(argv)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from app.world import spawn_world
-from bench.zero_bench import Variant, batch, wide_mlp
+from bench.zero_bench import Variant, add_run_args, warmed_variants, wide_mlp
 from tools.provenance import describe_output, load_average, write_result
 
 VARIANTS = ["ddp", "zero2", "zero2 overlap", "zero3", "zero3 prefetch", "torch fsdp2"]
@@ -52,12 +52,7 @@ def timed_step(variant: Variant, x, y, last: bool) -> dict[str, float]:
 def rank_main(rank: int, world: int, cfg: dict) -> dict:
     torch.manual_seed(0)
     base = wide_mlp(cfg["width"], cfg["depth"])
-    variants = {name: Variant(name, base, cfg["bucket_cap_mb"]) for name in VARIANTS}
-    x, y = batch(rank, cfg["batch"], cfg["width"])
-    for v in variants.values():
-        for _ in range(cfg["warmup"]):
-            v.step(x, y)
-        v.finish()
+    variants, x, y = warmed_variants(rank, base, cfg, VARIANTS)
     per_repeat = {name: {p: [] for p in PHASES} for name in VARIANTS}
     for repeat in range(cfg["repeats"]):
         order = VARIANTS[:]
@@ -73,14 +68,7 @@ def rank_main(rank: int, world: int, cfg: dict) -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], help="worlds to run (default 2 4)")
-    p.add_argument("--width", type=int, default=512, help="MLP width (default 512)")
-    p.add_argument("--depth", type=int, default=8, help="Linear layers (default 8)")
-    p.add_argument("--batch", type=int, default=32, help="samples per rank per step (default 32)")
-    p.add_argument("--repeats", type=int, default=7, help="interleaved repeats (default 7)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per variant per repeat (default 5)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
-    p.add_argument("--bucket-cap-mb", type=float, default=1.0, help="every wrapper's bucket size, MiB (default 1)")
+    add_run_args(p, repeats=7)
     p.add_argument("--out", default=None, help="JSON path (default: runs/zero-phases.json)")
     return p, p.parse_args(argv)
 
