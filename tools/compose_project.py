@@ -95,6 +95,12 @@ class Project:
         self.compose("down", "-v", "--remove-orphans", "-t", "10", check=False, timeout=300)
 
 
+def steps_redone(last_logged: int, resumed_from: int) -> int:
+    """Steps the new world trains again: those logged before the fault past the checkpoint it resumed from. A fault
+    between a checkpoint's write and its step's log line resumes one step past the last line seen: none redone."""
+    return max(last_logged - resumed_from, 0)
+
+
 def consolidated(directory: Path, step: int) -> dict:
     """A ZeRO checkpoint's parameters, whole (name -> float64 tensor), every shard's digest checked on the way
     (app.parallel.zero.checkpoint.consolidate); a checkpoint of another step is an error."""

@@ -101,3 +101,11 @@ def test_the_table_says_not_run_for_a_drill_that_did_not_run():
     doc = {"settings": settings, "planned": {"a": "drill a", "b": "drill b"}, "drills": {"a": ran}}
     rows = [line for line in render_drills(doc) if line.startswith("| drill ") and "verdict" not in line]
     assert rows[0].startswith("| drill a | **FAIL** |") and rows[1] == "| drill b | not run | | | | | | |"
+
+
+def test_steps_redone_count_the_logged_steps_past_the_checkpoint_and_never_go_negative():
+    from tools.compose_project import steps_redone
+
+    assert steps_redone(21, 15) == 6
+    # Killed after step 20's checkpoint was written but before its log line: resumed at 20, last line 19.
+    assert steps_redone(19, 20) == 0

@@ -37,7 +37,16 @@ import subprocess
 import time
 from pathlib import Path
 
-from tools.compose_project import CHECKPOINT_MS, RESUMED, STEP, WORLD, Project, first_step_after, project_env
+from tools.compose_project import (
+    CHECKPOINT_MS,
+    RESUMED,
+    STEP,
+    WORLD,
+    Project,
+    first_step_after,
+    project_env,
+    steps_redone,
+)
 from tools.provenance import describe_output, output_path, provenance
 
 
@@ -121,7 +130,7 @@ def analyse(a: dict, b: dict, args, params_a: dict, params_b: dict) -> dict:
         "victim": {"rank": args.victim, "container": victim_name},
         "killed_at_step": max(before_kill, default=None),
         "resumed_from_step": resumed[0] if resumed else None,
-        "steps_redone": (max(before_kill) - resumed[0]) if before_kill and resumed else None,
+        "steps_redone": steps_redone(max(before_kill), resumed[0]) if before_kill and resumed else None,
         "failure_to_next_step_s": round(first_on_3 - b["kill_time"], 1) if first_on_3 else None,
         "scale_up_to_next_step_s": round(first_on_4 - b["scale_time"], 1) if first_on_4 else None,
         "checkpoint_ms_median": statistics.median(ckpt_ms) if ckpt_ms else None,

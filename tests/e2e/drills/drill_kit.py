@@ -19,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tools.compose_project import RESUMED, STEP, WORLD, Project, project_env
+from tools.compose_project import RESUMED, STEP, WORLD, Project, project_env, steps_redone
 from tools.docker_cli import STAMP, docker
 
 FINISHED = re.compile(r"FINISHED rank=(\d+) world_size=(\d+) step=(\d+)")
@@ -195,7 +195,7 @@ class Drill:
             "fault_to_finished_s": first_finished(lines, since) if self.fault_t else None,
             "last_step_before_fault": max(before, default=None),
             "resumed_from_step": resumed[0] if resumed else None,
-            "steps_redone": (max(before) - resumed[0]) if before and resumed else None,
+            "steps_redone": steps_redone(max(before), resumed[0]) if before and resumed else None,
             "last_step": max((int(m[1]) for _, line in lines if (m := STEP.search(line))), default=0),
             "finished": {"lines": len(finished), "worlds": sorted({w for _, w in finished}), "ranks": len(finished)},
             "one_finish": one_finish(finished),
