@@ -96,8 +96,9 @@ class Project:
 
 
 def steps_redone(last_logged: int, resumed_from: int) -> int:
-    """Steps the new world trains again: those logged before the fault past the checkpoint it resumed from. A fault
-    between a checkpoint's write and its step's log line resumes one step past the last line seen: none redone."""
+    """Steps the new world trains again: those logged before the fault past the checkpoint it resumed from. A log
+    line is stamped when Docker receives it, so the last line stamped before the fault can trail a step whose
+    checkpoint is already written: the world then resumes past it, and none were redone."""
     return max(last_logged - resumed_from, 0)
 
 

@@ -107,5 +107,5 @@ def test_steps_redone_count_the_logged_steps_past_the_checkpoint_and_never_go_ne
     from tools.compose_project import steps_redone
 
     assert steps_redone(21, 15) == 6
-    # Killed after step 20's checkpoint was written but before its log line: resumed at 20, last line 19.
+    # Step 20's line reached Docker after the fault though its checkpoint was written: resumed at 20, last line 19.
     assert steps_redone(19, 20) == 0
