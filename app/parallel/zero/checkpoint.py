@@ -47,7 +47,7 @@ from torch import nn
 from app.checkpoint_dir import MANIFEST
 from app.cli import first_line
 from app.files import write_atomically
-from app.parallel.zero.stage1 import ZeroRedundancyOptimizer
+from app.parallel.zero.stage1 import ZeroRedundancyOptimizer, runs_within
 from app.parallel.zero.stage2 import ShardedGradDataParallel
 from app.parallel.zero.stage3 import FullyShardedDataParallel
 
@@ -209,16 +209,13 @@ def save_sharded(directory, model: nn.Module, optimizer, extra: dict | None = No
 
 
 def _files_of(pieces: dict, limit_bytes: int) -> list[dict]:
-    """``pieces`` in order, cut into the files of one rank's shard, each of at most ``limit_bytes`` of tensors (a
-    larger piece alone): a rank that loads them holds one file at a time, not its whole shard."""
-    files, size = [{}], 0
-    for name, piece in pieces.items():
-        nbytes = sum(t.numel() * t.element_size() for t in piece["tensors"].values())
-        if files[-1] and size + nbytes > limit_bytes:
-            files, size = [*files, {}], 0
-        files[-1][name] = piece
-        size += nbytes
-    return files
+    """``pieces`` cut into the files of one rank's shard, each of at most ``limit_bytes`` of tensors (a larger piece
+    alone), at least one: a rank that loads them holds one file at a time, not its whole shard."""
+
+    def tensor_bytes(item) -> int:
+        return sum(t.numel() * t.element_size() for t in item[1]["tensors"].values())
+
+    return [dict(run) for run in runs_within(list(pieces.items()), limit_bytes, tensor_bytes)] or [{}]
 
 
 def _write_shard_files(directory: Path, names: list[str], payloads: list[dict], rank: int) -> list[dict] | tuple:

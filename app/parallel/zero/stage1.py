@@ -159,7 +159,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         pending: list[tuple] = []
         for r in range(self.world_size):
             src, group = self._owner_global_rank[r], self.process_group
-            for params in _buckets([p for ps in self._partition[r] for p in ps], BROADCAST_BUCKET_BYTES):
+            for params in runs_within([p for ps in self._partition[r] for p in ps], BROADCAST_BUCKET_BYTES):
                 # Flat: one broadcast per bucket instead of one per parameter (the latency floor).
                 flat = torch.cat([p.reshape(-1) for p in params]) if r == self.rank else _empty_like_flat(params)
                 work = recorded.broadcast(flat, f"ZeRO-1 parameters of rank {r}", src=src, group=group, async_op=True)
@@ -229,16 +229,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             local.update({k: v for k, v in group.items() if k != "params"})
 
 
-def _buckets(params: list[torch.Tensor], limit_bytes: int):
-    """``params`` in order, cut into runs of at most ``limit_bytes`` (a larger parameter is a run of its own)."""
+def runs_within(items: list, limit_bytes: int, nbytes=lambda t: t.numel() * t.element_size()):
+    """``items`` in order, cut into runs of at most ``limit_bytes`` by ``nbytes(item)`` (a larger item is a run of
+    its own): stage 1's broadcasts, and the files of a sharded checkpoint (app.parallel.zero.checkpoint)."""
     run, size = [], 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if run and size + nbytes > limit_bytes:
+    for item in items:
+        n = nbytes(item)
+        if run and size + n > limit_bytes:
             yield run
             run, size = [], 0
-        run.append(p)
-        size += nbytes
+        run.append(item)
+        size += n
     if run:
         yield run
 
