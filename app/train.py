@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         return BAD_CONFIG
     clock.mark("metrics endpoint")
     try:
-        ctx = join_world(cfg, world)
+        healer = connect_healer(cfg)  # heal=in_place; a newcomer to a live world joins it instead of torchrun's
+        ctx = healer.join_world(world) if healer and healer.joining else join_world(cfg, world)
     except (RendezvousError, RuntimeError) as e:
         metrics.shutdown()
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     # After the process group: init_process_group touches torch._dynamo whenever a module of that name is there.
     try:
         defer_dynamo_import()
-        return train(cfg, resolved.sources, ctx, world, grad_accum_steps, stop, metrics, clock)
+        return train(cfg, resolved.sources, ctx, world, grad_accum_steps, stop, metrics, clock, healer)
     except (ConfigError, CheckpointMismatch, TorchChanged) as e:  # TorchChanged: a torch the stand-in does not know
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return BAD_CONFIG
@@ -149,6 +150,16 @@ def join_world(cfg: TrainConfig, world: WorldEnv):
     )
 
 
+def connect_healer(cfg: TrainConfig):
+    """heal=in_place: this rank's ``Healer`` at ``heal_store`` (a newcomer when it finds a live world there); None
+    for heal=restart."""
+    if cfg.heal != "in_place":
+        return None
+    from app.worker.heal import Healer
+
+    return Healer.connect(cfg, job=os.environ.get("TORCHELASTIC_RUN_ID", "job"))
+
+
 def start_metrics(cfg: TrainConfig, world: WorldEnv, stop: StopSignal):
     """This process's /metrics endpoint (``NoMetrics`` when metrics_port is 0), told of a stop request at once; None,
     after one line, when its port cannot be opened. Served before the rendezvous: a rank stuck there is already
@@ -175,7 +186,15 @@ def start_metrics(cfg: TrainConfig, world: WorldEnv, stop: StopSignal):
 
 
 def train(
-    cfg: TrainConfig, sources: dict[str, str], ctx, world: WorldEnv, grad_accum_steps: int, stop, metrics, clock
+    cfg: TrainConfig,
+    sources: dict[str, str],
+    ctx,
+    world: WorldEnv,
+    grad_accum_steps: int,
+    stop,
+    metrics,
+    clock,
+    healer=None,
 ) -> int:
     """Inside the process group: the start-up checks every rank must agree on, then the loop, then the linger."""
     from app.worker.checkpoint.files import checkpoint_dir_problem
@@ -185,13 +204,16 @@ def train(
     if stop.requested:
         log.warning("%s before training started: exit %d", stop.name, FAILED)
         return FAILED
-    problem = cfg.checkpoint_dir and checkpoint_dir_problem(cfg.checkpoint_dir, ctx.is_main)
+    # Collectives of the first world only (a newcomer to a live world, heal=in_place, joins its peers mid-run).
+    first = not (healer and healer.joining)
+    problem = cfg.checkpoint_dir and first and checkpoint_dir_problem(cfg.checkpoint_dir, ctx.is_main)
     if problem:  # found before training, on every rank: none is left waiting for a rank 0 that cannot save
         raise ConfigError(
             f"checkpoint_dir={cfg.checkpoint_dir!r} (set by {sources['checkpoint_dir']}): "
             f'{problem} on rank 0; choose a writable directory, or "" for no checkpoints'
         )
-    announce_endpoints(ctx, cfg, world.node)
+    if first:
+        announce_endpoints(ctx, cfg, world.node)
     clock.mark("endpoints")
     # torch.optim imports torch._dynamo at its first optimizer (seconds): here, so the breakdown shows it apart
     # (nothing to import when defer_dynamo_import put its stand-in there).
@@ -202,7 +224,7 @@ def train(
     step = build_step(cfg, ctx, grad_accum_steps, metrics)
     trim()  # the whole model a sharded kind built and cut into shards: its freed pages back before training
     clock.mark("model build")  # the second build of the model (the first was check_workload's) and its wrapper
-    trainer = Trainer(cfg, ctx, world, stop, metrics, step=step)  # finds and loads the newest checkpoint
+    trainer = Trainer(cfg, ctx, world, stop, metrics, step=step, healer=healer)  # finds and loads the newest checkpoint
     clock.mark("checkpoint probe")
     log.info("%s", clock.line())
     code = trainer.run()

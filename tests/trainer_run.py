@@ -84,6 +84,19 @@ RUNS: dict[str, dict[str, object]] = {
         "log_every": 10,
         "metrics_port": 0,
     },
+    # Heals in place (the test gives heal_store): a global batch of 48 in micro-batches of <= 8, float64 so that a
+    # step on 2 ranks equals the same step on 3 to round-off, a progress line per step, only the final checkpoint.
+    "healing": {
+        "heal": "in_place",
+        "effective_batch": 48,
+        "micro_batch": 8,
+        "dataset_size": 960,
+        "dtype": "float64",
+        "checkpoint_every": 100000,
+        "log_every": 1,
+        "metrics_port": 0,
+        "rendezvous_timeout_seconds": 120,  # the first world's and every quorum's deadline, on a busy machine
+    },
     # Serves /metrics (the test gives metrics_port) and keeps it up after FINISHED, for the test to scrape.
     "scraped": {"metrics_linger_seconds": 60},
 }

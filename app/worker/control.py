@@ -85,13 +85,15 @@ class StepControl:
     was signalled: the others would otherwise wait forever in the next collective.
 
     Attributes (after a call): ``stop``, whether any rank was signalled; ``bad_rank``, the highest rank that saw a
-    non-finite loss (-1: none).
+    non-finite loss (-1: none); ``join``, whether a rank's ``poll()`` said a newcomer asks in (heal=in_place: rank 0
+    asks the store, app.worker.heal), so every rank takes it in after the same step.
     """
 
     def __init__(self, ctx, stop: StopSignal):
         self.ctx, self.stop_signal = ctx, stop
-        self.stop = False
+        self.stop = self.join = False
         self.bad_rank = -1
+        self.poll = lambda: 0
 
     def __call__(self, nonfinite_here: bool) -> bool:
         # Imported here, not at the top: this module must load before torch (see the module docstring).
@@ -101,11 +103,11 @@ class StepControl:
         from app.diagnostics import collectives as recorded
 
         flags = torch.tensor(
-            [int(self.stop_signal.requested), self.ctx.rank + 1 if nonfinite_here else 0],
+            [int(self.stop_signal.requested), self.ctx.rank + 1 if nonfinite_here else 0, self.poll()],
             dtype=torch.int32,  # int32: NCCL and gloo both reduce it
             device=self.ctx.device,
         )
         recorded.all_reduce(flags, "step control (stop, NaN)", op=dist.ReduceOp.MAX)
-        stop, bad = flags.tolist()
-        self.stop, self.bad_rank = bool(stop), bad - 1
+        stop, bad, join = flags.tolist()
+        self.stop, self.bad_rank, self.join = bool(stop), bad - 1, bool(join)
         return self.bad_rank >= 0

@@ -57,9 +57,12 @@ class Trainer:
         code = Trainer(cfg, ctx, world, stop, metrics, step=step).run()
     """
 
-    def __init__(self, cfg: TrainConfig, ctx: DistContext, world: WorldEnv, stop: StopSignal, metrics, *, step):
+    def __init__(
+        self, cfg: TrainConfig, ctx: DistContext, world: WorldEnv, stop: StopSignal, metrics, *, step, healer=None
+    ):
         self.cfg, self.ctx, self.stop, self.metrics = cfg, ctx, stop, metrics
         self.step: TrainStep = step
+        self.healer = healer  # heal=in_place (app.worker.heal); None: a lost peer ends the run, torchrun restarts it
         flight = str(Path(cfg.checkpoint_dir) / "flight") if cfg.checkpoint_dir else None  # (docs/diagnostics.md)
         start_recording(entries=cfg.flight_recorder_entries, dump_dir=flight, desync_check=bool(cfg.desync_check))
         self.checkpointer = Checkpointer(
@@ -78,13 +81,16 @@ class Trainer:
             grad_scaler=getattr(step, "grad_scaler", None),
         )
         torch.manual_seed(cfg.seed + ctx.rank)  # per-rank randomness (dropout, ...) differs between ranks
-        self.resumed = self.checkpointer.resume()
+        # A newcomer to a live world (heal=in_place) is given the state by a peer (attach, below), not the disk.
+        self.resumed = None if healer and healer.joining else self.checkpointer.resume()
         self.step_index = self.resumed.step if self.resumed else 0
         self._observe_start(world)
         self.control = StepControl(ctx, stop)
         self.flops = StepFlops()
         self.progress = ProgressLog(cfg.steps, cfg.log_every, self.step_index + 1)
         self.validator = build_validator(cfg, ctx, step.loss_fn) if cfg.eval_every else None
+        if healer:
+            healer.attach(self)
 
     def run(self) -> int:
         """Train up to ``steps``; OK when finished or stopped on request, PEER_STOPPED when stopped for a peer."""
@@ -95,11 +101,37 @@ class Trainer:
             raise
 
     def _run(self) -> int:
-        cfg = self.cfg
         self._announce()
+        cause = None
+        while True:
+            try:
+                if cause:  # outside the except: the failed step's frames (and its wrapper) are gone by now
+                    self.healer.heal(self, cause)
+                stopped = self._train()
+                break
+            except RuntimeError as e:  # heal=in_place: a lost peer is healed, and the loop goes on
+                cause = self.healer.cause(e) if self.healer else None
+                if cause is None:
+                    raise
+        if stopped is not None:
+            return stopped
+        if self.healer:
+            self.healer.leave(self)
+        self.progress.summary()
+        self._finished()
+        self._barrier()  # leave together: a gather's source must not tear down while a peer reads (app.worker.dist)
+        return OK
+
+    def _train(self) -> int | None:
+        """The steps up to ``steps`` (None), or the exit code of a stop."""
+        cfg = self.cfg
         while self.step_index < cfg.steps:
+            if self.healer:
+                self.healer.before_step(self)
             record = self.run_step(self.step_index + 1)
             self.step_index = record.step_index
+            if self.healer:
+                self.healer.after_step(self)
             if self.progress.record(record):
                 self.checkpointer.note_progress(self.step_index)
             self.maybe_validate()
@@ -108,11 +140,10 @@ class Trainer:
                 self.save()
             if self.control.stop and self.step_index < cfg.steps:  # a signal during the last step: complete anyway
                 return self._stopped()
+            if self.control.join and self.step_index < cfg.steps:  # every rank saw it in the same step control
+                self.healer.heal(self, "a new rank asks to join")
         self._barrier()  # nobody reports FINISHED before rank 0's final checkpoint is on disk
-        self.progress.summary()
-        self._finished()
-        self._barrier()  # leave together: a gather's source must not tear down while a peer reads (app.worker.dist)
-        return OK
+        return None
 
     def run_step(self, step_index: int) -> StepRecord:
         """One optimizer step with its measurements; raises TrainingDiverged on a NaN/inf loss on any rank."""

@@ -464,6 +464,8 @@ EVERY_SETTING = {
     "device": "cpu",
     "rendezvous_timeout_seconds": "90",
     "collective_timeout_seconds": "45",
+    "heal": "restart",  # the default, set: it must still come from the environment (in_place: test_heal.py)
+    "heal_store": "",  # set and empty: it is for heal=in_place only
     "checkpoint_dir": "/checkpoints",
     "checkpoint_every": "3",
     "checkpoint_timeout_seconds": "2.5",

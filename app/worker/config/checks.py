@@ -99,6 +99,43 @@ def check_kind_settings(cfg) -> None:
             raise ConfigError(f"{name}={getattr(cfg, name)!r} is for parallel={kind} only: unset it for {cfg.parallel}")
 
 
+HEAL_CHOICES = ("restart", "in_place")
+# Why each kind cannot heal in place: what a lost rank takes with it that no survivor holds.
+HEAL_REFUSED = {
+    "zero1": "a lost rank takes its shard of the optimizer state with it",
+    "zero2": "a lost rank takes its shard of the optimizer state and gradients with it",
+    "zero3": "a lost rank takes its shard of the parameters with it",
+    "pipeline": "a lost rank takes its stage of the model with it",
+    "dp": "one process holds the whole world",
+}
+
+
+def check_heal(cfg) -> None:
+    """``heal=in_place`` only where every survivor holds the whole state (parallel=ddp), with a store to meet at
+    and a global batch that does not depend on the world size."""
+    choice("heal", cfg.heal, HEAL_CHOICES)
+    if cfg.heal == "restart":
+        if cfg.heal_store:
+            raise ConfigError(f"heal_store={cfg.heal_store!r} is for heal=in_place only: unset it, or set heal")
+        return
+    if cfg.parallel in HEAL_REFUSED:
+        raise ConfigError(
+            f"heal=in_place works with parallel=ddp only: under parallel={cfg.parallel} "
+            f"{HEAL_REFUSED[cfg.parallel]}; set heal=restart (resume from the checkpoint)"
+        )
+    host, _, port = cfg.heal_store.rpartition(":")
+    if not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(
+            f"heal_store={cfg.heal_store!r}: heal=in_place needs HOST:PORT of a store that outlives every rank "
+            f"(the rendezvous store, e.g. rendezvous:29400)"
+        )
+    if cfg.effective_batch is None:
+        raise ConfigError(
+            "effective_batch unset: heal=in_place needs the global batch fixed in samples, so that a step redone "
+            "by fewer ranks is the same step; set effective_batch"
+        )
+
+
 def pipeline_cuts(value: str) -> list[str] | None:
     """``pipeline_split`` as the list of names where stages 2.. begin; ``None`` when empty (balanced split)."""
     if not value.strip():

@@ -23,6 +23,7 @@ from app.worker.config.checks import (
     ConfigError,
     at_least,
     check_activation_checkpointing,
+    check_heal,
     check_kind_settings,
     check_pipeline,
     check_pipeline_cuts,
@@ -173,6 +174,17 @@ class TrainConfig:
         "must outlast the slowest checkpoint write (the other ranks wait in a collective meanwhile)",
         300.0,
     )
+    heal: str = _doc(
+        "what a lost or new rank costs: restart (torchrun restarts every rank from the newest checkpoint) | in_place "
+        "(parallel=ddp: the survivors rebuild their group in-process and redo only the failed step; a new rank is "
+        "given the state by a live peer: app.worker.heal, docs/cluster.md)",
+        "restart",
+    )
+    heal_store: str = _doc(
+        "heal=in_place: HOST:PORT of a TCPStore that outlives every rank, where the ranks agree on each new world "
+        '(the compose rendezvous store; "" = none)',
+        "",
+    )
     # -- checkpoints ----------------------------------------------------------------------------------------------
     checkpoint_dir: str = _doc('directory for checkpoints, shared by all ranks ("" = no checkpoints)', "")
     checkpoint_every: int = _doc("write a checkpoint every this many optimizer steps (and at the end)", 50)
@@ -228,6 +240,7 @@ class TrainConfig:
                 f"set dtype=float32 for {self.parallel}"
             )
         check_kind_settings(self)
+        check_heal(self)
         check_activation_checkpointing(self)
         check_validation(self)
         at_least("pipeline_stages", self.pipeline_stages, 0)
