@@ -109,10 +109,6 @@ def test_a_killed_rank_is_healed_in_place_and_a_new_one_joins(tmp_path, heal_sto
         f"kill -> survivors' next finished step: {max(survivors) - killed_at:.2f} s; newcomer: asking in -> its "
         f"first finished step {float(asked[0]):.2f} s, process start -> that step {newcomer[0] - started_at:.2f} s"
     )
-    assert 0 < max(survivors) - killed_at <= WITHIN_SECONDS, log
-    # The heal's part of a newcomer's start; the process's own start-up before it (imports, config, the workload
-    # check) is the same as any rank's, measured by bench/startup.py, and on a busy machine can alone pass 10 s.
-    assert float(asked[0]) <= WITHIN_SECONDS, err[3]
 
     reference = run_process(*worker_args("healing", steps=STEPS, heal="restart", wrapper="none",
                                          checkpoint_dir=tmp_path / "ref"))  # fmt: skip
@@ -121,3 +117,8 @@ def test_a_killed_rank_is_healed_in_place_and_a_new_one_joins(tmp_path, heal_sto
     for name, tensor in ref.items():
         assert got[name].dtype == torch.float64
         torch.testing.assert_close(got[name], tensor, rtol=RTOL, atol=ATOL, msg=name)
+
+    assert 0 < max(survivors) - killed_at <= WITHIN_SECONDS, log
+    # The heal's part of a newcomer's start; the process's own start-up before it (imports, config, the workload
+    # check) is the same as any rank's, measured by bench/startup.py, and on a busy machine can alone pass 10 s.
+    assert float(asked[0]) <= WITHIN_SECONDS, err[3]
