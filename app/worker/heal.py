@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from app.cli import setup_logging
 from app.worker.data import BatchShare
 from app.worker.dist import DistContext, lost_peer
 
@@ -334,6 +335,8 @@ class Healer:
         store = dist.PrefixStore(self.quorum.key(f"q{generation}/pg/"), self.quorum.store)
         timeout = datetime.timedelta(seconds=self.cfg.collective_timeout_seconds)
         dist.init_process_group(backend, store=store, rank=rank, world_size=len(members), timeout=timeout)
+        # The log's tag and its INFO lines follow the rank (app.train's set-up): the new rank 0 says the progress.
+        setup_logging(f"rank {rank}", quiet=rank != 0)
         self.generation, self.members = generation, members
         if rank == 0:
             self.quorum.publish(generation, members)
