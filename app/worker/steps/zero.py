@@ -154,7 +154,9 @@ class Zero2Step(ShardedStep):
     stage = 2
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        return ShardedGradDataParallel(model, bucket_cap_mb=self.cfg.bucket_cap_mb)
+        return ShardedGradDataParallel(
+            model, bucket_cap_mb=self.cfg.bucket_cap_mb, overlap_gather=bool(self.cfg.overlap_gather)
+        )
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         # The wrapper's own builder: AdamW over the shards, all-gathering the parameters after every step.
@@ -163,6 +165,11 @@ class Zero2Step(ShardedStep):
     @property
     def comm_source(self):
         return self.wrapped
+
+    def final_checksum(self) -> str:
+        # overlap_gather leaves the last step's all-gathers in flight until a next forward, which never comes.
+        self.wrapped.wait_parameters()
+        return super().final_checksum()
 
     def memory_bytes(self) -> tuple[int, int, int]:
         shards = self.wrapped.shard_parameters()
@@ -187,7 +194,12 @@ class Zero3Step(ShardedStep):
                 f"parallel=zero3 runs on the CPU only (ZeRO stage 3's buffers are CPU tensors), this rank has "
                 f"{self.ctx.device}; set device=cpu, or use parallel=zero2"
             )
-        return FullyShardedDataParallel(model, units=resolve_fsdp_units(model, self.cfg.fsdp_units))
+        return FullyShardedDataParallel(
+            model,
+            units=resolve_fsdp_units(model, self.cfg.fsdp_units),
+            prefetch=self.cfg.prefetch,
+            reshard_after_forward=bool(self.cfg.reshard_after_forward),
+        )
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.wrapped.parameters(), lr=self.cfg.lr)  # the fp32 shards (+ frozen ones)
