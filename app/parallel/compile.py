@@ -15,7 +15,9 @@ users compile (one ``torch.compile`` per transformer block). What is outside the
 eager. tests/integration/test_ddp_compile.py counts the all-reduces launched before backward reaches the input.
 
 In place, on the unit's ``forward``: the module keeps its class, its parameters and its ``state_dict`` keys (a
-``torch.compile(module)`` wrapper would add ``_orig_mod.``), and its own forward hooks stay outside the graph.
+``torch.compile(module)`` wrapper would add ``_orig_mod.``), and its own forward hooks stay outside the graph. Not
+``nn.Module.compile()``: it compiles ``_call_impl``, a frame of torch's own module.py, which dynamo leaves alone for
+torch.nn's classes (an ``nn.Sequential`` unit ran uncompiled, torch 2.13).
 Units of the same structure share one compiled graph (dynamo guards on the module's structure, not its identity).
 """
 
@@ -42,7 +44,7 @@ def compile_units(units: Iterable[nn.Module], backend: str) -> list[nn.Module]:
     for unit in units:
         if getattr(unit.forward, "_compiled_unit", False):
             continue
-        compiled = torch.compile(_own_frame(unit.forward), backend=backend)
+        compiled = torch.compile(unit.forward, backend=backend)
         compiled._compiled_unit = True
         unit.forward = compiled  # an instance attribute: _call_impl runs the unit's hooks, then this
         done.append(unit)
@@ -61,12 +63,3 @@ def default_units(model: nn.Module, class_names: list[str] | None = None) -> dic
     if not with_parameters:
         raise ValueError(f"none of {', '.join(units)} holds a parameter")
     return with_parameters
-
-
-def _own_frame(forward):
-    # dynamo does not trace a frame that starts in torch's own files (torch.nn.Sequential's forward, a Linear's):
-    # this one starts here, and dynamo inlines the forward from it (torch.compile(module) adds the same frame).
-    def compiled_forward(*args, **kwargs):
-        return forward(*args, **kwargs)
-
-    return compiled_forward

@@ -38,11 +38,12 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2 * PER_RANK, WIDTH, generator=g), torch.randn(2 * PER_RANK, WIDTH, generator=g)
 
 
-def train(model: nn.Module, forward, rank: int | None, launches: list[str]) -> tuple[list[float], list[int]]:
+def train(model: nn.Module, forward, rank: int | None, launches: list[str]) -> tuple[list[float], list[int], str]:
     """STEPS steps of SGD through ``forward``; per step, the all-reduces launched before backward reached the input
-    (``launches`` is filled by the wrapper's comm hook). ``rank`` None: one process on the whole batch."""
+    (``launches`` is filled by the wrapper's comm hook), and the output's autograd node. ``rank`` None: one process
+    on the whole batch."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    early = []
+    early, last_node = [], None
     for step in range(STEPS):
         x, y = batch(step)
         if rank is not None:
@@ -51,9 +52,11 @@ def train(model: nn.Module, forward, rank: int | None, launches: list[str]) -> t
         launches.clear()
         x.register_hook(lambda g: launches.append("input"))
         opt.zero_grad()
-        F.mse_loss(forward(x), y).backward()
+        out = forward(x)
+        last_node = type(out.grad_fn).__name__  # CompiledFunctionBackward: the last unit did compile
+        F.mse_loss(out, y).backward()
         early.append(launches.index("input") if "input" in launches else len(launches))
-    return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist(), early
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist(), early, last_node
 
 
 def counting(launches: list[str]):
@@ -90,9 +93,10 @@ def compiled_runs(rank: int, world: int) -> dict:
 def test_ours_compiled_per_unit_overlaps_and_equals_torchs_compiled_ddp_and_one_process():
     ranks = run_world(compiled_runs, 2, timeout=600)
     reference = stack()
-    single, _ = train(reference, reference, None, [])
+    single = train(reference, reference, None, [])[0]
     for out in ranks:
-        params, early = out["ours per unit"]
+        params, early, node = out["ours per unit"]
+        assert node == out["ours whole"][2] == "CompiledFunctionBackward", (node, out["ours whole"][2])
         # Units 3, 2, 1's buckets launched while unit 0's backward had yet to run: the overlap eager mode has.
         assert early == [UNITS - 1] * STEPS, early
         # The same counting sees none when the model is compiled whole: every gradient comes out at the end.

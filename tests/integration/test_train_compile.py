@@ -36,11 +36,14 @@ def zero2_off() -> str:
 
 
 def test_zero2_overlap_gather_finishes_with_the_checksum_of_off(zero2_off):
-    assert checksum(parallel="zero2", overlap_gather=1)[0] == zero2_off
+    on, log = checksum(parallel="zero2", overlap_gather=1)
+    assert "zero2: overlap_gather on" in log, log[-3000:]
+    assert on == zero2_off
 
 
 def test_zero3_prefetch_and_units_kept_whole_finish_with_the_checksum_of_off():
-    on = checksum(parallel="zero3", prefetch=1, reshard_after_forward=0)[0]
+    on, log = checksum(parallel="zero3", prefetch=1, reshard_after_forward=0)
+    assert "zero3: prefetch 1, reshard_after_forward off" in log, log[-3000:]
     assert on == checksum(parallel="zero3")[0]
 
 

@@ -28,6 +28,7 @@ FINISHED prints the whole model's checksum, the same on every rank (stage 3 gath
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import torch
@@ -43,6 +44,8 @@ from app.worker.config import ConfigError
 from app.worker.recipe import LRSchedule
 from app.worker.steps.base import MicroBatches, StepInputs, StepOutcome
 from app.worker.steps.ddp import DDPStep
+
+log = logging.getLogger("app.train")
 
 
 def tensor_bytes(tensors) -> int:
@@ -154,6 +157,8 @@ class Zero2Step(ShardedStep):
     stage = 2
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        if self.cfg.overlap_gather:
+            log.info("zero2: overlap_gather on: each step's parameter all-gathers run on into the next forward")
         return ShardedGradDataParallel(
             model, bucket_cap_mb=self.cfg.bucket_cap_mb, overlap_gather=bool(self.cfg.overlap_gather)
         )
@@ -193,6 +198,12 @@ class Zero3Step(ShardedStep):
             raise ConfigError(
                 f"parallel=zero3 runs on the CPU only (ZeRO stage 3's buffers are CPU tensors), this rank has "
                 f"{self.ctx.device}; set device=cpu, or use parallel=zero2"
+            )
+        if self.cfg.prefetch or not self.cfg.reshard_after_forward:
+            log.info(
+                "zero3: prefetch %d, reshard_after_forward %s",
+                self.cfg.prefetch,
+                "on" if self.cfg.reshard_after_forward else "off: each unit whole from its forward to its backward",
             )
         return FullyShardedDataParallel(
             model,
