@@ -102,13 +102,13 @@ def checkpointed_units(cfg: TrainConfig, model: nn.Module) -> dict[str, nn.Modul
 def compiles_wrapper_whole(cfg: TrainConfig) -> bool:
     """Whether ``compile`` compiles PyTorch's DDP wrapper whole (``wrapper=torch``, parallel=ddp|zero1: dynamo's
     DDPOptimizer cuts the graph at its buckets, the way PyTorch documents) instead of the model's units one by one."""
-    return cfg.compile != "off" and cfg.wrapper == "torch" and cfg.parallel in ("ddp", "zero1")
+    return cfg.compile != "none" and cfg.wrapper == "torch" and cfg.parallel in ("ddp", "zero1")
 
 
 def compiled_units(cfg: TrainConfig, model: nn.Module) -> dict[str, nn.Module]:
     """``{name: module}`` that ``compile`` compiles one by one (app.parallel.compile: a wrapper's gradient hooks fire
-    between them); ``{}`` when off or when the wrapper is compiled whole. ConfigError (one line) if none is found."""
-    if cfg.compile == "off" or compiles_wrapper_whole(cfg):
+    between them); ``{}`` when none or when the wrapper is compiled whole. ConfigError (one line) if none is found."""
+    if cfg.compile == "none" or compiles_wrapper_whole(cfg):
         return {}
     classes = [n.strip() for n in cfg.compile_units.split(",") if n.strip()]
     try:

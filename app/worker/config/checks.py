@@ -97,7 +97,7 @@ KIND_SETTINGS = {
     "overlap_gather": "zero2",
     "prefetch": "zero3",
 }
-COMPILE_CHOICES = ("off", *BACKENDS)
+COMPILE_CHOICES = ("none", *BACKENDS)  # "none", as autocast: YAML reads a bare off as false
 
 
 def check_kind_settings(cfg) -> None:
@@ -115,16 +115,16 @@ def check_compile(cfg) -> None:
     at_least("prefetch", cfg.prefetch, 0)
     if not cfg.reshard_after_forward and cfg.parallel != "zero3":
         raise ConfigError(f"reshard_after_forward=0 is for parallel=zero3 only: set it to 1 for {cfg.parallel}")
-    if cfg.compile == "off":
+    if cfg.compile == "none":
         if cfg.compile_units:
             raise ConfigError(f"compile_units={cfg.compile_units!r} needs compile on: set compile, or unset it")
         return
     if cfg.parallel == "dp":
-        raise ConfigError(f"compile={cfg.compile} is not wired for parallel=dp (nn.DataParallel): set compile=off")
+        raise ConfigError(f"compile={cfg.compile} is not wired for parallel=dp (nn.DataParallel): set compile=none")
     if cfg.activation_checkpointing != "off":
         raise ConfigError(
             f"compile={cfg.compile} with activation_checkpointing={cfg.activation_checkpointing}: the two together "
-            f"are not tested here; set one of them off"
+            f"are not tested here; set compile=none or activation_checkpointing=off"
         )
     if cfg.wrapper == "torch" and cfg.parallel in ("ddp", "zero1") and cfg.bucket_cap_mb < 1:
         # torch/_dynamo/backends/distributed.py asserts it: a first bucket of 1 MiB, the others no smaller.

@@ -151,10 +151,10 @@ class TrainConfig:
         "",
     )
     compile: str = _doc(
-        "torch.compile: off | aot_eager | inductor (the backend; inductor is torch.compile's default): each unit "
+        "torch.compile: none | aot_eager | inductor (the backend; inductor is torch.compile's default): each unit "
         "compiled on its own, so the wrappers' gradient hooks still fire during backward; wrapper=torch compiles "
         "its DDP whole instead (PyTorch's DDPOptimizer; docs/ddp.md#torchcompile)",
-        "off",
+        "none",
     )
     compile_units: str = _doc(
         'compile: comma list of module class names compiled one by one ("" = the items of the '
