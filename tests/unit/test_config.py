@@ -146,6 +146,16 @@ def test_unknown_env_setting_is_an_error_with_the_nearest_name():
         ({"eval_every": -1}, "eval_every"),
         ({"eval_fraction": 1.0}, "eval_fraction"),
         ({"eval_every": 5, "eval_fraction": 0.1, "parallel": "zero3"}, "eval_every"),
+        ({"compile": "max-autotune"}, "compile"),
+        ({"compile": "aot_eager", "parallel": "dp"}, "compile"),
+        ({"compile": "aot_eager", "activation_checkpointing": "units"}, "compile"),
+        ({"compile": "aot_eager", "wrapper": "torch", "bucket_cap_mb": 0.5}, "compile"),  # DDPOptimizer's 1 MiB
+        ({"compile_units": "Block"}, "compile_units"),  # compile off: nothing to compile
+        ({"overlap_gather": 1}, "overlap_gather"),  # parallel=ddp: no all-gather to overlap
+        ({"overlap_gather": 2, "parallel": "zero2"}, "overlap_gather"),
+        ({"prefetch": 1, "parallel": "zero2"}, "prefetch"),
+        ({"prefetch": -1, "parallel": "zero3"}, "prefetch"),
+        ({"reshard_after_forward": 0, "parallel": "zero2"}, "reshard_after_forward"),
     ],
 )
 def test_validation_names_the_field(kwargs, field):
@@ -173,6 +183,11 @@ BAD = {
         {},
         "autocast=bf16: the recipe runs with parallel=ddp|pipeline|zero1|zero2|zero3 (not yet in the dp step); "
         "unset it, or use one of those",
+    ),
+    "compile_units naming no module": (
+        ["--compile", "aot_eager", "--compile-units", "Block"],
+        {},
+        "compile_units='Block': Block names no module class of MiniMLP",
     ),
     "unknown env setting": ([], {"DDP_STESP": "10"}, "DDP_STESP: no such setting (did you mean DDP_STEPS?)"),
     "env value of the wrong type": ([], {"DDP_LR": "abc"}, "lr='abc' (from env DDP_LR): must be a float"),
