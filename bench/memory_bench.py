@@ -52,11 +52,13 @@ def parameter_count(width: int, depth: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def worker_flags(kind: str, model_kwargs: dict, steps: int, checkpoint_dir: Path, micro_batch: int) -> list[str]:
+def worker_flags(
+    kind: str, model_kwargs: dict, steps: int, checkpoint_dir: Path, micro_batch: int, data_size: int = 512
+) -> list[str]:
     """The worker's flags (``python -m app.train --help``) for one run."""
     return [
         *("--parallel", kind, "--model", MODEL, "--model-kwargs", json.dumps(model_kwargs)),
-        *("--data", "teacher_classification", "--data-kwargs", json.dumps({"size": 512, "seed": 0})),
+        *("--data", "teacher_classification", "--data-kwargs", json.dumps({"size": data_size, "seed": 0})),
         *("--loss", "cross_entropy", "--lr", "0.0001", "--micro-batch", str(micro_batch)),
         *("--steps", str(steps), "--checkpoint-every", "100000", "--checkpoint-dir", str(checkpoint_dir)),
         *("--metrics-port", "0", "--log-every", "100000"),
@@ -114,6 +116,31 @@ def measure(kind: str, world: int, args, psi: int, facts, tmp: Path) -> dict:
     return row
 
 
+def measure_activation_checkpointing(args, results: dict, tmp: Path) -> dict:
+    """Item 4 of issue 37: the same worker at a micro-batch whose activations show (``--ac-micro-batch``), fresh,
+    with ``--activation-checkpointing`` off and units, beside app.plan's prediction for each (the base: the main
+    runs' of that kind and world size)."""
+    kind, world, mb = args.ac_kind, args.ac_world_size, args.ac_micro_batch
+    data_size = max(512, 4 * mb * world)  # a few steps' samples without repeating them
+    model_kwargs = {"width": args.width, "depth": args.depth}
+    facts = model_facts(MODEL, model_kwargs, "teacher_classification", {"size": data_size, "seed": 0}, mb, None)
+    base = results[str(world)][kind]["base"]["peak_bytes"]
+    out = {"kind": kind, "world_size": world, "micro_batch": mb, "facts": vars(facts), "base_bytes": base, "runs": {}}
+    for setting in ("off", "units"):
+        flags = worker_flags(kind, model_kwargs, 3, tmp / "ac", mb, data_size)
+        flags += ["--activation-checkpointing", setting]
+        run = summarise(run_world(world, flags, tmp / "out"))
+        shutil.rmtree(tmp / "ac", ignore_errors=True)
+        plan = predict(kind, world, facts, base, activation_checkpointing=setting == "units")
+        run["predicted_bytes"] = plan.peak
+        run["predicted_vs_measured"] = plan.peak / run["peak_bytes"]
+        out["runs"][setting] = run
+    off, on = out["runs"]["off"], out["runs"]["units"]
+    out["measured_saving_bytes"] = off["peak_bytes"] - on["peak_bytes"]
+    out["predicted_saving_bytes"] = off["predicted_bytes"] - on["predicted_bytes"]
+    return out
+
+
 def print_table(results: dict, psi: int) -> None:
     print(f"Ψ = {psi:,} parameters; MiB per rank (the heaviest rank); expected = formula + base")
     print(
@@ -142,6 +169,12 @@ def parse_args(argv=None):
     p.add_argument("--depth", type=int, default=16, help="ResidualStack residual blocks")
     p.add_argument("--micro-batch", type=int, default=32, help="samples per forward/backward on one rank")
     p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True, help="also measure a resume")
+    p.add_argument("--ac-kind", default="ddp", help="activation checkpointing runs: the kind (one of --kinds)")
+    p.add_argument("--ac-world-size", type=int, default=2, help="activation checkpointing runs: the world size")
+    p.add_argument("--ac-micro-batch", type=int, default=512, help="activation checkpointing runs: micro-batch")
+    p.add_argument(
+        "--ac", action=argparse.BooleanOptionalAction, default=True, help="also measure activation checkpointing"
+    )
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results/memory.json)")
     return p, p.parse_args(argv)
 
@@ -168,7 +201,15 @@ def main(argv=None) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
+        ac = measure_activation_checkpointing(args, results, Path(tmp)) if args.ac else None
     print_table(results, psi)
+    if ac:
+        for setting, run in ac["runs"].items():
+            print(
+                f"activation checkpointing {setting}: {ac['kind']} N={ac['world_size']} micro-batch "
+                f"{ac['micro_batch']}: peak {run['peak_bytes'] / MIB:.0f} MiB, "
+                f"planned {run['predicted_bytes'] / MIB:.0f}"
+            )
     model = {
         "spec": MODEL,
         "width": args.width,
@@ -181,7 +222,13 @@ def main(argv=None) -> int:
         parser,
         args,
         "memory",
-        {"model": model, "facts": vars(facts), "tolerance": TOLERANCE, "results": results},
+        {
+            "model": model,
+            "facts": vars(facts),
+            "tolerance": TOLERANCE,
+            "results": results,
+            "activation_checkpointing": ac,
+        },
         before,
     )
     print(describe_output(path))
