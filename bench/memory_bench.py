@@ -2,6 +2,7 @@
 
     python -m bench.memory_bench                        # worlds 2 and 4, writes bench/results/memory.json
     python -m bench.memory_bench --world-sizes 2 --kinds zero3 --out runs/memory-z3.json
+    python -m bench.memory_bench --jobs 3               # three (kind, world size) at once: the same peaks, sooner
 
 Each run is ``torchrun --standalone --nproc-per-node=N -m bench.memory_rank <the worker's flags>``: the real
 ``python -m app.train`` (``bench.memory_rank`` only wraps its phases), on a user model given by its import spec,
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from app.plan import model_facts, predict, state_bytes
@@ -95,8 +97,9 @@ def summarise(ranks: list[dict]) -> dict:
 
 
 def measure(kind: str, world: int, args, psi: int, facts, tmp: Path) -> dict:
+    tmp = tmp / f"{kind}-{world}"  # a folder per (kind, world size): --jobs runs several at once
     model = {"width": args.width, "depth": args.depth}
-    ckpt = tmp / f"{kind}-{world}"
+    ckpt = tmp / "checkpoints"
     tiny = {"width": 16, "depth": 1}
     base = summarise(run_world(world, worker_flags(kind, tiny, 3, tmp / "base", args.micro_batch), tmp / "out"))
     fresh = summarise(run_world(world, worker_flags(kind, model, 3, ckpt, args.micro_batch), tmp / "out"))
@@ -175,6 +178,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--ac", action=argparse.BooleanOptionalAction, default=True, help="also measure activation checkpointing"
     )
+    p.add_argument("--jobs", type=int, default=1, help="(kind, world size) measured side by side (~1 GiB a rank)")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results/memory.json)")
     return p, p.parse_args(argv)
 
@@ -189,19 +193,38 @@ def main(argv=None) -> int:
     facts = model_facts(MODEL, model_kwargs, "teacher_classification", data_kwargs, args.micro_batch, None)
     results: dict[str, dict] = {}
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="memory-bench-") as tmp:
-        for world in [int(w) for w in args.world_sizes.split(",")]:
-            results[str(world)] = {}
-            for kind in args.kinds.split(","):
-                results[str(world)][kind] = measure(kind, world, args, psi, facts, Path(tmp))
-                r = results[str(world)][kind]
-                print(
-                    f"N={world} {kind}: peak {r['fresh']['peak_bytes'] / MIB:.0f} MiB in "
-                    f"{r['fresh']['peak_phase']} ({time.perf_counter() - t0:.0f} s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        ac = measure_activation_checkpointing(args, results, Path(tmp)) if args.ac else None
+    pairs = [(w, kind) for w in [int(w) for w in args.world_sizes.split(",")] for kind in args.kinds.split(",")]
+
+    def one(pair):
+        world, kind = pair
+        row = measure(kind, world, args, psi, facts, Path(tmp))
+        print(
+            f"N={world} {kind}: peak {row['fresh']['peak_bytes'] / MIB:.0f} MiB in "
+            f"{row['fresh']['peak_phase']} ({time.perf_counter() - t0:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return row
+
+    # Each rank's VmHWM is its own process's: runs side by side measure the same peaks, sooner.
+    with (
+        tempfile.TemporaryDirectory(prefix="memory-bench-") as tmp,
+        ThreadPoolExecutor(max_workers=args.jobs) as pool,
+        ThreadPoolExecutor(max_workers=1) as side,
+    ):
+        futures = {pair: pool.submit(one, pair) for pair in pairs}
+        # Activation checkpointing needs only its kind's base: it starts once that pair is measured.
+        ac_pair = (args.ac_world_size, args.ac_kind)
+        ac_base = {str(ac_pair[0]): {ac_pair[1]: {"base": {}}}}
+
+        def ac_after_its_base():
+            ac_base[str(ac_pair[0])][ac_pair[1]] = futures[ac_pair].result()
+            return measure_activation_checkpointing(args, ac_base, Path(tmp))
+
+        ac_future = side.submit(ac_after_its_base) if args.ac else None
+        for (world, kind), future in futures.items():
+            results.setdefault(str(world), {})[kind] = future.result()
+        ac = ac_future.result() if ac_future else None
     print_table(results, psi)
     if ac:
         for setting, run in ac["runs"].items():
