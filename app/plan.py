@@ -12,19 +12,20 @@ and ``K`` bytes of optimizer state per parameter (AdamW: two fp32 moments, 8; SG
     zero1   Ψ·(p + p + K/N)          zero3   Ψ·(p + p + K)/N
 
 What the step adds (``in flight``): ddp's reducer fills one bucket at a time (``bucket_cap_mb``); zero1
-broadcasts the updated parameters in flats of at most 25 MiB, two at a time; zero2 keeps up to three buckets' flat
-gradients (the one filling, two reduce-scattering: 3 × ``bucket_cap_mb``); zero3 gathers one unit (the ``largest
+broadcasts the updated parameters in flats of at most 25 MiB, two at a time; zero2 keeps up to two buckets' flat
+gradients (the one filling, one reduce-scattering: 2 × ``bucket_cap_mb``); zero3 gathers one unit (the ``largest
 unit``, its parameters) and keeps its flat gradient and one more in flight (3 × that unit). ``activations``: measured
 here, one forward and backward of one micro-batch on the CPU (the bytes autograd saves for backward, each storage
-once, and the output).
+once, and the output); with ``--activation-checkpointing units`` measured again with each unit checkpointed (what
+is saved outside the units, their inputs, and the largest unit's own, rebuilt in backward). The last lines say how
+far checkpointing and an offload of the optimizer state (its column: not built) would each lower the line.
 ``base``: the idle worker's peak (torch, gloo, threads, the data), measured by ``python -m bench.memory_bench``
 (``bench/results/memory.json``) or given with ``--base``. Every kind also builds the whole model once (the worker
 builds it, then shards it): ``construction`` = base + Ψ·p; the peak of a fresh start is the larger of the two.
 
-A *resume* peaks in the load instead: a sharded rank holds the state it fills, (p + K)Ψ/N, and one checkpoint file
-of at most 64 MiB at a time, beside its parameters (and zero1's gradient buckets).
-ddp's rank holds the model, the loaded file (parameters and state) and one more copy of the parameters: a term
-read off the measurements (base + 3Ψ·p + Ψ·K), not derived.
+A *resume* may peak in the load instead: a sharded rank holds the optimizer state it fills, KΨ/N, and one checkpoint
+file of at most 64 MiB at a time, beside its parameters (and zero1's gradient buckets), into which it copies straight
+from the file. ddp's rank maps its file and copies it out tensor by tensor: it holds what training holds.
 
 A bad spec or memory string is one line on stderr and exit code 2.
 """
