@@ -2,7 +2,7 @@
 
     python -m bench.memory_bench                        # worlds 2 and 4, writes bench/results/memory.json
     python -m bench.memory_bench --world-sizes 2 --kinds zero3 --out runs/memory-z3.json
-    python -m bench.memory_bench --jobs 3               # three (kind, world size) at once: the same peaks, sooner
+    python -m bench.memory_bench --jobs 1               # one (kind, world size) at a time: the same peaks, later
 
 Each run is ``torchrun --standalone --nproc-per-node=N -m bench.memory_rank <the worker's flags>``: the real
 ``python -m app.train`` (``bench.memory_rank`` only wraps its phases), on a user model given by its import spec,
@@ -13,6 +13,9 @@ world size, three runs:
               gloo, the data set, threads), what every rank pays before its model's state;
     fresh     --steps 3 from nothing: construction, 3 steps, one checkpoint save (the final one), the end checksum;
     resume    --steps 4 from the fresh run's checkpoint: the sharded (or rank-0) load, one step, a save, the checksum.
+
+Then (issue 37's item 4) ``--ac-kind`` at ``--ac-world-size`` fresh, at ``--ac-micro-batch`` (activations that show
+beside the state), with ``--activation-checkpointing`` off and units, each against ``app.plan``'s prediction.
 
 Measured: each trainer rank's own peak resident set (VmHWM, = ru_maxrss), not torchrun's agent's; and the phase in
 which it reached that peak (``bench.memory_rank``: VmHWM read at every phase boundary, VmRSS sampled every 0.1 s).
@@ -178,7 +181,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--ac", action=argparse.BooleanOptionalAction, default=True, help="also measure activation checkpointing"
     )
-    p.add_argument("--jobs", type=int, default=1, help="(kind, world size) measured side by side (~1 GiB a rank)")
+    p.add_argument("--jobs", type=int, default=3, help="(kind, world size) measured side by side (~1 GiB a rank)")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results/memory.json)")
     return p, p.parse_args(argv)
 
