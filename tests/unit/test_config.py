@@ -295,6 +295,15 @@ def test_every_setting_arrives_by_each_documented_route(route, tmp_path):
     assert [n for n in EVERY_SETTING if not resolved.sources[n].startswith(prefix)] == []
 
 
+def test_yaml_reads_off_and_no_as_the_words_a_user_wrote(tmp_path):
+    # YAML 1.1 turns off/on/yes/no into booleans: `activation_checkpointing: off` was refused as 'False'.
+    path = write(tmp_path, "activation_checkpointing: off\nautocast: none\n")
+    cfg = load_config(["--config", path], {}).config
+    assert (cfg.activation_checkpointing, cfg.autocast) == ("off", "none")
+    with pytest.raises(ConfigError, match="steps=True"):  # true/false stay booleans, as in YAML 1.2
+        load_config(["--config", write(tmp_path, "steps: true\n")], {})
+
+
 def test_the_config_flag_wins_over_ddp_config(tmp_path):
     flag_file, env_file = tmp_path / "flag.yaml", tmp_path / "env.yaml"
     flag_file.write_text("steps: 11\n")
