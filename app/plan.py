@@ -12,19 +12,20 @@ and ``K`` bytes of optimizer state per parameter (AdamW: two fp32 moments, 8; SG
     zero1   Ψ·(p + p + K/N)          zero3   Ψ·(p + p + K)/N
 
 What the step adds (``in flight``): ddp's reducer fills one bucket at a time (``bucket_cap_mb``); zero1
-broadcasts the updated parameters in flats of at most 25 MiB, two at a time; zero2 keeps up to three buckets' flat
-gradients (the one filling, two reduce-scattering: 3 × ``bucket_cap_mb``); zero3 gathers one unit (the ``largest
+broadcasts the updated parameters in flats of at most 25 MiB, two at a time; zero2 keeps up to two buckets' flat
+gradients (the one filling, one reduce-scattering: 2 × ``bucket_cap_mb``); zero3 gathers one unit (the ``largest
 unit``, its parameters) and keeps its flat gradient and one more in flight (3 × that unit). ``activations``: measured
 here, one forward and backward of one micro-batch on the CPU (the bytes autograd saves for backward, each storage
-once, and the output).
+once, and the output); with ``--activation-checkpointing units`` measured again with each unit checkpointed (what
+is saved outside the units, their inputs, and the largest unit's own, rebuilt in backward). The last lines say how
+far checkpointing and an offload of the optimizer state (its column: not built) would each lower the line.
 ``base``: the idle worker's peak (torch, gloo, threads, the data), measured by ``python -m bench.memory_bench``
 (``bench/results/memory.json``) or given with ``--base``. Every kind also builds the whole model once (the worker
 builds it, then shards it): ``construction`` = base + Ψ·p; the peak of a fresh start is the larger of the two.
 
-A *resume* peaks in the load instead: a sharded rank holds the state it fills, (p + K)Ψ/N, and one checkpoint file
-of at most 64 MiB at a time, beside its parameters (and zero1's gradient buckets).
-ddp's rank holds the model, the loaded file (parameters and state) and one more copy of the parameters: a term
-read off the measurements (base + 3Ψ·p + Ψ·K), not derived.
+A *resume* may peak in the load instead: a sharded rank holds the optimizer state it fills, KΨ/N, and one checkpoint
+file of at most 64 MiB at a time, beside its parameters (and zero1's gradient buckets), into which it copies straight
+from the file. ddp's rank maps its file and copies it out tensor by tensor: it holds what training holds.
 
 A bad spec or memory string is one line on stderr and exit code 2.
 """
@@ -96,11 +97,13 @@ def parse_worlds(text: str) -> list[int]:
 
 @dataclass
 class ModelFacts:
-    """What the prediction needs from the model: Ψ, its largest FSDP unit, one micro-batch's activations."""
+    """What the prediction needs from the model: Ψ, its largest FSDP unit, one micro-batch's activations (without
+    and with activation checkpointing of its units)."""
 
     psi: int
     largest_unit: int  # parameters of the largest unit (each child of the root, ModuleList items apart)
     activation_bytes: int
+    activation_bytes_checkpointed: int | None = None  # --activation-checkpointing units (None: not measured)
 
 
 @dataclass
@@ -149,21 +152,28 @@ def predict(
     param_bytes: int = 4,
     optimizer_bytes: int = 8,
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    activation_checkpointing: bool = False,
 ) -> Prediction:
-    """One kind's per-rank peak at ``world_size`` (the module docstring's terms)."""
+    """One kind's per-rank peak at ``world_size`` (the module docstring's terms); ``activation_checkpointing``: with
+    each unit's activations recomputed in backward (``--activation-checkpointing units``)."""
     p, g, k = split_state(kind, facts.psi, world_size, param_bytes, optimizer_bytes)
     whole = facts.psi * param_bytes
     unit = -(-facts.largest_unit // world_size) * world_size * param_bytes if kind == "zero3" else 0
     in_flight = {
         "ddp": min(int(bucket_cap_mb * MIB), whole),
         "zero1": min(2 * BROADCAST_BUCKET_BYTES, whole),
-        "zero2": min(3 * int(bucket_cap_mb * MIB), whole),
+        "zero2": min(2 * int(bucket_cap_mb * MIB), whole),
         "zero3": 3 * unit,
     }[kind]
     shard = -(-(whole + facts.psi * optimizer_bytes) // world_size)  # a rank's file: its parameters' and state's share
-    held = shard + min(SHARD_FILE_BYTES, shard)  # the state it fills, and one file of at most SHARD_FILE_BYTES
-    resume_held = {"ddp": 3 * whole + k, "zero1": p + g + held, "zero2": p + held, "zero3": p + held}[kind]
-    return Prediction(kind, world_size, p, g, k, unit, in_flight, facts.activation_bytes, base, whole, resume_held)
+    held = -(-facts.psi * optimizer_bytes // world_size) + min(SHARD_FILE_BYTES, shard)  # the state, one file
+    resume_held = {"ddp": p + g + k, "zero1": p + g + held, "zero2": p + held, "zero3": p + held}[kind]
+    activations = facts.activation_bytes
+    if activation_checkpointing:
+        if facts.activation_bytes_checkpointed is None:
+            raise PlanError("activation checkpointing: the model facts hold no measurement with it (model_facts)")
+        activations = facts.activation_bytes_checkpointed
+    return Prediction(kind, world_size, p, g, k, unit, in_flight, activations, base, whole, resume_held)
 
 
 def measured_base(results: Path = RESULTS) -> dict[tuple[str, int], int]:
@@ -185,10 +195,13 @@ def base_for(kind: str, world_size: int, bases: dict[tuple[str, int], int]) -> i
 
 def model_facts(spec: str, model_kwargs: dict, data: str | None, data_kwargs: dict, micro_batch: int, loss):
     """Build the model (seeded, on the CPU), count it, and run one micro-batch forward and backward to measure the
-    activations: the bytes of every tensor autograd saves for backward that is not a parameter, each storage once."""
+    activations: the bytes of every tensor autograd saves for backward that is not a parameter, each storage once;
+    then again with each unit checkpointed (the units ``--activation-checkpointing units`` takes): what is saved
+    outside the units, their inputs, and the largest unit's own activations (rebuilt one unit at a time)."""
     import torch
 
     from app.check.inputs import InputError, build_data, build_loss, synthetic_data
+    from app.parallel.activation_checkpointing import candidate_units, checkpoint_modules
     from app.parallel.zero.stage3 import assign_parameters, resolve_units
     from app.specs import DATA_SPECS, SpecError, build_model, expand
 
@@ -202,24 +215,65 @@ def model_facts(spec: str, model_kwargs: dict, data: str | None, data_kwargs: di
         loss_fn = build_loss(loss, {})
     except (SpecError, InputError) as e:
         raise PlanError(first_line(e)) from None
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(x)
-        loss_value = loss_fn(out, y)
-    loss_value.backward()
-    activations = sum(saved.values()) + out.numel() * out.element_size()
+    activations, per_unit = _activations(model, x, y, loss_fn)
     psi = sum(p.numel() for p in model.parameters())
     units = assign_parameters(model, resolve_units(model, None))  # zero3's default units: each child of the root
     largest = max(sum(p.numel() for p in ps) for ps in units.values())
-    return ModelFacts(psi=psi, largest_unit=largest, activation_bytes=activations)
+    checkpointed = None
+    try:
+        ac_units = candidate_units(model, [])  # --activation-checkpointing units, as the worker chooses them
+    except ValueError:
+        ac_units = {}
+    if ac_units:
+        checkpoint_modules(ac_units.values())
+        outside, _ = _activations(model, x, y, loss_fn, inputs_of=ac_units.values())
+        # Backward recomputes one unit at a time: the largest unit's own activations exist again while it does.
+        checkpointed = outside + max(per_unit.get(id(m), 0) for m in ac_units.values())
+    return ModelFacts(psi, largest, activations, checkpointed)
+
+
+def _activations(model, x, y, loss_fn, inputs_of=()) -> tuple[int, dict[int, int]]:
+    """One forward and backward: the bytes of every tensor autograd saves that is not a parameter, each storage once,
+    with the output and the inputs of the modules ``inputs_of`` (what a checkpointed unit keeps instead); and per
+    module (by id) the bytes saved inside its forward."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+    inside: dict[int, int] = {}
+    current: list[int] = []
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in saved:
+            saved[ptr] = t.untyped_storage().nbytes()
+            for unit in current:
+                inside[unit] = inside.get(unit, 0) + saved[ptr]
+        return t
+
+    def keep_input(_module, args):
+        for t in args:
+            if isinstance(t, torch.Tensor):
+                saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+
+    def enter(module, _args) -> None:
+        current.append(id(module))
+
+    def leave(_module, _args, _out) -> None:  # returns None: the output stays the module's
+        current.pop()
+
+    hooks = [m.register_forward_pre_hook(keep_input) for m in inputs_of]
+    for m in model.modules():
+        hooks += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(x)
+            loss_value = loss_fn(out, y)
+        loss_value.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    return sum(saved.values()) + out.numel() * out.element_size(), inside
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,6 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_BYTES), default="adamw", help="default adamw")
     p.add_argument("--bucket-cap-mb", type=float, default=DEFAULT_BUCKET_CAP_MB, help="zero2's buckets (default 25)")
     p.add_argument("--base", help="the idle worker's peak, e.g. 260m (default: measured, bench/results/memory.json)")
+    p.add_argument(
+        "--activation-checkpointing",
+        choices=("off", "units"),
+        default="off",
+        help="predict with each unit's activations recomputed in backward, as the worker's flag (default off)",
+    )
     p.add_argument("--json", action="store_true", help="print the predictions as JSON")
     return p
 
@@ -265,7 +325,29 @@ def render(predictions: list[Prediction], facts: ModelFacts, memory: int | None)
         if memory:  # judged on the resume: a job that cannot resume after a failure does not fit
             line += "  FITS" if r.resume_peak <= memory else "  DOES NOT FIT"
         lines.append(line)
-    return lines
+    return lines + what_moves_the_line(predictions, facts)
+
+
+def what_moves_the_line(predictions: list[Prediction], facts: ModelFacts) -> list[str]:
+    """Issue 37's item 4: how far activation checkpointing (measured) and offloading the optimizer state to host
+    files (its bytes leave the process's anonymous memory; not built) each lower a rank's peak, and which goes
+    further for this model."""
+    if facts.activation_bytes_checkpointed is None:
+        ac = 0
+        said = "activation checkpointing: no units to checkpoint (no nn.ModuleList/nn.Sequential)"
+    else:
+        ac = max(0, facts.activation_bytes - facts.activation_bytes_checkpointed)
+        said = (
+            f"activation checkpointing (units) lowers each peak by {ac / MIB:.1f} MiB (one micro-batch's "
+            f"activations {facts.activation_bytes / MIB:.1f} -> {facts.activation_bytes_checkpointed / MIB:.1f} MiB)"
+        )
+    offload = [r.optimizer for r in predictions]
+    further = "the optimizer state's offload" if min(offload) > ac else "activation checkpointing"
+    return [
+        said,
+        f"offloading the optimizer state (not built) would lower them by the optim column, {min(offload) / MIB:.0f}"
+        f"-{max(offload) / MIB:.0f} MiB: {further} moves the line further for this model and micro-batch",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,16 +366,29 @@ def main(argv: list[str] | None = None) -> int:
         return exit_codes.BAD_CONFIG
     bases = measured_base()
     k = OPTIMIZER_BYTES[args.optimizer]
-    predictions = [
-        predict(kind, w, facts, base if base is not None else base_for(kind, w, bases), 4, k, args.bucket_cap_mb)
-        for w in worlds
-        for kind in KINDS
-    ]
+    try:
+        predictions = [
+            predict(
+                kind,
+                w,
+                facts,
+                base if base is not None else base_for(kind, w, bases),
+                4,
+                k,
+                args.bucket_cap_mb,
+                activation_checkpointing=args.activation_checkpointing == "units",
+            )
+            for w in worlds
+            for kind in KINDS
+        ]
+    except PlanError as e:
+        print(f"python -m app.plan: error: {e}", file=sys.stderr)
+        return exit_codes.BAD_CONFIG
     if args.json:
         rows = [
             {**vars(r), "peak": r.peak, "peak_phase": r.peak_phase, "resume_peak": r.resume_peak} for r in predictions
         ]
-        print(json.dumps({"psi": facts.psi, "predictions": rows}, indent=1))
+        print(json.dumps({"psi": facts.psi, "facts": vars(facts), "predictions": rows}, indent=1))
     else:
         print("\n".join(render(predictions, facts, memory)))
     return exit_codes.OK

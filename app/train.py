@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     # torch.optim's seconds-long import of torch._dynamo skipped (TRAINER_DEFER_DYNAMO=0: imported as torch does).
     # After the process group: init_process_group touches torch._dynamo whenever a module of that name is there.
     try:
-        defer_dynamo_import()
+        defer_dynamo_import(compiling=cfg.compile != "none")  # compile: the real one, imported below
         return train(cfg, resolved.sources, ctx, world, grad_accum_steps, stop, metrics, clock, healer)
     except (ConfigError, CheckpointMismatch, TorchChanged) as e:  # TorchChanged: a torch the stand-in does not know
         print(f"config error: {e}", file=sys.stderr, flush=True)

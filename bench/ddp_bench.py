@@ -20,6 +20,13 @@ Variants (step time):
     ours bf16 view    ... and gradient_as_bucket_view=True (no copy back from the bucket)
     ours / torch view gradient_as_bucket_view=True
     ours / torch find_unused, ours / torch static_graph: the graph walk per step, and static_graph's reuse of it
+    ours compiled     ours 25MB over the model's units compiled one by one (app.parallel.compile; --compile-backend)
+    torch compiled    torch.compile(torch 25MB): the wrapper compiled whole, its graph cut at the buckets by dynamo's
+                      DDPOptimizer, as PyTorch documents; both compile at the warm-up steps, which are not timed
+
+    # compiled vs not, alone: what docs/benchmarks.md's compile block is rendered from
+    torchrun --standalone --nproc-per-node=2 -m bench.ddp_bench --variants "ours 25MB,ours compiled,torch compiled" \
+        --no-extras --out bench/results/ddp-compile.json
 
 Then: memory (bytes held by gradients + buckets, and the peak RSS growth of training, ours vs PyTorch's with and
 without gradient_as_bucket_view); the loss after ``--loss-steps`` steps with bf16 / fp16 compression against fp32;
@@ -45,6 +52,7 @@ from torch import nn
 
 from app.diagnostics.recorder import RECORDER
 from app.parallel import wrap_model
+from app.parallel.compile import BACKENDS, compile_units, default_units
 from app.parallel.ddp.comm_hooks import HOOKS
 from app.worker.allocator import return_freed_memory_to_the_os, trim
 from app.worker.dist import distributed, exit_process
@@ -70,7 +78,10 @@ CONFIGS = {
     "torch find_unused": ("torch", {"bucket_cap_mb": 25, "find_unused_parameters": True}, None),
     "ours static_graph": ("ours", {"bucket_cap_mb": 25, "static_graph": True}, None),
     "torch static_graph": ("torch", {"bucket_cap_mb": 25, "static_graph": True}, None),
+    "ours compiled": ("ours", {"bucket_cap_mb": 25}, None),
+    "torch compiled": ("torch", {"bucket_cap_mb": 25}, None),
 }
+COMPILED = ("ours compiled", "torch compiled")  # torch.compile: ours per unit, torch's wrapper whole
 VARIANTS = list(CONFIGS)
 MEMORY_VARIANTS = {  # (wrapper, gradient_as_bucket_view)
     "ours": ("ours", False),
@@ -85,17 +96,19 @@ LOSS_VARIANTS = {"torch fp32": ("torch", None), "ours fp32": ("ours", None), "ou
 class Variant:
     """One way of training: a model copy, its optimizer and what happens after backward."""
 
-    def __init__(self, name: str, base: nn.Module, lr: float = 1e-4):
+    def __init__(self, name: str, base: nn.Module, lr: float = 1e-4, backend: str = "inductor"):
         self.name = name
         model = copy.deepcopy(base)
+        if name == "ours compiled":
+            compile_units(default_units(model).values(), backend)  # before wrapping, as the worker does
         config = CONFIGS.get(name)
         if config is not None:
             wrapper, kwargs, hook = config
             model = wrap_model(model, wrapper, **kwargs)
             if hook is not None:
                 model.register_comm_hook(None, HOOKS[hook])
-        self.model = model
         self.opt = torch.optim.SGD(model.parameters(), lr=lr)
+        self.model = torch.compile(model, backend=backend) if name == "torch compiled" else model
         self.world = dist.get_world_size()
 
     def step(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> float:
@@ -153,13 +166,19 @@ def time_steps(variant: Variant, x, y, loss_fn, steps: int) -> float:
     return median.item()
 
 
-def measure(names: list[str], workload, batch: int, repeats: int, steps: int, warmup: int) -> dict[str, list]:
+def measure(
+    names: list[str], workload, batch: int, repeats: int, steps: int, warmup: int, backend: str = "inductor"
+) -> tuple[dict[str, list], dict[str, float]]:
+    """Per variant: its per-repeat medians, and the seconds of its untimed warm-up steps (a compiled one's compile)."""
     torch.manual_seed(0)
     base, x, y, loss_fn = workload(batch)
-    variants = [Variant(n, base) for n in names]
+    variants = [Variant(n, base, backend=backend) for n in names]
+    warmup_s: dict[str, float] = {}
     for v in variants:
-        for _ in range(warmup):
+        t0 = time.perf_counter()
+        for _ in range(warmup):  # a compiled variant compiles here (its first step), untimed
             v.step(x, y, loss_fn)
+        warmup_s[v.name] = time.perf_counter() - t0
     per_repeat: dict[str, list[float]] = {n: [] for n in names}
     for r in range(repeats):
         # Interleaved, so drift in machine load hits every variant alike; in a new order each repeat (the same on
@@ -169,7 +188,7 @@ def measure(names: list[str], workload, batch: int, repeats: int, steps: int, wa
         random.Random(r).shuffle(order)
         for v in order:
             per_repeat[v.name].append(time_steps(v, x, y, loss_fn, steps))
-    return per_repeat
+    return per_repeat, warmup_s
 
 
 def describe(model: nn.Module) -> dict:
@@ -290,6 +309,12 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="deep_mlp,tiny_transformer", help="comma-separated subset of the models")
     ap.add_argument("--variants", default="all", help="comma-separated subset of the variants (torch 25MB always)")
     ap.add_argument("--no-extras", action="store_true", help="step times only: no memory, loss or sync-share")
+    ap.add_argument(
+        "--compile-backend",
+        default="inductor",
+        choices=BACKENDS,
+        help="torch.compile's backend for the compiled variants",
+    )
     ap.add_argument("--out", type=Path, default=None, help="JSON output (default: bench/results/ddp-bench.json)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -311,20 +336,28 @@ def run(args, parser, rank: int, world: int) -> int:
         "repeats": args.repeats,
         "steps": args.steps,
         "time_unit": "median seconds per step (slowest rank), median over interleaved repeats",
+        "compile_backend": args.compile_backend,  # of the compiled variants, when run
         "models": {},
         "memory": {},
         "compression_loss": {},
         "sync_share": [],
     }
     for model_name, (workload, batch) in models.items():
-        per_repeat = measure(variants, workload, batch, args.repeats, args.steps, args.warmup)
+        per_repeat, warmup_s = measure(
+            variants, workload, batch, args.repeats, args.steps, args.warmup, args.compile_backend
+        )
         medians = {n: statistics.median(v) for n, v in per_repeat.items()}
         torch_ms = medians["torch 25MB"]
         report["models"][model_name] = {
             **describe(workload(batch)[0]),
             "per_rank_batch": batch,
             "variants": {
-                n: {"median_s": medians[n], "ratio_to_torch": medians[n] / torch_ms, "per_repeat_s": per_repeat[n]}
+                n: {
+                    "median_s": medians[n],
+                    "ratio_to_torch": medians[n] / torch_ms,
+                    "per_repeat_s": per_repeat[n],
+                    "warmup_s": warmup_s[n],  # this rank's (rank 0's): a compiled variant's compile is in it
+                }
                 for n in variants
             },
         }
@@ -352,7 +385,7 @@ def extras(args, report: dict) -> None:
     }
 
     for batch in (1, 16, 256):
-        per_repeat = measure(["no sync", "ours 25MB"], mlp_workload, batch, args.repeats, args.steps, args.warmup)
+        per_repeat, _ = measure(["no sync", "ours 25MB"], mlp_workload, batch, args.repeats, args.steps, args.warmup)
         no_sync, ours = (statistics.median(per_repeat[n]) for n in ("no sync", "ours 25MB"))
         report["sync_share"].append(
             {

@@ -2,6 +2,7 @@
 
     python -m bench.memory_bench                        # worlds 2 and 4, writes bench/results/memory.json
     python -m bench.memory_bench --world-sizes 2 --kinds zero3 --out runs/memory-z3.json
+    python -m bench.memory_bench --jobs 1               # one (kind, world size) at a time: the same peaks, later
 
 Each run is ``torchrun --standalone --nproc-per-node=N -m bench.memory_rank <the worker's flags>``: the real
 ``python -m app.train`` (``bench.memory_rank`` only wraps its phases), on a user model given by its import spec,
@@ -12,6 +13,9 @@ world size, three runs:
               gloo, the data set, threads), what every rank pays before its model's state;
     fresh     --steps 3 from nothing: construction, 3 steps, one checkpoint save (the final one), the end checksum;
     resume    --steps 4 from the fresh run's checkpoint: the sharded (or rank-0) load, one step, a save, the checksum.
+
+Then (issue 37's item 4) ``--ac-kind`` at ``--ac-world-size`` fresh, at ``--ac-micro-batch`` (activations that show
+beside the state), with ``--activation-checkpointing`` off and units, each against ``app.plan``'s prediction.
 
 Measured: each trainer rank's own peak resident set (VmHWM, = ru_maxrss), not torchrun's agent's; and the phase in
 which it reached that peak (``bench.memory_rank``: VmHWM read at every phase boundary, VmRSS sampled every 0.1 s).
@@ -30,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from app.plan import model_facts, predict, state_bytes
@@ -52,11 +57,13 @@ def parameter_count(width: int, depth: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def worker_flags(kind: str, model_kwargs: dict, steps: int, checkpoint_dir: Path, micro_batch: int) -> list[str]:
+def worker_flags(
+    kind: str, model_kwargs: dict, steps: int, checkpoint_dir: Path, micro_batch: int, data_size: int = 512
+) -> list[str]:
     """The worker's flags (``python -m app.train --help``) for one run."""
     return [
         *("--parallel", kind, "--model", MODEL, "--model-kwargs", json.dumps(model_kwargs)),
-        *("--data", "teacher_classification", "--data-kwargs", json.dumps({"size": 512, "seed": 0})),
+        *("--data", "teacher_classification", "--data-kwargs", json.dumps({"size": data_size, "seed": 0})),
         *("--loss", "cross_entropy", "--lr", "0.0001", "--micro-batch", str(micro_batch)),
         *("--steps", str(steps), "--checkpoint-every", "100000", "--checkpoint-dir", str(checkpoint_dir)),
         *("--metrics-port", "0", "--log-every", "100000"),
@@ -93,8 +100,9 @@ def summarise(ranks: list[dict]) -> dict:
 
 
 def measure(kind: str, world: int, args, psi: int, facts, tmp: Path) -> dict:
+    tmp = tmp / f"{kind}-{world}"  # a folder per (kind, world size): --jobs runs several at once
     model = {"width": args.width, "depth": args.depth}
-    ckpt = tmp / f"{kind}-{world}"
+    ckpt = tmp / "checkpoints"
     tiny = {"width": 16, "depth": 1}
     base = summarise(run_world(world, worker_flags(kind, tiny, 3, tmp / "base", args.micro_batch), tmp / "out"))
     fresh = summarise(run_world(world, worker_flags(kind, model, 3, ckpt, args.micro_batch), tmp / "out"))
@@ -112,6 +120,31 @@ def measure(kind: str, world: int, args, psi: int, facts, tmp: Path) -> dict:
         if run in row:
             row[run]["vs_expected"] = row[run]["peak_bytes"] / row["expected_bytes"]
     return row
+
+
+def measure_activation_checkpointing(args, results: dict, tmp: Path) -> dict:
+    """Item 4 of issue 37: the same worker at a micro-batch whose activations show (``--ac-micro-batch``), fresh,
+    with ``--activation-checkpointing`` off and units, beside app.plan's prediction for each (the base: the main
+    runs' of that kind and world size)."""
+    kind, world, mb = args.ac_kind, args.ac_world_size, args.ac_micro_batch
+    data_size = max(512, 4 * mb * world)  # a few steps' samples without repeating them
+    model_kwargs = {"width": args.width, "depth": args.depth}
+    facts = model_facts(MODEL, model_kwargs, "teacher_classification", {"size": data_size, "seed": 0}, mb, None)
+    base = results[str(world)][kind]["base"]["peak_bytes"]
+    out = {"kind": kind, "world_size": world, "micro_batch": mb, "facts": vars(facts), "base_bytes": base, "runs": {}}
+    for setting in ("off", "units"):
+        flags = worker_flags(kind, model_kwargs, 3, tmp / "ac", mb, data_size)
+        flags += ["--activation-checkpointing", setting]
+        run = summarise(run_world(world, flags, tmp / "out"))
+        shutil.rmtree(tmp / "ac", ignore_errors=True)
+        plan = predict(kind, world, facts, base, activation_checkpointing=setting == "units")
+        run["predicted_bytes"] = plan.peak
+        run["predicted_vs_measured"] = plan.peak / run["peak_bytes"]
+        out["runs"][setting] = run
+    off, on = out["runs"]["off"], out["runs"]["units"]
+    out["measured_saving_bytes"] = off["peak_bytes"] - on["peak_bytes"]
+    out["predicted_saving_bytes"] = off["predicted_bytes"] - on["predicted_bytes"]
+    return out
 
 
 def print_table(results: dict, psi: int) -> None:
@@ -142,6 +175,13 @@ def parse_args(argv=None):
     p.add_argument("--depth", type=int, default=16, help="ResidualStack residual blocks")
     p.add_argument("--micro-batch", type=int, default=32, help="samples per forward/backward on one rank")
     p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True, help="also measure a resume")
+    p.add_argument("--ac-kind", default="ddp", help="activation checkpointing runs: the kind (one of --kinds)")
+    p.add_argument("--ac-world-size", type=int, default=2, help="activation checkpointing runs: the world size")
+    p.add_argument("--ac-micro-batch", type=int, default=512, help="activation checkpointing runs: micro-batch")
+    p.add_argument(
+        "--ac", action=argparse.BooleanOptionalAction, default=True, help="also measure activation checkpointing"
+    )
+    p.add_argument("--jobs", type=int, default=3, help="(kind, world size) measured side by side (~1 GiB a rank)")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results/memory.json)")
     return p, p.parse_args(argv)
 
@@ -156,19 +196,46 @@ def main(argv=None) -> int:
     facts = model_facts(MODEL, model_kwargs, "teacher_classification", data_kwargs, args.micro_batch, None)
     results: dict[str, dict] = {}
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="memory-bench-") as tmp:
-        for world in [int(w) for w in args.world_sizes.split(",")]:
-            results[str(world)] = {}
-            for kind in args.kinds.split(","):
-                results[str(world)][kind] = measure(kind, world, args, psi, facts, Path(tmp))
-                r = results[str(world)][kind]
-                print(
-                    f"N={world} {kind}: peak {r['fresh']['peak_bytes'] / MIB:.0f} MiB in "
-                    f"{r['fresh']['peak_phase']} ({time.perf_counter() - t0:.0f} s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+    pairs = [(w, kind) for w in [int(w) for w in args.world_sizes.split(",")] for kind in args.kinds.split(",")]
+
+    def one(pair):
+        world, kind = pair
+        row = measure(kind, world, args, psi, facts, Path(tmp))
+        print(
+            f"N={world} {kind}: peak {row['fresh']['peak_bytes'] / MIB:.0f} MiB in "
+            f"{row['fresh']['peak_phase']} ({time.perf_counter() - t0:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return row
+
+    # Each rank's VmHWM is its own process's: runs side by side measure the same peaks, sooner.
+    with (
+        tempfile.TemporaryDirectory(prefix="memory-bench-") as tmp,
+        ThreadPoolExecutor(max_workers=args.jobs) as pool,
+        ThreadPoolExecutor(max_workers=1) as side,
+    ):
+        futures = {pair: pool.submit(one, pair) for pair in pairs}
+        # Activation checkpointing needs only its kind's base: it starts once that pair is measured.
+        ac_pair = (args.ac_world_size, args.ac_kind)
+        ac_base = {str(ac_pair[0]): {ac_pair[1]: {"base": {}}}}
+
+        def ac_after_its_base():
+            ac_base[str(ac_pair[0])][ac_pair[1]] = futures[ac_pair].result()
+            return measure_activation_checkpointing(args, ac_base, Path(tmp))
+
+        ac_future = side.submit(ac_after_its_base) if args.ac else None
+        for (world, kind), future in futures.items():
+            results.setdefault(str(world), {})[kind] = future.result()
+        ac = ac_future.result() if ac_future else None
     print_table(results, psi)
+    if ac:
+        for setting, run in ac["runs"].items():
+            print(
+                f"activation checkpointing {setting}: {ac['kind']} N={ac['world_size']} micro-batch "
+                f"{ac['micro_batch']}: peak {run['peak_bytes'] / MIB:.0f} MiB, "
+                f"planned {run['predicted_bytes'] / MIB:.0f}"
+            )
     model = {
         "spec": MODEL,
         "width": args.width,
@@ -181,7 +248,13 @@ def main(argv=None) -> int:
         parser,
         args,
         "memory",
-        {"model": model, "facts": vars(facts), "tolerance": TOLERANCE, "results": results},
+        {
+            "model": model,
+            "facts": vars(facts),
+            "tolerance": TOLERANCE,
+            "results": results,
+            "activation_checkpointing": ac,
+        },
         before,
     )
     print(describe_output(path))

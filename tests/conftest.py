@@ -60,8 +60,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 DOCKER_LANE = "docker"
 # But for a second lane beside it, on a worker of its own: once the other tests got cheaper, the Docker lane alone was
 # CI's critical path. In it the chaos proof (tests/e2e/test_chaos.py, the longest: minutes of containers training,
-# killed and brought back), the pipeline cluster, the user's model and one of the emulated pods' tests (a module, or
-# one test of a module that shares no start-up between its tests), so that both lanes end about together: compose
+# killed and brought back), the pipeline cluster, the user's model and two of the emulated pods' tests (a module, or
+# one test of a module that shares no start-up between its tests), so that both lanes end about together (measured
+# per worker with a timeline of each test's start and end, in a fresh clone under .ci/run): compose
 # projects named by this process's id, their published ports drawn free (free_port), sharing nothing with the other
 # lane.
 SECOND_DOCKER_LANE = "docker-2"
@@ -70,6 +71,7 @@ SECOND_LANE = {
     "test_compose_pipeline.py",
     "test_user_model.py",
     "test_k8s_emulation.py::test_a_lost_pod_is_replaced_and_its_replacement_waits_for_a_new_store",
+    "test_k8s_emulation.py::test_an_evicted_pod_and_its_peers_spend_no_retry",
 }
 
 

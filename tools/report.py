@@ -29,7 +29,7 @@ from tools.renderers.accum import render_accum_checks, render_accum_curve
 from tools.renderers.cluster import render_chaos, render_drills, render_world_drift
 from tools.renderers.common import claims_table  # noqa: F401 (re-exported: renderers elsewhere import it from here)
 from tools.renderers.corpus import render_corpus_curve
-from tools.renderers.ddp import render_ddp_bench, render_ddp_profile
+from tools.renderers.ddp import render_ddp_bench, render_ddp_compile, render_ddp_profile
 from tools.renderers.metrics import render_metrics_budget, render_metrics_overhead
 from tools.renderers.mutants import render_mutants, render_mutation
 from tools.renderers.pipeline import render_pipeline_bubble
@@ -65,6 +65,7 @@ RENDERERS = {
     "world-drift": render_world_drift,
     "ddp-bench": render_ddp_bench,
     "ddp-profile": render_ddp_profile,
+    "ddp-compile": render_ddp_compile,
     "accum-curve": render_accum_curve,
     "accum-curve/checks": render_accum_checks,
     "pipeline-bubble": render_pipeline_bubble,

@@ -61,13 +61,15 @@ class StartupClock:
 DEFER_DYNAMO_VARIABLE = "TRAINER_DEFER_DYNAMO"
 
 
-def defer_dynamo_import(environ=os.environ) -> bool:
-    """Put a stand-in in torch._dynamo's place unless ``TRAINER_DEFER_DYNAMO=0`` or something has imported the real
-    one already; True when it is in place. The import it saves is seconds of CPU per process that trains (the
-    start-up line's ``torch._dynamo import``), paid at once by every rank of a world on the same cores. Without
-    torch.compile, what torch.optim calls of torch._dynamo are no-ops, which the stand-in is; anything else brings
-    the real one (``app.torch_patches.DeferredDynamo``)."""
-    if environ.get(DEFER_DYNAMO_VARIABLE, "1") == "0" or "torch._dynamo" in sys.modules:
+def defer_dynamo_import(environ=os.environ, compiling: bool = False) -> bool:
+    """Put a stand-in in torch._dynamo's place unless ``TRAINER_DEFER_DYNAMO=0``, the run compiles (``compiling``:
+    the ``compile`` setting is on) or something has imported the real one already; True when it is in place. The
+    import it saves is seconds of CPU per process that trains (the start-up line's ``torch._dynamo import``), paid at
+    once by every rank of a world on the same cores. Without torch.compile, what torch.optim calls of torch._dynamo
+    are no-ops, which the stand-in is; anything else brings the real one (``app.torch_patches.DeferredDynamo``).
+    A run that compiles needs the real one from the start: ``disable`` is a no-op only while nothing compiles, and
+    torch.optim's steps must stay out of the graphs the compiled units make."""
+    if compiling or environ.get(DEFER_DYNAMO_VARIABLE, "1") == "0" or "torch._dynamo" in sys.modules:
         return False
     torch_patches.defer_dynamo()
     return True

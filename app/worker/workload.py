@@ -29,6 +29,7 @@ from torch.utils.data import Subset
 
 from app.cli import first_line
 from app.parallel.activation_checkpointing import candidate_units, every_nth
+from app.parallel.compile import default_units
 from app.parallel.pipeline.split import check_sequence, model_sequence, split_names, stage_ranges
 from app.specs import DATA_SPECS, LOSS_SPECS, MODEL_DATA, MODEL_LOSS, MODEL_SPECS, SpecError, build, builtin_name
 from app.specs import build_loss as build_loss_spec
@@ -96,6 +97,25 @@ def checkpointed_units(cfg: TrainConfig, model: nn.Module) -> dict[str, nn.Modul
             f"N <= {len(units)}, or units"
         )
     return chosen
+
+
+def compiles_wrapper_whole(cfg: TrainConfig) -> bool:
+    """Whether ``compile`` compiles PyTorch's DDP wrapper whole (``wrapper=torch``, parallel=ddp|zero1: dynamo's
+    DDPOptimizer cuts the graph at its buckets, the way PyTorch documents) instead of the model's units one by one."""
+    return cfg.compile != "none" and cfg.wrapper == "torch" and cfg.parallel in ("ddp", "zero1")
+
+
+def compiled_units(cfg: TrainConfig, model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: module}`` that ``compile`` compiles one by one (app.parallel.compile: a wrapper's gradient hooks fire
+    between them); ``{}`` when none or when the wrapper is compiled whole. ConfigError (one line) if none is found."""
+    if cfg.compile == "none" or compiles_wrapper_whole(cfg):
+        return {}
+    classes = [n.strip() for n in cfg.compile_units.split(",") if n.strip()]
+    try:
+        return default_units(model, classes)
+    except ValueError as e:
+        fix = "name those (with parameters), or leave it empty" if classes else "name its block classes"
+        raise ConfigError(f"compile_units={cfg.compile_units!r}: {e}; {fix}") from None
 
 
 def build_loss(cfg: TrainConfig):
@@ -168,6 +188,7 @@ def check_workload(cfg: TrainConfig, world_size: int, grad_accum_steps: int) -> 
     """Build and try the model, loss and data on two samples; ConfigError (one line) on the first problem."""
     model = build_model(cfg).to(getattr(torch, cfg.dtype))  # the cheap ones first: a bad spec fails before any read
     checkpointed_units(cfg, model)
+    compiled_units(cfg, model)
     loss_fn = build_loss(cfg)
     data, spec = build_splits(cfg)[0], data_spec(cfg)[0]
     shares = cfg.pipeline_layout(world_size)[1] if cfg.parallel == "pipeline" else world_size

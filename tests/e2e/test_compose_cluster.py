@@ -457,6 +457,11 @@ EVERY_SETTING = {
     "fsdp_units": "",  # set and empty: it is for parallel=zero3 only, and ddp must still see it from the environment
     "activation_checkpointing": "every:2",
     "activation_checkpointing_units": "Linear",  # mini_mlp's 3: every second is net.2
+    "compile": "none",  # set and "none": activation_checkpointing is on, and the two are refused together
+    "compile_units": "",
+    "overlap_gather": "0",  # for parallel=zero2 only: set to its default, it must still come from the environment
+    "prefetch": "0",  # for parallel=zero3 only, as overlap_gather
+    "reshard_after_forward": "1",
     "pipeline_stages": "0",
     "pipeline_microbatches": "2",
     "pipeline_schedule": "1f1b",

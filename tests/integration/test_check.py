@@ -176,10 +176,31 @@ def test_one_wrapper_differing_is_a_fail_and_exit_1(capsys):
         ),
     ],
 )
-def test_bad_input_exits_2_with_one_line_before_any_rank(args, message):
+def test_bad_input_exits_2_with_one_line_before_any_rank(args, message, capsys):
+    # In this process (a fork per case cost ~2 s of a shared core each); the command itself runs in the test below.
+    try:
+        rc = main(args)
+    except SystemExit as e:  # argparse's errors exit from parse_args
+        rc = e.code
+    out, err = capsys.readouterr()
+    assert rc == 2, out + err
+    assert out == ""  # nothing printed: no table, no rank started
+    assert len(err.strip().splitlines()) == 1, err
+    assert message in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["mini_mlp", "--parallel", "dp"], "argument --parallel: invalid choice: 'dp'"),  # argparse's own exit
+        (["no_such_package.models:Net"], "module 'no_such_package.models' does not import"),  # a spec error
+        (["mini_mlp", "--parallel", "pipeline", "--ranks", "1"], "--parallel pipeline needs --ranks >= 2"),
+    ],
+)
+def test_the_command_exits_2_with_one_line_before_any_rank(args, message):
     result = run_module("app.check", *args, timeout=120, env=dict(os.environ))
     assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stdout == ""  # nothing printed: no table, no rank started
+    assert result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert message in result.stderr
 

@@ -628,6 +628,24 @@ def test_zero2_keeps_up_to_its_limit_of_reduce_scatters_in_flight_and_waits_only
     assert all(w.done for w in works)
 
 
+def test_zero2_keeps_of_a_finished_work_only_what_its_done_function_returns():
+    # On gloo a bucket is all-reduced in place and only this rank's chunk kept: the flat gradient must go with the
+    # work, and the chunk must be read only once the work is done (before, it holds unsummed values).
+    import weakref
+
+    from app.parallel.zero.stage2 import InFlight
+
+    works, seen = [Work(), Work()], []
+    flight = InFlight(limit=1)
+    flat = torch.arange(4.0)
+    gone = weakref.ref(flat)
+    flight.add(works[0], flat, lambda f: seen.append(works[0].done) or f[:2].clone())
+    del flat
+    flight.add(works[1], torch.arange(4.0) + 4, lambda f: seen.append(works[1].done) or f[2:].clone())
+    assert seen == [True] and gone() is None  # the oldest, beyond the limit: waited for, cut, its flat freed
+    assert [t.tolist() for t in flight.results()] == [[0.0, 1.0], [6.0, 7.0]] and seen == [True, True]
+
+
 @pytest.mark.parametrize("option", ["parameters_as_bucket_view", "overlap_with_ddp"])
 def test_zero1_refuses_each_of_torchs_options_it_does_not_implement_on_its_own(option):
     # Either one alone would otherwise be accepted and silently not done.

@@ -280,3 +280,31 @@ def test_rank_0_notes_the_last_step_it_reached_which_a_resume_counts_as_redone(t
     checkpointer(str(tmp_path), 0).note_progress(7)
     checkpointer(str(tmp_path), 0).note_progress(9)
     assert json.loads((tmp_path / "progress.json").read_text()) == {"step": 9}
+
+
+def _rss() -> int:
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmRSS (Linux)")
+def test_a_mapped_load_checks_the_digest_without_keeping_the_file_in_memory(tmp_path):
+    # A resuming DDP rank already holds its model: the checkpoint's copy of it must not sit beside it (issue 37).
+    from app.worker.checkpoint.files import copy_out, release
+
+    big = {**state(1), "model": {"weight": torch.randn(16 * 2**20)}}  # 64 MiB
+    path = save_checkpoint(tmp_path, big, keep=1)
+    before = _rss()
+    mapped = load_checkpoint(path, mapped=True)  # every byte read: the digest is checked
+    assert _rss() - before < 8 * 2**20
+    weight = mapped["model"]["weight"]
+    kept = torch.empty_like(weight).copy_(weight)
+    release(weight)
+    assert torch.equal(kept, big["model"]["weight"]) and _rss() - before < 72 * 2**20  # the copy, not the file too
+    assert torch.equal(copy_out(mapped["optimizer"])["state"][0]["exp_avg"], big["optimizer"]["state"][0]["exp_avg"])
+    del mapped, weight, kept
+    with pytest.raises(ValueError, match="digest"):  # still checked: a flipped byte in the tensor's bytes
+        raw = bytearray(path.read_bytes())
+        at = raw.find(big["model"]["weight"][:4].numpy().tobytes())
+        raw[at] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        load_checkpoint(path, mapped=True)

@@ -146,6 +146,16 @@ def test_unknown_env_setting_is_an_error_with_the_nearest_name():
         ({"eval_every": -1}, "eval_every"),
         ({"eval_fraction": 1.0}, "eval_fraction"),
         ({"eval_every": 5, "eval_fraction": 0.1, "parallel": "zero3"}, "eval_every"),
+        ({"compile": "max-autotune"}, "compile"),
+        ({"compile": "aot_eager", "parallel": "dp"}, "compile"),
+        ({"compile": "aot_eager", "activation_checkpointing": "units"}, "compile"),
+        ({"compile": "aot_eager", "wrapper": "torch", "bucket_cap_mb": 0.5}, "compile"),  # DDPOptimizer's 1 MiB
+        ({"compile_units": "Block"}, "compile_units"),  # compile off: nothing to compile
+        ({"overlap_gather": 1}, "overlap_gather"),  # parallel=ddp: no all-gather to overlap
+        ({"overlap_gather": 2, "parallel": "zero2"}, "overlap_gather"),
+        ({"prefetch": 1, "parallel": "zero2"}, "prefetch"),
+        ({"prefetch": -1, "parallel": "zero3"}, "prefetch"),
+        ({"reshard_after_forward": 0, "parallel": "zero2"}, "reshard_after_forward"),
     ],
 )
 def test_validation_names_the_field(kwargs, field):
@@ -173,6 +183,11 @@ BAD = {
         {},
         "autocast=bf16: the recipe runs with parallel=ddp|pipeline|zero1|zero2|zero3 (not yet in the dp step); "
         "unset it, or use one of those",
+    ),
+    "compile_units naming no module": (
+        ["--compile", "aot_eager", "--compile-units", "Block"],
+        {},
+        "compile_units='Block': Block names no module class of MiniMLP",
     ),
     "unknown env setting": ([], {"DDP_STESP": "10"}, "DDP_STESP: no such setting (did you mean DDP_STEPS?)"),
     "env value of the wrong type": ([], {"DDP_LR": "abc"}, "lr='abc' (from env DDP_LR): must be a float"),
@@ -278,6 +293,15 @@ def test_every_setting_arrives_by_each_documented_route(route, tmp_path):
     assert resolved.config == expected
     prefix = {"flag": "flag --", "env": "env DDP_", "file": "config file "}[route]
     assert [n for n in EVERY_SETTING if not resolved.sources[n].startswith(prefix)] == []
+
+
+def test_yaml_reads_off_and_no_as_the_words_a_user_wrote(tmp_path):
+    # YAML 1.1 turns off/on/yes/no into booleans: `activation_checkpointing: off` was refused as 'False'.
+    path = write(tmp_path, "activation_checkpointing: off\nautocast: none\n")
+    cfg = load_config(["--config", path], {}).config
+    assert (cfg.activation_checkpointing, cfg.autocast) == ("off", "none")
+    with pytest.raises(ConfigError, match="steps=True"):  # true/false stay booleans, as in YAML 1.2
+        load_config(["--config", write(tmp_path, "steps: true\n")], {})
 
 
 def test_the_config_flag_wins_over_ddp_config(tmp_path):

@@ -33,6 +33,7 @@ def test_heal_in_place_is_refused_by_a_sharded_kind_in_one_line_exit_2():
         ({"heal_store": "rendezvous"}, r"^heal_store='rendezvous': heal=in_place needs HOST:PORT"),
         ({"effective_batch": None}, r"^effective_batch unset: heal=in_place needs the global batch fixed in samples"),
         ({"heal": "restart"}, r"^heal_store='rendezvous:29400' is for heal=in_place only"),
+        ({"compile": "inductor"}, r"^heal=in_place with compile=inductor is not wired: set compile=none"),
         ({"heal": "inplace"}, r"^heal='inplace': must be one of restart \| in_place"),
     ],
 )

@@ -102,3 +102,18 @@ def test_a_process_whose_start_cannot_be_read_has_no_age_rather_than_an_error(mo
     assert 0 <= process_age_s() < 3600  # this very process, read from /proc
     monkeypatch.setattr(os, "getpid", lambda: 2**22 + 1)  # above the kernel's pid_max: no such process
     assert process_age_s() is None
+
+
+def test_a_run_that_compiles_gets_the_real_dynamo_not_the_stand_in():
+    # app.train passes compiling=True when the compile setting is on: the stand-in must not be put in place, so the
+    # train() import that follows brings torch's own (its disable() and graph_break() are not no-ops under compile).
+    # tests/integration/test_train_compile.py runs such a run to its end.
+    code = (
+        "import sys\n"
+        "from app.worker.startup import defer_dynamo_import\n"
+        "print(defer_dynamo_import({}, compiling=True), 'torch._dynamo' in sys.modules)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False", "False"]  # not deferred, and nothing in torch._dynamo's place

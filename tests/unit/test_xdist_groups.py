@@ -88,8 +88,10 @@ def test_every_docker_test_runs_in_the_docker_lane_and_the_others_keep_their_own
     groups = {line.split()[1]: line.split()[2] for line in run.stdout.splitlines() if line.startswith("GROUP ")}
     docker = {node: group for node, group in groups.items() if node.startswith("tests/e2e/test_k8s")}
     lost_pod = "tests/e2e/test_k8s_emulation.py::test_a_lost_pod_is_replaced_and_its_replacement_waits_for_a_new_store"
-    assert docker.pop(lost_pod) == "docker-2", groups  # one test of a module, moved to balance the lanes
-    assert len(docker) >= 2 and set(docker.values()) == {"docker"}, docker  # function-scoped tests too
+    evicted = "tests/e2e/test_k8s_emulation.py::test_an_evicted_pod_and_its_peers_spend_no_retry"
+    # single tests of a module, moved to balance the lanes
+    assert docker.pop(lost_pod) == "docker-2" and docker.pop(evicted) == "docker-2", groups
+    assert docker and set(docker.values()) == {"docker"}, docker  # function-scoped tests too
     chaos = {node: group for node, group in groups.items() if node.startswith("tests/e2e/test_chaos")}
     assert len(chaos) == 4 and set(chaos.values()) == {"docker-2"}, chaos  # the second lane, beside the other
     others = {group for node, group in groups.items() if node.startswith("tests/integration/")}

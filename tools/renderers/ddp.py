@@ -26,6 +26,42 @@ def render_ddp_bench(doc: dict) -> list[str]:
     return lines + [""] + claims_table(_ddp_claims(doc))
 
 
+COMPILE_ROWS = ("torch 25MB", "ours 25MB", "torch compiled", "ours compiled")
+
+
+def render_ddp_compile(doc: dict) -> list[str]:
+    """bench/ddp_bench.py's compiled variants run alone (bench/results/ddp-compile.json): step time, warm-up (the
+    compile), and ours against PyTorch's both compiled and not."""
+    models = list(doc["models"])
+    lines = [
+        f"torch.compile backend `{doc.get('compile_backend', '?')}`, world size {doc['world_size']} "
+        f"({doc['backend']}), {doc['repeats']} interleaved repeats × {doc['steps']} steps; ms: the median step of "
+        "the slowest rank; warm-up: rank 0's untimed first steps, the compile included.",
+        "",
+        "| variant | " + " | ".join(f"{m} ms | ×torch 25MB | {m} warm-up s" for m in models) + " |",
+        "|---|" + "---:|---:|---:|" * len(models),
+    ]
+    for v in COMPILE_ROWS:
+        cells = []
+        for m in models:
+            row = doc["models"][m]["variants"][v]
+            cells.append(f"{row['median_s'] * 1e3:.1f} | {row['ratio_to_torch']:.2f} | {row.get('warmup_s', 0):.1f}")
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    rows = []
+    for m in models:
+        v = doc["models"][m]["variants"]
+        pairs = list(zip(v["ours compiled"]["per_repeat_s"], v["torch compiled"]["per_repeat_s"]))
+        ratio = v["ours compiled"]["median_s"] / v["torch compiled"]["median_s"]
+        ahead = f" (ahead in {sum(a < b for a, b in pairs)} of {len(pairs)} repeats)"
+        rows.append(
+            (f"ours compiled level with PyTorch's DDP compiled, {m}", "≤ 1.02×", f"{ratio:.2f}×{ahead}", ratio <= 1.02)
+        )
+        for who, eager in (("ours", "ours 25MB"), ("torch", "torch 25MB")):
+            gain = v[f"{who} compiled"]["median_s"] / v[eager]["median_s"]
+            rows.append((f"{who}: compiled step ÷ eager step, {m}", "< 1.00× (compile pays)", f"{gain:.2f}×", gain < 1))
+    return lines + [""] + claims_table(rows)
+
+
 def _ddp_memory(memory: dict) -> list[str]:
     if not memory:
         return []

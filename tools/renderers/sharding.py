@@ -194,8 +194,39 @@ def render_memory(doc: dict) -> list[str]:
         for r in rows.values()
         for run in ("fresh", "resume")
     )
+    return (
+        lines
+        + [
+            "",
+            f"Within {tol:.0%} of formula + base: {held} of {total} peaks; planned within {tol:.0%} of measured: "
+            f"{within} of {total}.",
+        ]
+        + _render_activation_checkpointing(doc.get("activation_checkpointing"))
+    )
+
+
+def _render_activation_checkpointing(ac: dict | None) -> list[str]:
+    """Issue 37's item 4: the same worker with ``--activation-checkpointing`` off and units, measured and planned."""
+    if not ac:
+        return []
+    facts = ac["facts"]
+    lines = [
+        "",
+        f"Activation checkpointing, {ac['kind']} at N = {ac['world_size']}, micro-batch {ac['micro_batch']} (fresh "
+        f"runs; one micro-batch's activations as `app.plan` measures them: "
+        f"{facts['activation_bytes'] / MIB:.1f} MiB, {facts['activation_bytes_checkpointed'] / MIB:.1f} MiB with "
+        "each unit checkpointed):",
+        "",
+        "| --activation-checkpointing | peak | phase | planned | planned ÷ measured |",
+        "|---|---:|---|---:|---:|",
+    ]
+    for setting, run in ac["runs"].items():
+        lines.append(
+            f"| {setting} | {run['peak_bytes'] / MIB:.0f} | {run['peak_phase']} | {run['predicted_bytes'] / MIB:.0f} "
+            f"| {run['predicted_vs_measured']:.2f} |"
+        )
     return lines + [
         "",
-        f"Within {tol:.0%} of formula + base: {held} of {total} peaks; planned within {tol:.0%} of measured: "
-        f"{within} of {total}.",
+        f"Peak lowered by {ac['measured_saving_bytes'] / MIB:.0f} MiB measured, "
+        f"{ac['predicted_saving_bytes'] / MIB:.0f} MiB planned.",
     ]

@@ -283,11 +283,12 @@ def read_manifest(directory) -> dict:
     return manifest
 
 
-def _read_shard(directory: Path, shard: dict) -> dict:
+def _check_shard(directory: Path, shard: dict) -> None:
+    """``DamagedCheckpoint`` unless the file of ``shard`` has the manifest's digest (hashed in blocks, not loaded)."""
     path = directory / shard["file"]
     sha256 = hashlib.sha256()
     try:
-        with open(path, "rb") as f:  # hashed in blocks, then loaded: the file's bytes are never held whole as well
+        with open(path, "rb") as f:  # hashed in blocks: the file's bytes are never held whole
             while block := f.read(1 << 20):
                 sha256.update(block)
     except OSError as e:
@@ -298,8 +299,17 @@ def _read_shard(directory: Path, shard: dict) -> dict:
             f"{path}: sha256 {digest[:12]}... does not match the manifest's {shard['sha256'][:12]}...: the file "
             f"changed after the manifest was written (an interrupted save?); use another checkpoint"
         )
-    # Read a second time, from the page cache: shard names are fresh per save, no save rewrites a file in place.
-    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _load_shard(directory: Path, shard: dict) -> dict:
+    """A shard file's payload, once ``_check_shard`` passed it. Read a second time, from the page cache: shard names
+    are fresh per save, no save rewrites a file in place."""
+    return torch.load(directory / shard["file"], map_location="cpu", weights_only=True)
+
+
+def _read_shard(directory: Path, shard: dict) -> dict:
+    _check_shard(directory, shard)
+    return _load_shard(directory, shard)
 
 
 def load_sharded(directory, model: nn.Module, optimizer, process_group=None, source: Consolidated | None = None):
@@ -313,21 +323,32 @@ def load_sharded(directory, model: nn.Module, optimizer, process_group=None, sou
     directory = Path(directory)
     try:
         manifest, read = (read_manifest(directory), None) if source is None else source.as_manifest(model, optimizer)
-        loaded = _read_for_this_rank(directory, model, optimizer, manifest, read)
-        manifest, stage, entries, state, buffers, scalars, replicated = loaded
+        plan = _check_for_this_rank(directory, model, optimizer, manifest, read)
         error = None
     except Exception as e:  # noqa: BLE001 (any rank's failure must reach every rank, or the others would hang)
-        error = (str(e), isinstance(e, DamagedCheckpoint))
-        if not isinstance(e, CheckpointError):
-            error = (f"{directory}: {type(e).__name__}: {e}", False)
-    _agree(error, process_group)  # all ranks read what they need, or none changes anything
-    _install(entries, state, buffers, scalars)
+        error = _error_of(directory, e)
+    _agree(error, process_group)  # all ranks checked what they need, or none changes anything
+    try:
+        buffers, scalars = _fill(plan, read or (lambda shard: _load_shard(directory, shard)))
+        error = None
+    except Exception as e:  # noqa: BLE001 (as above)
+        error = _error_of(directory, e)
+        error = (f"{error[0]}; read after its check, so this rank's parameters are partly loaded: restart", False)
+    _agree(error, process_group)
+    _install(plan.entries, plan.state, buffers, scalars)
     for group, saved in zip(optimizer.param_groups, manifest["param_groups"]):
         # JSON turned tuples (AdamW's betas) into lists: give them back their type.
         group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
-    _load_replicated(model, optimizer, stage, replicated)
-    _resync(model, optimizer, stage)
+    _load_replicated(model, optimizer, plan.stage, plan.replicated)
+    _resync(model, optimizer, plan.stage)
     return manifest.get("extra", {})
+
+
+def _error_of(directory: Path, e: Exception) -> tuple[str, bool]:
+    """``(message, damaged)`` of a failure to load, for ``_agree``."""
+    if not isinstance(e, CheckpointError):
+        return f"{directory}: {type(e).__name__}: {e}", False
+    return str(e), isinstance(e, DamagedCheckpoint)
 
 
 def _agree(error: tuple[str, bool] | None, process_group) -> None:
@@ -340,10 +361,28 @@ def _agree(error: tuple[str, bool] | None, process_group) -> None:
         raise (DamagedCheckpoint if damaged else CheckpointError)(first_line(message))
 
 
-def _read_for_this_rank(directory: Path, model: nn.Module, optimizer, manifest: dict, read=None):
-    """Read and check everything this rank will hold; change nothing yet. ``read(shard)``: a shard's payload
-    (None: its file in ``directory``, checked against its digest)."""
-    read = read or (lambda shard: _read_shard(directory, shard))
+@dataclass
+class _LoadPlan:
+    """What one rank loads, checked: its entries (``_entries``), the optimizer's state dict, and per file it needs
+    the names of the pieces it takes from it; what each name needs ``(lo, hi)`` and where it goes."""
+
+    stage: int
+    entries: list
+    state: dict
+    files: list  # [(shard entry of the manifest, [names])]
+    needed: dict
+    where: dict
+    replicated: dict
+
+
+def _check_for_this_rank(directory: Path, model: nn.Module, optimizer, manifest: dict, read=None) -> _LoadPlan:
+    """Check everything this rank will load, and change nothing: the stage, the shapes, each file it needs against
+    its digest (hashed, not loaded), that the files' pieces cover what it holds, rank 0's replicated tensors.
+
+    [Note: a sharded load installs straight from the files] Nothing is loaded into a staging copy to be installed
+    once every rank has read its part (a second copy of this rank's parameters): every rank checks first, all agree,
+    then each file is loaded again (from the page cache) and its pieces copied into the parameters in place, one file
+    at a time. ``read(shard)``: a shard's payload (None: its file in ``directory``)."""
     stage = stage_of(model, optimizer)
     if manifest["stage"] != stage:
         raise CheckpointError(
@@ -352,35 +391,47 @@ def _read_for_this_rank(directory: Path, model: nn.Module, optimizer, manifest: 
         )
     entries, state = _entries(model, optimizer, stage)
     _check_shapes(directory, manifest, entries)
-    # What each entry needs: its flat values and optimizer-state tensors, filled piece by piece.
     needed = {name: (lo, hi) for _, _, slices in entries for name, _, lo, hi, _ in slices}
-    filled = {name: 0 for name in needed}
-    buffers: list[dict] = [{"param": torch.zeros_like(values)} for _, values, _ in entries]
-    scalars: list[dict] = [{} for _ in entries]
+    covered = dict.fromkeys(needed, 0)
     where = {name: (e, lo, off) for e, (_, _, slices) in enumerate(entries) for name, _, lo, _, off in slices}
-    replicated = None
+    files, replicated = [], None
     for shard in manifest["shards"]:
         overlaps = [n for n, (lo, hi) in shard["pieces"].items() if n in needed and _overlap((lo, hi), needed[n])]
-        holds_replicated = shard["rank"] == 0 and shard.get("part", 0) == 0  # rank 0's first file
-        if not overlaps and not holds_replicated:
+        if shard["rank"] == 0 and shard.get("part", 0) == 0:  # rank 0's first file: the replicated tensors
+            replicated = (read or (lambda s: _read_shard(directory, s)))(shard).get("replicated", {})
+        elif not overlaps:
             continue  # a file with nothing for this rank is never read
-        payload = read(shard)  # one file at a time: its tensors are dropped after the copy
-        if holds_replicated:
-            replicated = payload.get("replicated", {})
+        elif read is None:
+            _check_shard(directory, shard)
         for name in overlaps:
-            filled[name] += _copy_piece(payload["pieces"][name], needed[name], where[name], buffers, scalars)
-        del payload  # before the next file is read: one file's tensors at a time
+            lo, hi = shard["pieces"][name]
+            covered[name] += min(hi, needed[name][1]) - max(lo, needed[name][0])
+        if overlaps:
+            files.append((shard, overlaps))
     for name, (lo, hi) in needed.items():
-        if filled[name] != hi - lo:
+        if covered[name] != hi - lo:
             raise DamagedCheckpoint(
-                f"{directory}: the shards hold {filled[name]} of elements [{lo}, {hi}) of {name!r}: the manifest "
+                f"{directory}: the shards hold {covered[name]} of elements [{lo}, {hi}) of {name!r}: the manifest "
                 f"does not match its files"
             )
     sharded = _sharded_names(model, optimizer, stage)
     for key in _bare(model).state_dict():
         if key not in sharded and key not in (replicated or {}):
             raise CheckpointError(f"{directory}: rank 0's shard lacks {key!r} (a buffer or frozen parameter)")
-    return manifest, stage, entries, state, buffers, scalars, replicated or {}
+    return _LoadPlan(stage, entries, state, files, needed, where, replicated or {})
+
+
+def _fill(plan: _LoadPlan, load) -> tuple[list[dict], list[dict]]:
+    """Copy each piece this rank takes into its parameters, and its optimizer state into new buffers, one file at a
+    time (``load(shard)``: the file's payload); returns the buffers and scalars, per entry."""
+    buffers: list[dict] = [{} for _ in plan.entries]
+    scalars: list[dict] = [{} for _ in plan.entries]
+    for shard, names in plan.files:
+        payload = load(shard)
+        for name in names:
+            _copy_piece(payload["pieces"][name], plan.needed[name], plan.where[name], plan.entries, buffers, scalars)
+        del payload  # before the next file is read: one file's tensors at a time
+    return buffers, scalars
 
 
 def _overlap(a, b) -> bool:
@@ -397,28 +448,32 @@ def _check_shapes(directory: Path, manifest: dict, entries: list) -> None:
                 raise CheckpointError(f"{directory}: {name!r} has shape {tuple(saved)}, this model {tuple(shape)}")
 
 
-def _copy_piece(piece: dict, want: tuple[int, int], at: tuple[int, int, int], buffers, scalars) -> int:
-    """Copy the part of a saved piece inside ``want`` into entry ``at``'s buffers; returns the elements copied."""
+def _copy_piece(piece: dict, want: tuple[int, int], at: tuple[int, int, int], entries, buffers, scalars) -> None:
+    """Copy the part of a saved piece inside ``want`` into entry ``at``: its parameter values in place, its
+    optimizer state into that entry's buffers."""
     entry, want_lo, offset = at
     lo, hi = max(piece["lo"], want[0]), min(piece["hi"], want[1])
     src = slice(lo - piece["lo"], hi - piece["lo"])
     dst = slice(offset + lo - want_lo, offset + hi - want_lo)
-    for key, tensor in piece["tensors"].items():
-        if key not in buffers[entry]:
-            buffers[entry][key] = torch.zeros_like(buffers[entry]["param"])
-        buffers[entry][key][dst] = tensor[src].to(buffers[entry][key].dtype)
+    values = entries[entry][1]
+    with torch.no_grad():
+        for key, tensor in piece["tensors"].items():
+            if key == "param":
+                values[dst] = tensor[src].to(values.dtype)
+                continue
+            if key not in buffers[entry]:
+                buffers[entry][key] = torch.zeros_like(values)
+            buffers[entry][key][dst] = tensor[src].to(buffers[entry][key].dtype)
     # A copy per entry: two of this world's entries may take pieces of one saved entry, and AdamW adds 1 to ``step``
     # in place, once per entry holding it.
     scalars[entry].update({k: v.clone() if torch.is_tensor(v) else v for k, v in piece["scalars"].items()})
-    return hi - lo
 
 
 def _install(entries, state, buffers, scalars) -> None:
-    with torch.no_grad():
-        for (key, values, _), buf, sc in zip(entries, buffers, scalars):
-            values.copy_(buf.pop("param"))
-            if buf or sc:
-                state[key] = {**sc, **{k: v.view_as(key) for k, v in buf.items()}}  # buffers of our own: no copy
+    """The optimizer state, from the buffers ``_fill`` made (the parameters are in place already)."""
+    for (key, _, _), buf, sc in zip(entries, buffers, scalars):
+        if buf or sc:
+            state[key] = {**sc, **{k: v.view_as(key) for k, v in buf.items()}}  # buffers of our own: no copy
 
 
 def _load_replicated(model: nn.Module, optimizer, stage: int, replicated: dict) -> None:

@@ -9,7 +9,8 @@ an all-reduce's first half, and each rank ends up holding only the summed gradie
        becomes a view of it. Rank r owns chunk r of every bucket: its *shard*, what its optimizer steps;
     2. as backward produces each gradient, a hook copies it into the bucket's flat gradient and frees ``p.grad``;
        a full bucket is reduce-scattered (SUM) *asynchronously* while backward goes on, and its flat gradient
-       freed as soon as that is done (at most two in flight: ``InFlight``);
+       freed as soon as that is done (one in flight beside the bucket filling: ``InFlight``; on gloo an all-reduce
+       in place, see ``_reduce_scatter``);
     3. when backward ends, each rank waits and keeps its chunk, divided by N: ``shard.grad``. The flat gradient
        is freed: between steps a rank holds 1/N of the gradients;
     4. the optimizer steps the shards (its state is 1/N, as in stage 1); then every bucket is all-gathered back
@@ -50,7 +51,11 @@ from app.parallel.ddp.module_sync import broadcast_coalesced
 from app.parallel.zero.stage1 import refuse_unshardable
 
 DEFAULT_BUCKET_CAP_MB = 25
-GATHERS_IN_FLIGHT = 2  # all-gathers of the parameters in flight after a step, without overlap_gather
+# Each collective in flight holds a bucket-sized buffer (a flat gradient; gloo's all-gather a flat output of its
+# own): a rank's peak is its state plus these. One in flight still overlaps a bucket's communication with the
+# next bucket's backward.
+GATHERS_IN_FLIGHT = 1  # all-gathers of the parameters in flight after a step, without overlap_gather
+REDUCE_SCATTERS_IN_FLIGHT = 1  # bucket reduce-scatters in flight during backward, beside the bucket filling
 
 
 @torch.no_grad()
@@ -86,10 +91,12 @@ class InFlight:
     def __init__(self, limit: int = 2):
         self.limit = limit
         self.seconds = 0.0  # waited for, here and in results(): the exposed part of the communication
-        self._items: list[list] = []  # [work or None once done, result]
+        self._items: list[list] = []  # [work or None once done, result, done or None]
 
-    def add(self, work, result) -> None:
-        self._items.append([work, result])
+    def add(self, work, result, done=None) -> None:
+        """Keep ``result``; ``done``: a function of it, called once the work is done, whose value is kept instead
+        (what to keep of a buffer the work wrote: the buffer itself is dropped with the work)."""
+        self._items.append([work, result, done])
         live = [item for item in self._items if item[0] is not None]
         for n, item in enumerate(live):
             if len(live) - n > self.limit or item[0].is_completed():
@@ -99,6 +106,8 @@ class InFlight:
         t0 = time.perf_counter()
         item[0].wait()
         item[0] = None  # the work, and with it its input, is gone
+        if item[2] is not None:
+            item[1], item[2] = item[2](item[1]), None
         self.seconds += time.perf_counter() - t0
 
     def results(self) -> list:
@@ -106,7 +115,7 @@ class InFlight:
         for item in self._items:
             if item[0] is not None:
                 self._finish(item)
-        results = [result for _, result in self._items]
+        results = [result for _, result, _ in self._items]
         self._items = []
         return results
 
@@ -375,7 +384,7 @@ class ShardedGradDataParallel(nn.Module):
             self.wait_parameters()  # a gather that no forward waited for (a parameter read outside forward)
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
-            self._next_bucket, self._works = 0, InFlight()
+            self._next_bucket, self._works = 0, InFlight(REDUCE_SCATTERS_IN_FLIGHT)
             for b in self._buckets:
                 b.pending = len(b.flat_shard.params)
         index, pos = self._slot[id(param)]
@@ -389,13 +398,27 @@ class ShardedGradDataParallel(nn.Module):
         # Collectives match by call order on every rank: launch buckets 0, 1, ... in turn, never out of order.
         while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
             b = self._buckets[self._next_bucket]
-            chunk = torch.empty(b.flat_shard.shard_numel, dtype=b.grad.dtype, device=b.grad.device)
-            source = f"ZeRO bucket {self._next_bucket}"
-            work = recorded.reduce_scatter_tensor(chunk, b.grad, source, dist.ReduceOp.SUM, self.process_group, True)
+            self._reduce_scatter(b, f"ZeRO bucket {self._next_bucket}")
             b.grad = None  # the work holds the flat gradient until it is done: InFlight drops it then
             self.comm_bytes["reduce_scatter"] += b.nbytes
-            self._works.add(work, chunk)
             self._next_bucket += 1
+
+    def _reduce_scatter(self, b: _Bucket, source: str) -> None:
+        """Launch the SUM of ``b``'s flat gradient over the ranks; this rank's chunk of it goes to ``self._works``.
+
+        [Note: gloo's reduce-scatter is an all-reduce of a copy] Measured on gloo (``reduce_scatter_tensor`` of a
+        bucket): the call allocates about a bucket's size beside its input, and its chunk is bit-equal to the same
+        chunk of an ``all_reduce`` of that input (N = 2, 3, 4). The flat gradient is ours and dies after this, so
+        on gloo it is all-reduced in place and the chunk copied out when done: the same values without the copy.
+        Other backends (NCCL) reduce-scatter for real: half the bytes on the wire."""
+        s = b.flat_shard
+        if dist.get_backend(self.process_group) == "gloo":
+            work = recorded.all_reduce(b.grad, source, dist.ReduceOp.SUM, self.process_group, True)
+            self._works.add(work, b.grad, lambda flat: flat[s.start : s.start + s.shard_numel].clone())
+            return
+        chunk = torch.empty(s.shard_numel, dtype=b.grad.dtype, device=b.grad.device)
+        work = recorded.reduce_scatter_tensor(chunk, b.grad, source, dist.ReduceOp.SUM, self.process_group, True)
+        self._works.add(work, chunk)
 
     def _finalize_backward(self) -> None:
         self._callback_queued = False

@@ -46,7 +46,7 @@ from app.parallel.zero.checkpoint import (
     load_sharded,
     save_sharded,
 )
-from app.worker.checkpoint.files import load_checkpoint, save_checkpoint, unusable_reason
+from app.worker.checkpoint.files import copy_out, load_checkpoint, release, save_checkpoint, unusable_reason
 from app.worker.checkpoint.weights import WeightsError, consolidated_from_plain, plain_optimizer_state
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ class Checkpointer:
         state, reason = None, None
         if self.ctx.is_main:
             try:
-                state = load_checkpoint(found.path)
+                state = load_checkpoint(found.path, mapped=True)  # the tensors copied out one by one (_load_plain)
             except Exception as e:  # noqa: BLE001 - any failure to read means "unusable": fall back to the previous
                 reason = unusable_reason(e)
         verdict = [reason]
@@ -203,8 +203,13 @@ class Checkpointer:
                 f"checkpoint_dir={self.directory!r} holds a {state['optimizer']['pipeline_stages']}-stage pipeline's "
                 f"checkpoints (parallel=pipeline); resume with parallel=pipeline, or use another checkpoint_dir"
             )
+        # The file is mapped, not loaded (files.load_checkpoint): each tensor's pages are dropped once copied, so
+        # the model is never held twice (see [Note: a plain checkpoint loaded beside the model]).
         self.model.load_state_dict(state["model"])  # copies onto the model's device
-        self.optimizer.load_state_dict(state["optimizer"])  # moves state to the parameters' device, `step` stays
+        for tensor in state["model"].values():
+            release(tensor)
+        # Copied out of the file first: load_state_dict keeps the tensors it is given (AdamW's `step` too).
+        self.optimizer.load_state_dict(copy_out(state["optimizer"]))
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr  # the configured lr wins over the saved one: changing it on resume is allowed
         step = int(state["step"])
@@ -321,7 +326,7 @@ class Checkpointer:
 
     def _load_on_peer(self, path: Path) -> dict[str, Any]:
         try:
-            return load_checkpoint(path)
+            return load_checkpoint(path, mapped=True)
         except Exception as e:  # noqa: BLE001 - whatever the cause, the message must name the shared storage
             raise RuntimeError(
                 f"rank {self.ctx.rank} cannot read {path}, which rank 0 resumes from ({unusable_reason(e)}); "

@@ -26,9 +26,12 @@ writing, listing, loading and validating ``step-*.pt`` files.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import logging
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +56,9 @@ def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
     return [(f.step, f.path) for f in find_checkpoints(directory) if f.kind == PLAIN]
 
 
-def digest(state: dict[str, Any]) -> str:
-    """sha256 over every value in ``state`` except "digest", walked in a fixed order.
+def digest(state: dict[str, Any], after: Callable[[torch.Tensor], None] | None = None) -> str:
+    """sha256 over every value in ``state`` except "digest", walked in a fixed order; ``after(tensor)`` is called
+    on each tensor once it is hashed.
 
     torch's zip format has no checksum of its own that ``torch.load`` verifies: a flipped bit inside a tensor
     would load silently. This catches it.
@@ -65,7 +69,10 @@ def digest(state: dict[str, Any]) -> str:
         if isinstance(value, torch.Tensor):
             t = value.detach().cpu().contiguous()
             h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            if t.numel():
+                h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy of its bytes
+            if after is not None:
+                after(value)
         elif isinstance(value, dict):
             for key in sorted(value, key=str):
                 h.update(f"K{key!r}".encode())
@@ -119,16 +126,65 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], keep: int) -> 
     return final
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load and validate one checkpoint onto the CPU; raises ValueError (or torch's error) when it is unusable."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
+def load_checkpoint(path: str | Path, *, mapped: bool = False) -> dict[str, Any]:
+    """Load and validate one checkpoint onto the CPU; raises ValueError (or torch's error) when it is unusable.
+
+    ``mapped``: the tensors stay in the file, mapped (``torch.load(mmap=True)``), none of their pages resident once
+    checked; the caller copies what it keeps, tensor by tensor (``copy_out``, ``release``). See [Note: a plain
+    checkpoint loaded beside the model]."""
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
     if not isinstance(state, dict) or any(key not in state for key in REQUIRED):
         raise ValueError("not a checkpoint of this trainer (keys missing)")
     if state["format"] != FORMAT:
         raise ValueError(f"checkpoint format {state['format']}, this trainer reads format {FORMAT}")
-    if digest(state) != state["digest"]:
+    if digest(state, after=release if mapped else None) != state["digest"]:
         raise ValueError("content does not match its digest (corrupted on disk)")
     return state
+
+
+# [Note: a plain checkpoint loaded beside the model] A resuming DDP rank holds its model and its gradient buckets
+# (built before the resume) when it reads the checkpoint, parameters and optimizer state (12 bytes a parameter with
+# AdamW). Loaded whole, the file's copy of the parameters sits beside the model's for nothing: 20 bytes a parameter
+# at once, above the 16 of training. Mapped instead, each tensor's pages are resident only while it is read: hashed
+# for the digest, then dropped again (``release``); copied into the model, then dropped; the optimizer state copied
+# out tensor by tensor (``copy_out``). The peak is the model, its buckets and the optimizer state: training's.
+_MADV_DONTNEED = 4  # Linux's <sys/mman.h>
+_PAGE = 4096
+
+
+def release(t: torch.Tensor) -> None:
+    """Drop this process's pages under ``t``, a tensor of a file mapped by ``load_checkpoint(mapped=True)`` and
+    never written: they stay in the page cache, and are read again if ``t`` is. A no-op where madvise is missing."""
+    libc = _libc()
+    if libc is None or not t.numel():
+        return
+    storage = t.untyped_storage()
+    lo = storage.data_ptr() // _PAGE * _PAGE  # a page shared with a neighbour is read again if the neighbour is
+    hi = storage.data_ptr() + storage.nbytes()
+    libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
+
+
+def copy_out(value: Any) -> Any:
+    """``value`` with each tensor replaced by a copy in this process's memory, its mapped pages released as it goes
+    (dicts, lists and tuples walked): what is kept of a mapped checkpoint once it is closed."""
+    if isinstance(value, torch.Tensor):
+        copy = value.clone()
+        release(value)
+        return copy
+    if isinstance(value, dict):
+        return {k: copy_out(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(copy_out(v) for v in value)
+    return value
+
+
+@functools.cache
+def _libc():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc if hasattr(libc, "madvise") else None
+    except OSError:
+        return None
 
 
 def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from app.parallel.compile import BACKENDS
 from app.specs import MODEL_DATA, MODEL_SPECS, builtin_name
 
 MODEL_CHOICES = tuple(MODEL_SPECS)  # the built-in names; any 'package.module:callable' spec is also a model
@@ -90,7 +91,13 @@ def check_recipe(cfg) -> None:
 
 
 # Settings that mean something to one step kind only: set for another, they would be silently ignored.
-KIND_SETTINGS = {"fsdp_units": "zero3", "pipeline_split": "pipeline"}
+KIND_SETTINGS = {
+    "fsdp_units": "zero3",
+    "pipeline_split": "pipeline",
+    "overlap_gather": "zero2",
+    "prefetch": "zero3",
+}
+COMPILE_CHOICES = ("none", *BACKENDS)  # "none", as autocast: YAML reads a bare off as false
 
 
 def check_kind_settings(cfg) -> None:
@@ -129,10 +136,40 @@ def check_heal(cfg) -> None:
             f"heal_store={cfg.heal_store!r}: heal=in_place needs HOST:PORT of a store that outlives every rank "
             f"(the rendezvous store, e.g. rendezvous:29400)"
         )
+    if cfg.compile != "none":  # a heal wraps the model again, uncompiled: the two are not wired together
+        raise ConfigError(f"heal=in_place with compile={cfg.compile} is not wired: set compile=none or heal=restart")
     if cfg.effective_batch is None:
         raise ConfigError(
             "effective_batch unset: heal=in_place needs the global batch fixed in samples, so that a step redone "
             "by fewer ranks is the same step; set effective_batch"
+        )
+
+
+def check_compile(cfg) -> None:
+    """``compile`` and the zero settings that are switches (0 | 1)."""
+    choice("compile", cfg.compile, COMPILE_CHOICES)
+    for name in ("overlap_gather", "reshard_after_forward"):
+        if getattr(cfg, name) not in (0, 1):
+            raise ConfigError(f"{name}={getattr(cfg, name)}: must be 0 (off) or 1 (on)")
+    at_least("prefetch", cfg.prefetch, 0)
+    if not cfg.reshard_after_forward and cfg.parallel != "zero3":
+        raise ConfigError(f"reshard_after_forward=0 is for parallel=zero3 only: set it to 1 for {cfg.parallel}")
+    if cfg.compile == "none":
+        if cfg.compile_units:
+            raise ConfigError(f"compile_units={cfg.compile_units!r} needs compile on: set compile, or unset it")
+        return
+    if cfg.parallel == "dp":
+        raise ConfigError(f"compile={cfg.compile} is not wired for parallel=dp (nn.DataParallel): set compile=none")
+    if cfg.activation_checkpointing != "off":
+        raise ConfigError(
+            f"compile={cfg.compile} with activation_checkpointing={cfg.activation_checkpointing}: the two together "
+            f"are not tested here; set compile=none or activation_checkpointing=off"
+        )
+    if cfg.wrapper == "torch" and cfg.parallel in ("ddp", "zero1") and cfg.bucket_cap_mb < 1:
+        # torch/_dynamo/backends/distributed.py asserts it: a first bucket of 1 MiB, the others no smaller.
+        raise ConfigError(
+            f"compile={cfg.compile} with wrapper=torch needs bucket_cap_mb >= 1, got {cfg.bucket_cap_mb}: PyTorch's "
+            f"DDPOptimizer, which cuts the compiled graph at the buckets, refuses buckets below its 1 MiB first one"
         )
 
 

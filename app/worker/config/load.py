@@ -23,6 +23,7 @@ import difflib
 import hashlib
 import json
 import os
+import re
 import sys
 import types
 import typing
@@ -123,6 +124,20 @@ def _unknown(name: str, source: str) -> ConfigError:
     return ConfigError(f"unknown setting {name!r} in {source}{hint}")
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans: only true/false. YAML 1.1 also reads on/off/yes/no as
+    booleans, so ``activation_checkpointing: off`` arrived as False (then "False", an unknown value)."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
 def read_yaml(path: str) -> dict[str, Any]:
     source = f"config file {path}"
     try:
@@ -130,7 +145,7 @@ def read_yaml(path: str) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(f"config={path}: cannot read it ({e.strerror}); pass an existing YAML file") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_Yaml12Loader)  # a SafeLoader: it builds no Python objects
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         line = f" line {where.line + 1}" if where is not None else ""

@@ -23,6 +23,7 @@ from app.worker.config.checks import (
     ConfigError,
     at_least,
     check_activation_checkpointing,
+    check_compile,
     check_heal,
     check_kind_settings,
     check_pipeline,
@@ -150,6 +151,33 @@ class TrainConfig:
         "layers)",
         "",
     )
+    compile: str = _doc(
+        "torch.compile: none | aot_eager | inductor (the backend; inductor is torch.compile's default): each unit "
+        "compiled on its own, so the wrappers' gradient hooks still fire during backward; wrapper=torch compiles "
+        "its DDP whole instead (PyTorch's DDPOptimizer; docs/ddp.md#torchcompile)",
+        "none",
+    )
+    compile_units: str = _doc(
+        'compile: comma list of module class names compiled one by one ("" = the items of the '
+        "nn.ModuleList/nn.Sequential holding the most parameters, as activation_checkpointing_units); units "
+        "without parameters run eager",
+        "",
+    )
+    overlap_gather: int = _doc(
+        "parallel=zero2: 1 = the parameters' all-gather after each step runs on into the next forward, each "
+        "bucket waited for before its first use (0 = waited for within the step)",
+        0,
+    )
+    prefetch: int = _doc(
+        "parallel=zero3: units whose all-gather is launched ahead of the unit computing, in forward and backward "
+        "(0 = each gathered when needed)",
+        0,
+    )
+    reshard_after_forward: int = _doc(
+        "parallel=zero3: 1 = free each unit's gathered parameters after its forward (gathered again in backward); "
+        "0 = keep them until its gradients are reduce-scattered (more memory, fewer all-gathers)",
+        1,
+    )
     pipeline_stages: int = _doc(
         "parallel=pipeline: stages per pipeline (0 = world size); the world holds world_size / stages replicas", 0
     )
@@ -242,6 +270,7 @@ class TrainConfig:
         check_kind_settings(self)
         check_heal(self)
         check_activation_checkpointing(self)
+        check_compile(self)
         check_validation(self)
         at_least("pipeline_stages", self.pipeline_stages, 0)
         at_least("pipeline_microbatches", self.pipeline_microbatches, 1)

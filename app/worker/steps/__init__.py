@@ -19,7 +19,7 @@ from app.worker.dist import DistContext
 from app.worker.steps.base import StepInputs, TrainStep
 from app.worker.steps.data_parallel import DataParallelStep
 from app.worker.steps.ddp import DDPStep
-from app.worker.workload import build_loss, build_model, checkpointed_units
+from app.worker.workload import build_loss, build_model, checkpointed_units, compiled_units
 
 log = logging.getLogger("app.train")
 
@@ -53,14 +53,17 @@ def build_step(cfg: TrainConfig, ctx: DistContext, grad_accum_steps: int, metric
 
     Every kind is called alike: ``kind(StepInputs(cfg, ctx, model, loss_fn, grad_accum_steps, metrics))``;
     ``metrics`` serves the kinds that report series of their own (the pipeline's ``ddp_pipeline_*``). Then the
-    modules ``activation_checkpointing`` names recompute their forward in backward, whatever the kind.
+    modules ``activation_checkpointing`` names recompute their forward in backward, and the units ``compile``
+    names are compiled one by one, whatever the kind (``wrapper=torch`` compiles its DDP whole: DDPStep).
     """
     torch.manual_seed(cfg.seed)  # identical parameters on every rank, before any wrapper broadcasts them
     model = build_model(cfg)
+    to_compile = compiled_units(cfg, model)  # found before the kind: zero3 takes its units' parameters out of them
     kind = STEP_KINDS[cfg.parallel]
     step = kind(StepInputs(cfg, ctx, model, build_loss(cfg), grad_accum_steps, metrics))
     # After the kind: every wrapper and pipeline stage holds these very modules, and zero3 has already found its
     # units by class (a checkpointed module's class is a subclass of its own: app.parallel.activation_checkpointing).
+    compile_model_units(cfg, to_compile)
     units = checkpointed_units(cfg, model)
     if units:
         checkpoint_modules(units.values())
@@ -68,3 +71,13 @@ def build_step(cfg: TrainConfig, ctx: DistContext, grad_accum_steps: int, metric
             "activation checkpointing (%s): %d modules, %s", cfg.activation_checkpointing, len(units), ", ".join(units)
         )
     return step
+
+
+def compile_model_units(cfg: TrainConfig, units: dict) -> None:
+    """Compile ``compile``'s units in place (app.parallel.compile), after the kind: every wrapper and pipeline stage
+    holds these very modules, with their hooks registered; dynamo compiles at the first forward."""
+    if units:
+        from app.parallel.compile import compile_units
+
+        compile_units(units.values(), cfg.compile)
+        log.info("compile (%s): %d units one by one, %s", cfg.compile, len(units), ", ".join(units))

@@ -6,6 +6,7 @@ The members every step kind has are in ``base.py``; this kind is the one the oth
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import torch
@@ -20,7 +21,9 @@ from app.worker.metrics import synchronize_for
 from app.worker.models import parameter_checksum
 from app.worker.recipe import LRSchedule, build_step_recipe
 from app.worker.steps.base import MicroBatches, StepInputs, StepOutcome, nan_loss
-from app.worker.workload import build_splits
+from app.worker.workload import build_splits, compiles_wrapper_whole
+
+log = logging.getLogger("app.train")
 
 
 class DDPStep:
@@ -54,6 +57,11 @@ class DDPStep:
         self.grad_scaler = self.recipe.scaler  # a Stateful too (its scale and growth tracker), None but for fp16
         self.wrapped = self.wrap(self.model)
         self.probe = comm_probe(self.wrapped)
+        if compiles_wrapper_whole(cfg):
+            # PyTorch's DDP compiled as its docs say: dynamo's DDPOptimizer cuts the graph at the buckets. The probe
+            # and the checkpoints keep the wrapper and the bare model; only the forward goes through dynamo.
+            self.wrapped = torch.compile(self.wrapped, backend=cfg.compile)
+            log.info("compile (%s): PyTorch's DDP whole, its graph cut at the buckets (DDPOptimizer)", cfg.compile)
         self.synchronize = synchronize_for(ctx.device)
 
     # A kind whose wrapper has a no_sync() it must not use sets this (zero3: memory before collectives).

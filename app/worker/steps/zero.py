@@ -28,6 +28,7 @@ FINISHED prints the whole model's checksum, the same on every rank (stage 3 gath
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import torch
@@ -43,6 +44,8 @@ from app.worker.config import ConfigError
 from app.worker.recipe import LRSchedule
 from app.worker.steps.base import MicroBatches, StepInputs, StepOutcome
 from app.worker.steps.ddp import DDPStep
+
+log = logging.getLogger("app.train")
 
 
 def tensor_bytes(tensors) -> int:
@@ -154,7 +157,12 @@ class Zero2Step(ShardedStep):
     stage = 2
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        return ShardedGradDataParallel(model, bucket_cap_mb=self.cfg.bucket_cap_mb)
+        wrapped = ShardedGradDataParallel(
+            model, bucket_cap_mb=self.cfg.bucket_cap_mb, overlap_gather=bool(self.cfg.overlap_gather)
+        )
+        if wrapped.overlap_gather:  # read back from the wrapper: the log says what it was built with
+            log.info("zero2: overlap_gather on: each step's parameter all-gathers run on into the next forward")
+        return wrapped
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         # The wrapper's own builder: AdamW over the shards, all-gathering the parameters after every step.
@@ -163,6 +171,11 @@ class Zero2Step(ShardedStep):
     @property
     def comm_source(self):
         return self.wrapped
+
+    def final_checksum(self) -> str:
+        # overlap_gather leaves the last step's all-gathers in flight until a next forward, which never comes.
+        self.wrapped.wait_parameters()
+        return super().final_checksum()
 
     def memory_bytes(self) -> tuple[int, int, int]:
         shards = self.wrapped.shard_parameters()
@@ -187,7 +200,19 @@ class Zero3Step(ShardedStep):
                 f"parallel=zero3 runs on the CPU only (ZeRO stage 3's buffers are CPU tensors), this rank has "
                 f"{self.ctx.device}; set device=cpu, or use parallel=zero2"
             )
-        return FullyShardedDataParallel(model, units=resolve_fsdp_units(model, self.cfg.fsdp_units))
+        wrapped = FullyShardedDataParallel(
+            model,
+            units=resolve_fsdp_units(model, self.cfg.fsdp_units),
+            prefetch=self.cfg.prefetch,
+            reshard_after_forward=bool(self.cfg.reshard_after_forward),
+        )
+        if wrapped.prefetch or not wrapped.reshard_after_forward:  # read back from the wrapper, as zero2's
+            log.info(
+                "zero3: prefetch %d, reshard_after_forward %s",
+                wrapped.prefetch,
+                "on" if wrapped.reshard_after_forward else "off: each unit whole from its forward to its backward",
+            )
+        return wrapped
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.wrapped.parameters(), lr=self.cfg.lr)  # the fp32 shards (+ frozen ones)
