@@ -155,9 +155,12 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
             # the checkpoint reads the shards' layout (FlatShard.pieces) that only a save and a load exercise
             "tests/integration/test_zero_checkpoint*.py",
             # stage 2's parameter all-gathers: how many in flight, and overlap_gather's waits
-            "tests/integration/test_zero_overlap*.py::test_stage2_without_overlap_keeps_at_most_two_gathers_and_their_shard_copies_in_flight",
-            "tests/integration/test_zero_overlap*.py::test_stage2_overlap_defers_each_gather_to_its_layer_and_every_read_waits_for_it",
-            "tests/integration/test_zero_overlap*.py::test_stage2_overlap_waits_for_a_parameter_its_module_never_runs_before_the_parent_reads_it",
+            "tests/integration/test_zero_overlap*.py::"
+            "test_stage2_without_overlap_keeps_at_most_two_gathers_and_their_shard_copies_in_flight",
+            "tests/integration/test_zero_overlap*.py::"
+            "test_stage2_overlap_defers_each_gather_to_its_layer_and_every_read_waits_for_it",
+            "tests/integration/test_zero_overlap*.py::"
+            "test_stage2_overlap_waits_for_a_parameter_its_module_never_runs_before_the_parent_reads_it",
             "tests/integration/test_zero_overlap*.py::test_stage2_checkpoint_waits_for_the_gathers_in_flight",
         ),
     ),
