@@ -657,13 +657,16 @@ def module_of(path: str) -> str | None:
     return path[:-3].replace("/", ".") if path.endswith(".py") and path.startswith("app/") else None
 
 
-def check_imports_from_copy(copy: Path, path: str) -> None:
-    """The package is installed editable from the checkout: make sure the copy's module is the one imported."""
+def check_imports_from_copy(copy: Path, path: str, timeout: float = 600) -> None:
+    """The package is installed editable from the checkout: make sure the copy's module is the one imported. The
+    import takes seconds, but minutes on a shared machine at load 30 (a 120 s limit once ended a whole run)."""
     module = module_of(path)
     if module is None:
         return
     code = f"import {module} as m; print(m.__file__)"
-    out = subprocess.run([PYTHON, "-c", code], cwd=copy, env=env_for(copy), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [PYTHON, "-c", code], cwd=copy, env=env_for(copy), capture_output=True, text=True, timeout=timeout
+    )
     where = out.stdout.strip()
     if out.returncode != 0 or not Path(where).resolve().is_relative_to(copy.resolve()):
         raise SystemExit(f"mutants: {module} is imported from {where or out.stderr.strip()[-300:]}, not from {copy}")
@@ -713,7 +716,7 @@ def run_mutant(copy: Path, m: Mutant, timeout: float) -> dict:
     original = target.read_text()
     target.write_text(original.replace(m.find, m.replace))
     try:
-        check_imports_from_copy(copy, m.path)
+        check_imports_from_copy(copy, m.path, timeout)
         result, took, tail = run_tests(copy, m.tests, timeout)
     finally:
         target.write_text(original)

@@ -150,12 +150,27 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     (("app/parallel/zero/stage3*",), ("tests/integration/test_fsdp*.py",)),
     (
         ("app/parallel/zero/stage1*", "app/parallel/zero/stage2*"),
-        # the checkpoint reads the shards' layout (FlatShard.pieces) that only a save and a load exercise
-        ("tests/integration/test_zero.py", "tests/integration/test_zero_checkpoint*.py"),
+        (
+            "tests/integration/test_zero.py",
+            # the checkpoint reads the shards' layout (FlatShard.pieces) that only a save and a load exercise
+            "tests/integration/test_zero_checkpoint*.py",
+            # stage 2's parameter all-gathers: how many in flight, and overlap_gather's waits
+            "tests/integration/test_zero_overlap*.py::"
+            "test_stage2_without_overlap_keeps_at_most_two_gathers_and_their_shard_copies_in_flight",
+            "tests/integration/test_zero_overlap*.py::"
+            "test_stage2_overlap_defers_each_gather_to_its_layer_and_every_read_waits_for_it",
+            "tests/integration/test_zero_overlap*.py::"
+            "test_stage2_overlap_waits_for_a_parameter_its_module_never_runs_before_the_parent_reads_it",
+            "tests/integration/test_zero_overlap*.py::test_stage2_checkpoint_waits_for_the_gathers_in_flight",
+        ),
     ),
     (
         ("app/parallel/zero/checkpoint*", "app/parallel/zero/__init__*"),
-        ("tests/integration/test_zero_checkpoint*.py", "tests/integration/test_train_sharded*.py"),
+        (
+            "tests/unit/test_invariants*.py::test_every_torch_load_loads_weights_only",  # a shard runs no pickled code
+            "tests/integration/test_zero_checkpoint*.py",
+            "tests/integration/test_train_sharded*.py",
+        ),
     ),
     # The DDP wrapper's parts with a test file of their own: a mutant of join.py or sparse.py runs what exercises it.
     (("app/parallel/ddp/join*",), ("tests/integration/test_ddp_join*.py",)),

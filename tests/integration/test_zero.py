@@ -586,7 +586,17 @@ def zero1_loads_a_state_of_another_dtype(rank, world):
     drift = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
     owned = {id(p) for p in opt.owned_parameters()}
     only_owned = all(id(p) in owned for p in opt.optim.state)  # ZeRO-1's saving, kept after a load
-    return {"dtypes": sorted(map(str, dtypes)), "untouched": untouched, "drift": drift, "only_owned": only_owned}
+    # Loaded back into the float64 run: "step" keeps its own dtype (float32), as torch.optim keeps it, rather than
+    # taking its parameters' like the moments do.
+    opt64.load_state_dict(full)
+    steps = sorted({str(s["step"].dtype) for s in opt64.optim.state.values()})
+    return {
+        "dtypes": sorted(map(str, dtypes)),
+        "untouched": untouched,
+        "drift": drift,
+        "only_owned": only_owned,
+        "steps": steps,
+    }
 
 
 def test_zero1_loads_a_float64_state_into_float32_parameters_as_its_own_copy():
@@ -595,6 +605,7 @@ def test_zero1_loads_a_float64_state_into_float32_parameters_as_its_own_copy():
         assert r["only_owned"], "after a load a rank steps, and keeps state for, other ranks' parameters"
         assert r["untouched"], r  # the loaded dict is not the optimizer's state: steps do not write into it
         assert r["drift"] <= PARAM_TOL, r  # and it steps on as a plain AdamW loaded with the same state
+        assert r["steps"] in ([], [str(torch.float32)]), r  # "step" in its own dtype, not the parameters'
 
 
 class Work:

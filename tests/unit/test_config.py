@@ -145,6 +145,7 @@ def test_unknown_env_setting_is_an_error_with_the_nearest_name():
         ({"eval_every": 5}, "eval_every"),  # nothing held out to evaluate
         ({"eval_every": -1}, "eval_every"),
         ({"eval_fraction": 1.0}, "eval_fraction"),
+        ({"eval_fraction": -0.1}, "eval_fraction"),
         ({"eval_every": 5, "eval_fraction": 0.1, "parallel": "zero3"}, "eval_every"),
         ({"compile": "max-autotune"}, "compile"),
         ({"compile": "aot_eager", "parallel": "dp"}, "compile"),

@@ -17,3 +17,20 @@ def test_a_plain_run_takes_a_free_port_and_a_given_one_is_kept(monkeypatch):
     assert addr == "127.0.0.1" and port != 29500 and 0 < port < 65536
     monkeypatch.setenv("MASTER_PORT", "29777")
     assert _default_master(None) == ("127.0.0.1", 29777)
+
+
+def test_a_master_port_outside_0_to_65535_is_one_line_naming_it(monkeypatch):
+    """torch refuses such a port with a ValueError before any connection; the rank reports it as a rendezvous
+    failure in one line that names the variable to fix, not as a traceback."""
+    import pytest
+
+    from app.worker.config import WorldEnv
+    from app.worker.dist import RendezvousError, init_distributed
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "70000")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)  # rank 0 serves the store: no dial first
+    with pytest.raises(RendezvousError) as e:
+        init_distributed(5, force_cpu=True, world=WorldEnv())
+    assert "127.0.0.1:70000 (MASTER_ADDR:MASTER_PORT)" in str(e.value)
+    assert "65535" in str(e.value) and "\n" not in str(e.value)

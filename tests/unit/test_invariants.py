@@ -8,6 +8,13 @@
   documented default as one that comes later.
 - Every ``torch.load`` in the code a user runs loads with ``weights_only=True``: a checkpoint or token file of
   unknown origin must not run code it carries (torch's own default could change back; the call says it).
+
+Two more such promises are tested beside the module they concern (issue 38's list, so that none is looked for here
+in vain): the alert thresholds against the world sizes the cluster files declare (compose's ``MAX_WORKERS`` and the
+Makefile's, each Kubernetes Job's ``--nnodes``) in tests/unit/test_alerts.py, and every setting reaching the
+trainer by each documented route (flag, ``DDP_*``, config file: tests/unit/test_config.py; compose's list of
+``DDP_*`` names and ``make up``'s env file: tests/unit/test_compose_env.py; all of them through a real cluster:
+EVERY_SETTING in tests/e2e/test_compose_cluster.py).
 """
 
 from __future__ import annotations

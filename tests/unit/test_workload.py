@@ -198,3 +198,17 @@ def test_samples_that_do_not_stack_into_a_batch_are_one_line_at_start_up():
         check_workload(cfg, world_size=1, grad_accum_steps=1)
     assert str(e.value).startswith("data='tests.unit.test_workload:RaggedData': samples 0 and 1 do not stack")
     assert "\n" not in str(e.value)
+
+
+class Stream:
+    """A re-iterable stream (``__iter__`` only, no ``__len__``): 40 samples of mini_mlp's shapes."""
+
+    def __iter__(self):
+        gen = torch.Generator().manual_seed(0)
+        return ((torch.randn(32, generator=gen), torch.tensor(i % 8)) for i in range(40))
+
+
+def test_a_stream_passes_the_start_up_check_on_its_first_two_samples():
+    # A stream has no len() and no data[i]: the check must read it as the training loop will, by iterating.
+    cfg = config(["--wrapper", "none"], {"DDP_DATA": "tests.unit.test_workload:Stream"})
+    check_workload(cfg, world_size=1, grad_accum_steps=1)  # a refusal here would be exit 2 for a valid stream
