@@ -267,7 +267,13 @@ def heal_in_place_kill(d: Drill) -> None:
         d.reference = ref.final_parameters(int(d.p.env["DDP_STEPS"]))
     finally:
         ref.down()
-    kill_rank(d.workers - 1)(d)
+    d.start(at_step=d.args.at_step)
+    rank = d.workers - 1
+    victim = d.rank_container(rank)
+    d.notes["victim"], d.notes["victim_rank"] = inspect(victim)["name"], rank
+    d.notes["kill_sent_at"] = time.time()  # before the command: the survivors may see the loss before it returns
+    docker("kill", victim)
+    d.fault()
 
 
 def measure_heal(d: Drill) -> None:
@@ -275,21 +281,23 @@ def measure_heal(d: Drill) -> None:
     against the uninterrupted run's."""
     import torch
 
-    after = [line for t, line in d.p.lines() if t > d.fault_t]
-    healing = [(int(m[1]), int(m[2])) for line in after if (m := HEALING.search(line))]  # (old rank, failed step)
-    healed = [(int(m[1]), int(m[2]), float(m[4]), int(m[5])) for line in after if (m := HEALED.search(line))]
-    next_steps = [float(m[2]) for line in after if (m := HEAL_STEP.search(line))]
+    lines = d.p.lines()
+    sent = d.notes["kill_sent_at"]
+    # Every heal line of the run (one kill, one heal): the first ones come before `docker kill` has returned.
+    healing = [(int(m[1]), int(m[2])) for _, line in lines if (m := HEALING.search(line))]  # (old rank, failed step)
+    healed = [(int(m[1]), int(m[2]), float(m[4]), int(m[5])) for _, line in lines if (m := HEALED.search(line))]
+    next_steps = [float(m[2]) for _, line in lines if (m := HEAL_STEP.search(line))]
     resumed_at = {n for *_, n in healed}
     d.notes["healed"] = {"survivors": len(healed), "worlds": sorted({w for _, w, _, _ in healed})}
     d.notes["heal_s"] = max((s for _, _, s, _ in healed), default=None)
     # The slowest survivor's first finished step after the kill (its own clock: the containers share the host's).
-    d.notes["kill_to_next_step_s"] = round(max(next_steps) - d.fault_t, 2) if len(next_steps) == len(healed) else None
+    d.notes["kill_to_next_step_s"] = round(max(next_steps) - sent, 2) if len(next_steps) == len(healed) else None
     failed = max((step for _, step in healing), default=None)
     d.notes["failed_step"], d.notes["next_step"] = failed, min(resumed_at, default=None)
     # The world resumes at the failed step (or past it, where a survivor had completed it): anything lower is redone.
     redone = None if failed is None or not resumed_at else max(0, failed - min(resumed_at))
     d.notes["steps_redone_beyond_failed"] = redone
-    d.notes["new_torchrun_world"] = any(JOINED.search(line) for line in after)
+    d.notes["new_torchrun_world"] = any(JOINED.search(line) for t, line in lines if t > sent)
     got = d.p.final_parameters(int(d.p.env["DDP_STEPS"]))
     ref = d.reference
     diff = max((got[k].double() - ref[k].double()).abs().max().item() for k in ref)
