@@ -10,6 +10,8 @@ torchrun's public surface says nothing about who is in a world or why it re-form
   that state and the agent's hooks;
 - ``install_agent``: a ``LocalElasticAgent`` subclass that ``elastic_launch`` builds in place of torch's, with the
   hooks, and the patches of the rendezvous handler (close only a finished job; join once every replica is ready);
+  under ``heal=in_place`` its exit barrier waits for the containers of the world the trainers healed to
+  (``app.worker.heal.newest_world_size``), not for a lost one's;
 - ``fresh_node_identity``: a patch of the handler's node-id generator for containers that Docker restarts.
 
 The lines that write into torch (the agent class, the node id, the join hook) are ``app.torch_patches``'s, which
