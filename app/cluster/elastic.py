@@ -10,6 +10,8 @@ torchrun's public surface says nothing about who is in a world or why it re-form
   that state and the agent's hooks;
 - ``install_agent``: a ``LocalElasticAgent`` subclass that ``elastic_launch`` builds in place of torch's, with the
   hooks, and the patches of the rendezvous handler (close only a finished job; join once every replica is ready);
+  under ``heal=in_place`` its exit barrier waits for the containers of the world the trainers healed to
+  (``app.worker.heal.newest_world_size``), not for a lost one's;
 - ``fresh_node_identity``: a patch of the handler's node-id generator for containers that Docker restarts.
 
 The lines that write into torch (the agent class, the node id, the join hook) are ``app.torch_patches``'s, which
@@ -231,6 +233,21 @@ class Reporter:
 
         return summary_line(flight)
 
+    def healed_agents(self, local_world_size: int) -> int | None:
+        """How many containers the trainers' newest world spans (heal=in_place: as agreed at heal_store, after any
+        heal); None for heal=restart, or when the store does not say."""
+        cfg = self.config
+        if cfg is None or cfg.heal != "in_place":
+            return None
+        from app.worker.heal import newest_world_size
+
+        try:
+            ranks = newest_world_size(cfg.heal_store, self.run_id)
+        except Exception:  # noqa: BLE001 - torch's own barrier then: the slower, never the wrong ending
+            log.debug("cannot read the healed world at %s", cfg.heal_store, exc_info=True)
+            return None
+        return max(1, ranks // max(1, local_world_size)) if ranks else None
+
     def leaving(self, remaining: int, budget: int) -> None:
         log.info("leaving the world to re-form it: %s; restarts left %d of %d", self.leave_reason, remaining, budget)
         self.leave_reason = "new containers are waiting to join"
@@ -338,6 +355,16 @@ def install_agent(reporter: Reporter) -> None:
         def _shutdown(self, death_sig=signal.SIGTERM, timeout=30):
             super()._shutdown(death_sig, timeout)
             reporter.exit_codes = exit_codes(self._pcontext)
+
+        def _exit_barrier(self):
+            # torch's barrier waits for every launcher of the world torchrun formed; after a heal in place
+            # (heal=in_place) a lost container's never comes, and the survivors would wait out its 300 s.
+            group = self._worker_group
+            agents = reporter.healed_agents(group.spec.local_world_size)
+            if agents is not None and agents < group.group_world_size:
+                log.info("the trainers healed in place to %d container(s): the exit barrier waits for those", agents)
+                group.group_world_size = agents
+            super()._exit_barrier()
 
     torch_patches.use_agent_class(ReportingAgent)
 

@@ -171,6 +171,22 @@ class Quorum:
         return [Member(**json.loads(self.store.get(k))) for k in keys if self.store.check([k])]
 
 
+def newest_world_size(address: str, job: str, timeout_s: float = 10.0) -> int | None:
+    """How many ranks the newest world of ``job`` at ``address`` holds (None: no world has formed there): what the
+    cluster's launcher waits for at its exit barrier (app.cluster.elastic), rather than the world torchrun formed."""
+    host, _, port = address.rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)  # fmt: skip
+    current = f"heal/{job}/current"
+    if not store.check([current]):
+        return None
+    prefix = f"heal/{job}/{store.get(current).decode()}/"
+    if not store.check([prefix + "generation"]):
+        return None
+    generation = int(store.get(prefix + "generation"))
+    return len(json.loads(store.get(f"{prefix}q{generation}/members")))
+
+
 class Heartbeats:
     """Which of ``ids`` still beat: a counter that has not moved for ``STALE_SECONDS`` since we started watching."""
 

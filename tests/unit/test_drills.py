@@ -109,3 +109,40 @@ def test_steps_redone_count_the_logged_steps_past_the_checkpoint_and_never_go_ne
     assert steps_redone(21, 15) == 6
     # Step 20's line reached Docker after the fault though its checkpoint was written: resumed at 20, last line 19.
     assert steps_redone(19, 20) == 0
+
+
+def test_the_heal_in_place_drill_fails_on_a_late_step_a_redone_step_a_slow_exit_or_other_parameters():
+    from tests.e2e.drills.drill_faults import EXIT_WITHIN_S, HEAL_WITHIN_S
+
+    s = scenarios(3)["heal-in-place-kill"]
+    victim = {"name": "worker-3", "id": "c", "state": "exited", "exit_code": 137, "restart_count": 0}
+    healed = result(
+        containers=[*result()["containers"], victim],
+        reference_exit_codes=[0, 0, 0],
+        healed={"survivors": 2, "worlds": [2]},
+        new_torchrun_world=False,
+        resumed_from_step=None,
+        kill_to_next_step_s=2.4,
+        steps_redone_beyond_failed=0,
+        finished_to_exit_s=1.0,
+        params_equal=True,
+    )
+    assert all(judge(healed, s, [], alerts=False).values())
+    for broken in (
+        {"kill_to_next_step_s": HEAL_WITHIN_S + 0.1},
+        {"kill_to_next_step_s": None},  # a survivor never finished a step after the kill
+        {"steps_redone_beyond_failed": 1},
+        {"finished_to_exit_s": EXIT_WITHIN_S + 270},  # torch's exit barrier waited out for the lost launcher
+        {"params_equal": False},
+        {"resumed_from_step": 185},  # the world restarted and resumed from the checkpoint
+        {"new_torchrun_world": True},
+        {"reference_exit_codes": [0, 0, 1]},
+    ):
+        checks = judge({**healed, **broken}, s, [], alerts=False)
+        assert not all(checks.values()), broken
+    settings = {"workers": 3, "steps": 9, "effective_batch": 8, "checkpoint_every": 5, "at_step": 3}
+    settings.update(collective_timeout=30, store_wait=30, bound=300)
+    row = {**healed, "passed": True, "problems": {"first": []}, "store": []}
+    doc = {"settings": settings, "planned": {"heal-in-place-kill": s.what}, "drills": {"heal-in-place-kill": row}}
+    rendered = "\n".join(render_drills(doc))
+    assert "kill → survivors' next step 2.4 s" in rendered and "0 beyond the failed step" in rendered

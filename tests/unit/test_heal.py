@@ -52,3 +52,33 @@ def test_the_member_with_the_most_steps_becomes_rank_0_and_newcomers_come_last()
     collective can complete on some survivors and fail on others)."""
     members = [Member("new", -1, -1), Member("b", 7, 2), Member("a", 7, 1), Member("c", 8, 3)]
     assert [m.id for m in order(members)] == ["c", "a", "b", "new"]
+
+
+def test_the_launchers_exit_barrier_counts_the_newest_healed_world_not_torchruns():
+    """app.cluster.elastic's exit barrier waits for as many containers as the newest world at heal_store holds: after
+    a heal from 3 to 2, two (the lost launcher never arrives); heal=restart, or no world there: torch's own."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from app.cluster.elastic import Reporter
+    from app.worker.heal import Quorum, newest_world_size
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    address = f"127.0.0.1:{server.port}"
+    assert newest_world_size(address, "job1") is None
+    # Quorum's own writes, without its heartbeat thread (which would outlive this test's store).
+    quorum = SimpleNamespace(store=server, base="heal/job1/", prefix="heal/job1/")
+    quorum.key = lambda name: quorum.prefix + name
+    members = [Member(i, 4, r) for r, i in enumerate("abc")]
+    Quorum.enter(quorum, "a")
+    Quorum.publish(quorum, 0, members)
+    Quorum.enter(quorum, "a", publish=True)
+    assert newest_world_size(address, "job1") == 3
+    Quorum.publish(quorum, 1, members[:2])  # the world healed to 2
+    assert newest_world_size(address, "job1") == 2 and newest_world_size(address, "job2") is None
+    healed = TrainConfig(heal="in_place", heal_store=address, effective_batch=64)
+    assert Reporter(None, "job1", 3, healed).healed_agents(local_world_size=1) == 2
+    assert Reporter(None, "job1", 3, TrainConfig()).healed_agents(local_world_size=1) is None
+    gone = TrainConfig(heal="in_place", heal_store="127.0.0.1:1", effective_batch=64)
+    assert Reporter(None, "job1", 3, gone).healed_agents(local_world_size=1) is None  # torch's barrier then

@@ -99,6 +99,7 @@ PHASES = {
     "unpause_to_full_world_s": "unpause → step on all",
     "cut_to_smaller_world_s": "cut → step on one fewer",
     "reconnect_to_full_world_s": "reconnect → step on all",
+    "kill_to_next_step_s": "healed in place: kill → survivors' next step",
 }
 
 
@@ -112,6 +113,8 @@ def drill_row(d: dict) -> str:
     redone = "—" if d.get("steps_redone") is None else str(d["steps_redone"])
     if (d.get("steps_redone") or 0) < 0:  # trained on while the fault was under way (a stop), saved, resumed there
         redone = f"0 (resumed from step {d['resumed_from_step']}, saved after the fault)"
+    if d.get("steps_redone_beyond_failed") is not None:  # heal=in_place: no resume, the failed step alone again
+        redone = f"{d['steps_redone_beyond_failed']} beyond the failed step"
     codes = ", ".join(f"{c['exit_code']} ({c['restart_count']})" for c in d["containers"])
     store = d.get("store") or []
     if store and store[0]["restart_count"]:

@@ -9,11 +9,12 @@ most restarts Docker may make of one container (0: compose.yaml restarts no work
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
 from tests.e2e.drills.drill_kit import Drill, inspect, wait_for
-from tools.compose_project import JOINED, first_step_after
+from tools.compose_project import JOINED, Project, first_step_after
 from tools.docker_cli import docker
 
 # Kills the store's own python (not its init, PID 1, which ignores signals from inside): a crash, which the store's
@@ -95,6 +96,8 @@ class Scenario:
     victim_exit: int | None = None  # unless given here: the victims' own exit code (one too many: 2)
     pages: bool = False  # the fault must page DDPRankDown naming the victim's rank within ALERT_WITHIN_S
     control: bool = False  # no fault at all: no alert may fire
+    after: object = None  # (Drill) -> None: measures taken once every worker has exited, before the project goes
+    checks: object = None  # (result) -> {check: ok}: the scenario's own checks, beside every drill's
 
 
 def survivor(d: Drill, *not_these: str) -> str:
@@ -240,6 +243,95 @@ def wait_seconds(d: Drill, since: float, world: int) -> float | None:
     return round(found["t"] - since, 1) if wait_for(trained, d.args.bound, poll_s=2.0) else None
 
 
+# heal=in_place (app.worker.heal): the survivors agree on a new world at the compose store and redo only the failed
+# step. float64: the healed world of 2 sums in another order than the world of 3, and only in float64 is that rounding
+# far below what a wrong heal (a step lost or applied twice) would leave.
+HEAL_IN_PLACE = {"DDP_HEAL": "in_place", "DDP_HEAL_STORE": "rendezvous:29400", "DDP_DTYPE": "float64"}
+HEAL_WITHIN_S = 10  # issue 41's bar: kill -> the survivors' next finished step
+# The final parameters against the uninterrupted run's, as tests/integration/test_heal.py compares them in float64.
+HEAL_RTOL, HEAL_ATOL = 1e-9, 1e-12
+# A survivor's launcher ends this soon after the last FINISHED: its exit barrier waits for the healed world's
+# launchers (app.cluster.elastic), not for the lost one's, which torch's barrier would wait out (300 s).
+EXIT_WITHIN_S = 30
+HEALING = re.compile(r"WARNING rank (\d+): .* at step (\d+); healing in place")
+HEALED = re.compile(r"rank (\d+) of (\d+) \(was (\d+) of \d+\): world \d+ healed in ([\d.]+) s.*next step (\d+)")
+HEAL_STEP = re.compile(r"WARNING heal: step (\d+) finished [\d.]+ s after .*\(at unix time ([\d.]+)\)")
+
+
+def heal_in_place_kill(d: Drill) -> None:
+    """An uninterrupted run first (its own project, the same settings), then this one with its last rank killed: the
+    highest rank, so that the healed world's ranks 0..n-2 are the same numbers and a page can name only the lost one."""
+    ref = Project(f"{d.p.name}-ref", {**d.p.env})
+    ref.env["RUN_ID"] = ref.name
+    try:
+        ref.compose("up", "-d", "--no-build", "--scale", f"worker={d.workers}", "worker", timeout=600)
+        ref.wait_until(lambda: ref.all_exited(d.workers), d.args.start_timeout, "the uninterrupted run finishing")
+        d.notes["reference_exit_codes"] = sorted(r["ExitCode"] for r in ref.workers())
+        d.reference = ref.final_parameters(int(d.p.env["DDP_STEPS"]))
+    finally:
+        ref.down()
+    d.start(at_step=d.args.at_step)
+    rank = d.workers - 1
+    victim = d.rank_container(rank)
+    d.notes["victim"], d.notes["victim_rank"] = inspect(victim)["name"], rank
+    d.notes["kill_sent_at"] = time.time()  # before the command: the survivors may see the loss before it returns
+    docker("kill", victim)
+    d.fault()
+
+
+def measure_heal(d: Drill) -> None:
+    """What the survivors' heal lines say (each survivor logs them, tagged with its rank), and the final parameters
+    against the uninterrupted run's."""
+    import torch
+
+    lines = d.p.lines()
+    sent = d.notes["kill_sent_at"]
+    # Every heal line of the run (one kill, one heal): the first ones come before `docker kill` has returned.
+    healing = [(int(m[1]), int(m[2])) for _, line in lines if (m := HEALING.search(line))]  # (old rank, failed step)
+    healed = [(int(m[1]), int(m[2]), float(m[4]), int(m[5])) for _, line in lines if (m := HEALED.search(line))]
+    next_steps = [float(m[2]) for _, line in lines if (m := HEAL_STEP.search(line))]
+    resumed_at = {n for *_, n in healed}
+    d.notes["healed"] = {"survivors": len(healed), "worlds": sorted({w for _, w, _, _ in healed})}
+    d.notes["heal_s"] = max((s for _, _, s, _ in healed), default=None)
+    # The slowest survivor's first finished step after the kill (its own clock: the containers share the host's).
+    d.notes["kill_to_next_step_s"] = round(max(next_steps) - sent, 2) if len(next_steps) == len(healed) else None
+    failed = max((step for _, step in healing), default=None)
+    d.notes["failed_step"], d.notes["next_step"] = failed, min(resumed_at, default=None)
+    # The world resumes at the failed step (or past it, where a survivor had completed it): anything lower is redone.
+    redone = None if failed is None or not resumed_at else max(0, failed - min(resumed_at))
+    d.notes["steps_redone_beyond_failed"] = redone
+    finished = [t for t, line in lines if "FINISHED rank=" in line]
+    done = [t for t, line in lines if "INFO the workers finished: exit 0" in line]
+    d.notes["finished_to_exit_s"] = round(max(done) - max(finished), 1) if finished and done else None
+    d.notes["new_torchrun_world"] = any(JOINED.search(line) for t, line in lines if t > sent)
+    got = d.p.final_parameters(int(d.p.env["DDP_STEPS"]))
+    ref = d.reference
+    diff = max((got[k].double() - ref[k].double()).abs().max().item() for k in ref)
+    close = all(torch.allclose(got[k].double(), ref[k].double(), rtol=HEAL_RTOL, atol=HEAL_ATOL) for k in ref)
+    d.notes["max_abs_param_diff"], d.notes["params_equal"] = diff, close and got.keys() == ref.keys()
+
+
+def heal_checks(r: dict) -> dict[str, bool]:
+    survivors = len(r["containers"]) - 1
+    next_s = r.get("kill_to_next_step_s")
+    return {
+        "the uninterrupted run: every worker exited 0": r.get("reference_exit_codes") == [0] * len(r["containers"]),
+        f"each of the {survivors} survivors healed in place (no new torchrun world, no resume)": (
+            r.get("healed", {}).get("survivors") == survivors
+            and r.get("new_torchrun_world") is False
+            and r["resumed_from_step"] is None
+        ),
+        f"kill -> survivors' next finished step <= {HEAL_WITHIN_S} s": next_s is not None and next_s <= HEAL_WITHIN_S,
+        "0 steps redone beyond the failed one": r.get("steps_redone_beyond_failed") == 0,
+        f"the survivors' launchers exited within {EXIT_WITHIN_S} s of the last FINISHED": (
+            r.get("finished_to_exit_s") is not None and r["finished_to_exit_s"] <= EXIT_WITHIN_S
+        ),
+        f"final parameters equal the uninterrupted run's (float64, rtol {HEAL_RTOL:g}, atol {HEAL_ATOL:g})": (
+            r.get("params_equal") is True
+        ),
+    }
+
+
 def scenarios(workers: int) -> dict[str, Scenario]:
     """Every drill, in the order ``make drills`` runs them."""
     return {
@@ -284,6 +376,16 @@ def scenarios(workers: int) -> dict[str, Scenario]:
             expect=1,
             says="was killed for memory",
             env={"WORKER_MEMORY": OOM_MEMORY, "DDP_MODEL_KWARGS": OOM_MODEL},
+        ),
+        "heal-in-place-kill": Scenario(
+            f"heal=in_place: the last worker killed (rank {workers - 1}); the survivors heal, compared with an "
+            "uninterrupted run",
+            heal_in_place_kill,
+            env=HEAL_IN_PLACE,
+            victims=1,
+            victim_exit=137,
+            after=measure_heal,
+            checks=heal_checks,
         ),
         **sharded_scenarios(),
     }

@@ -79,6 +79,7 @@ class Drill:
         self.p.env["COMPOSE_FILE"] = ":".join(files)
         self.fault_t: float | None = None
         self.notes: dict = {}
+        self.reference: dict | None = None  # an uninterrupted run's final parameters, where a scenario compares
         self.alerts: dict[tuple[str, str], dict] = {}
         self._polling = threading.Event()
         self._prometheus_port: str | None = None

@@ -85,6 +85,8 @@ def judge(r: dict, s: Scenario, problem_lines: list[str], alerts: bool = True) -
         c["restart_count"] <= s.max_restarts for c in rows
     )
     checks["no traceback"] = r["traceback_lines"] == 0
+    if s.checks is not None:
+        checks.update(s.checks(r))
     if alerts:
         checks.update(alert_checks(r, s))
     return checks
@@ -124,7 +126,10 @@ def run_drill(name: str, s: Scenario, args) -> dict:
     started = time.monotonic()
     try:
         s.inject(d)
-        result = d.collect(d.wait_end())
+        ended = d.wait_end()
+        if s.after is not None and ended:
+            s.after(d)
+        result = d.collect(ended)
     except Exception as e:  # noqa: BLE001 - one drill failing to start must not hide the others' numbers
         tail = [message(line) for _, line in d.p.lines()[-30:]]
         result = {"error": f"{type(e).__name__}: {e}", "log_tail": tail}
