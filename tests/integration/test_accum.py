@@ -94,6 +94,12 @@ def test_settings_that_do_not_fit_are_refused_in_one_line(kwargs, names):
     assert all(name in message for name in names), message
 
 
+def test_a_micro_batch_below_one_is_refused_and_one_is_accepted():
+    with pytest.raises(ValueError, match=r"micro_batch=0 must be >= 1"):
+        resolve_grad_accum_steps(micro_batch=0, world_size=2)
+    assert resolve_grad_accum_steps(micro_batch=1, world_size=2, effective_batch=4) == 2
+
+
 # -- one process ---------------------------------------------------------------------------------------------------
 def test_one_batch_of_16_equals_4_micro_batches_of_4():
     torch.manual_seed(0)

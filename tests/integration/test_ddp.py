@@ -515,3 +515,24 @@ def nccl_train(rank, world):
 def test_nccl_matches_single_process():
     for diff in run_world(nccl_train, 2, backend="nccl"):
         assert diff <= 1e-5
+
+
+def test_same_device_reads_an_unindexed_device_as_the_current_one():
+    # Pure function (app.parallel.ddp.module_sync): on a CPU host the current CUDA index is taken as 0.
+    from app.parallel.ddp.module_sync import same_device
+
+    cuda = torch.device
+    assert same_device(cuda("cuda", 1), cuda("cuda", 1))
+    assert same_device(cuda("cuda"), cuda("cuda", 0)) and same_device(cuda("cuda", 0), cuda("cuda"))
+    assert not same_device(cuda("cuda", 0), cuda("cuda", 1))
+    assert not same_device(cuda("cpu"), cuda("cuda", 0))
+
+
+def test_importing_app_parallel_does_not_import_torch():
+    # app.worker.config reads WRAPPERS from it: a bad flag must fail before the seconds-long torch import.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "import sys, app.parallel; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], check=True, timeout=60)

@@ -154,15 +154,25 @@ def merged_state_dict(rank: int, world: int) -> dict:
         refusal = "no error"
     except ValueError as e:
         refusal = str(e)
-    return gap, reloaded, refusal
+    # A merged dict that lacks exactly one of this stage's tensors: that tensor is named.
+    lacking = merge_state_dicts(gathered)
+    dropped = next(iter(runner.state_dict()))
+    del lacking[dropped]
+    try:
+        fresh.load_state_dict(lacking)
+        missing = "no error"
+    except ValueError as e:
+        missing = str(e)
+    return gap, reloaded, refusal, (dropped, missing)
 
 
 def test_merged_stage_state_dicts_load_into_the_bare_model_and_back():
-    for rank, (gap, reloaded, refusal) in enumerate(run_world(merged_state_dict, 2)):
+    for rank, (gap, reloaded, refusal, (dropped, missing)) in enumerate(run_world(merged_state_dict, 2)):
         assert gap <= PARAM_TOLERANCE
         assert reloaded
         assert refusal.startswith(f"state_dict does not fit stage {rank} of 2: net.")
         assert "another shape; it was saved by another model or layout" in refusal and "\n" not in refusal
+        assert missing.startswith(f"state_dict does not fit stage {rank} of 2: {dropped} is missing;"), missing
 
 
 def bad_inputs(rank: int, world: int) -> list[str]:

@@ -425,3 +425,19 @@ def test_desync_check_is_off_or_on_and_nothing_else(value, ok):
     else:
         with pytest.raises(ConfigError, match=rf"^desync_check={value}: must be 0 \(off\) or 1 \(on\)$"):
             TrainConfig(desync_check=value)
+
+
+@pytest.mark.parametrize("value, every", [("off", 0), ("units", 1), ("every:1", 1), ("every:3", 3)])
+def test_activation_checkpointing_every_reads_each_documented_form(value, every):
+    from app.worker.config.checks import activation_checkpointing_every
+
+    assert activation_checkpointing_every(value) == every
+
+
+@pytest.mark.parametrize("value", ["every:0", "every:", "every:-1", "each:2"])
+def test_activation_checkpointing_every_refuses_a_step_below_one_in_one_line(value):
+    from app.worker.config.checks import activation_checkpointing_every
+
+    with pytest.raises(ConfigError, match=r"N an integer >= 1") as err:
+        activation_checkpointing_every(value)
+    assert "\n" not in str(err.value)

@@ -58,3 +58,20 @@ def test_rendezvous_timeout_is_torchruns():
     assert _rendezvous_timeout("timeout=900") == 900
     assert _rendezvous_timeout("join_timeout=5,timeout=30") == 30
     assert _rendezvous_timeout("") == 600  # torch's static rendezvous default
+
+
+def test_wait_for_fresh_store_counts_the_stale_store_it_met_once(monkeypatch):
+    # The first store reached had this node already (a previous attempt's), the next one is new: one stale store.
+    from app.cluster import k8s_launch
+
+    joins = iter([2, 1])
+
+    class Store:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def add(self, key, n):
+            return next(joins)
+
+    monkeypatch.setattr(k8s_launch, "TCPStore", Store)
+    assert k8s_launch.wait_for_fresh_store("pod-0", 29500, node_rank=1, timeout_s=10, poll_s=0) == 1

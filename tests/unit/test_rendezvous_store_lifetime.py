@@ -78,6 +78,18 @@ def test_no_worker_at_all_is_said_once_and_the_store_keeps_serving(caplog):
     assert "rendezvous 'nobody'" in said[0]
 
 
+def test_no_worker_is_not_said_before_alone_s(caplog):
+    # A store that has waited less than alone_s for its first worker says nothing yet.
+    s = store()
+    with caplog.at_level(logging.WARNING, logger="rendezvous_store"):
+        stop = watch(s, "early", alone_s=60.0)
+        try:
+            assert not stop.wait(10 * POLL_S)
+        finally:
+            stop.set()
+    assert "no worker has joined" not in caplog.text, caplog.text
+
+
 def test_the_store_reads_the_rendezvous_about_once_a_second_by_default(monkeypatch):
     # The store's only background work: a poll that spun would take a core from the workers beside it.
     from app.cluster import elastic
