@@ -9,21 +9,28 @@ from tools.renderers.common import claims_table
 def render_ddp_bench(doc: dict) -> list[str]:
     models = list(doc["models"])
     variants = list(doc["models"][models[0]]["variants"])
-    lines = [
-        "| variant | " + " | ".join(f"{m} ms | ×torch" for m in models) + " |",
-        "|---|" + "---:|---:|" * len(models),
-    ]
-    for v in variants:
-        cells = []
-        for m in models:
-            row = doc["models"][m]["variants"][v]
-            cells.append(f"{row['median_s'] * 1e3:.1f} | {row['ratio_to_torch']:.2f}")
-        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    lines = _variant_table(
+        doc,
+        variants,
+        lambda m: f"{m} ms | ×torch",
+        lambda row: f"{row['median_s'] * 1e3:.1f} | {row['ratio_to_torch']:.2f}",
+    )
     lines += _ddp_memory(doc.get("memory") or {}) + _ddp_losses(doc.get("compression_loss") or {})
     if doc.get("sync_share"):
         shares = ", ".join(f"batch {s['per_rank_batch']}: {s['sync_share']:.0%}" for s in doc["sync_share"])
         lines += ["", f"Share of a deep_mlp step spent on gradient sync (1 − no sync ÷ ours 25MB), per-rank {shares}."]
     return lines + [""] + claims_table(_ddp_claims(doc))
+
+
+def _variant_table(doc: dict, variants, header, cells) -> list[str]:
+    """A markdown table with a row per variant and, per model, the columns ``header(model)`` names (numbers, right
+    aligned) filled by ``cells(that model's row of the variant)``."""
+    models = list(doc["models"])
+    columns = header(models[0]).count("|") + 1
+    lines = ["| variant | " + " | ".join(header(m) for m in models) + " |", "|---|" + "---:|" * columns * len(models)]
+    for v in variants:
+        lines.append(f"| {v} | " + " | ".join(cells(doc["models"][m]["variants"][v]) for m in models) + " |")
+    return lines
 
 
 COMPILE_ROWS = ("torch 25MB", "ours 25MB", "torch compiled", "ours compiled")
@@ -38,15 +45,13 @@ def render_ddp_compile(doc: dict) -> list[str]:
         f"({doc['backend']}), {doc['repeats']} interleaved repeats × {doc['steps']} steps; ms: the median step of "
         "the slowest rank; warm-up: rank 0's untimed first steps, the compile included.",
         "",
-        "| variant | " + " | ".join(f"{m} ms | ×torch 25MB | {m} warm-up s" for m in models) + " |",
-        "|---|" + "---:|---:|---:|" * len(models),
+        *_variant_table(
+            doc,
+            COMPILE_ROWS,
+            lambda m: f"{m} ms | ×torch 25MB | {m} warm-up s",
+            lambda row: f"{row['median_s'] * 1e3:.1f} | {row['ratio_to_torch']:.2f} | {row.get('warmup_s', 0):.1f}",
+        ),
     ]
-    for v in COMPILE_ROWS:
-        cells = []
-        for m in models:
-            row = doc["models"][m]["variants"][v]
-            cells.append(f"{row['median_s'] * 1e3:.1f} | {row['ratio_to_torch']:.2f} | {row.get('warmup_s', 0):.1f}")
-        lines.append(f"| {v} | " + " | ".join(cells) + " |")
     rows = []
     for m in models:
         v = doc["models"][m]["variants"]
