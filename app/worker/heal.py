@@ -42,7 +42,6 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -88,14 +87,15 @@ class Quorum:
         members = quorum.agree(1, Member(quorum.member_id, step=12, rank=0), previous=["a", "b", "c"])
     """
 
-    def __init__(self, address: str, job: str, member_id: str, timeout_s: float):
+    def __init__(self, address: str, job: str, member_id: str, timeout_s: float, beat: bool = True):
         host, _, port = address.rpartition(":")
         self.address, self.member_id, self.timeout_s = address, member_id, timeout_s
         self.base = f"heal/{job}/"
         self.prefix = self.base  # then base/<incarnation>/: a world torchrun starts again never reads the last one's
         self.store = self._client(host, int(port))
-        self._beat = self._client(host, int(port))  # its own connection: the heartbeat thread never waits on ours
-        threading.Thread(target=self._heartbeat, name="heal-heartbeat", daemon=True).start()
+        if beat:  # a member's; a reader (the launcher's exit barrier) only looks
+            self._beat = self._client(host, int(port))  # its own connection: the heartbeat thread never waits on ours
+            threading.Thread(target=self._heartbeat, name="heal-heartbeat", daemon=True).start()
 
     def _client(self, host: str, port: int) -> dist.TCPStore:
         timeout = datetime.timedelta(seconds=self.timeout_s)
@@ -134,6 +134,11 @@ class Quorum:
         """New rank 0, once the world ``generation`` has formed: newcomers register for the next one."""
         self.store.set(self.key(f"q{generation}/members"), json.dumps([asdict(m) for m in members]))
         self.store.set(self.key("generation"), str(generation))
+
+    def published(self, generation: int) -> list[Member]:
+        """The members of world ``generation`` as its rank 0 published them ([] until it has)."""
+        key = self.key(f"q{generation}/members")
+        return [Member(**m) for m in json.loads(self.store.get(key))] if self.store.check([key]) else []
 
     def join_pending(self, generation: int) -> bool:
         """Somebody registered for the world after ``generation`` while this one runs: a newcomer asks in."""
@@ -174,17 +179,13 @@ class Quorum:
 def newest_world_size(address: str, job: str, timeout_s: float = 10.0) -> int | None:
     """How many ranks the newest world of ``job`` at ``address`` holds (None: no world has formed there): what the
     cluster's launcher waits for at its exit barrier (app.cluster.elastic), rather than the world torchrun formed."""
-    host, _, port = address.rpartition(":")
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
-                          wait_for_workers=False)  # fmt: skip
-    current = f"heal/{job}/current"
-    if not store.check([current]):
+    quorum = Quorum(address, job, member_id="", timeout_s=timeout_s, beat=False)
+    incarnation = quorum.current()
+    if incarnation is None:
         return None
-    prefix = f"heal/{job}/{store.get(current).decode()}/"
-    if not store.check([prefix + "generation"]):
-        return None
-    generation = int(store.get(prefix + "generation"))
-    return len(json.loads(store.get(f"{prefix}q{generation}/members")))
+    quorum.enter(incarnation)
+    generation = quorum.generation()
+    return len(quorum.published(generation)) if generation is not None else None
 
 
 class Heartbeats:
@@ -255,7 +256,7 @@ class Healer:
         deadline = time.monotonic() + self.cfg.rendezvous_timeout_seconds
         while True:
             generation = max(self.generation, self.quorum.generation() or 0) + 1
-            previous = [m.id for m in self._published(generation - 1)]
+            previous = [m.id for m in self.quorum.published(generation - 1)]
             members = self.quorum.agree(generation, me, previous)
             if all(m.step < 0 for m in members):  # the deadline passed with newcomers only: the world is gone
                 raise RuntimeError(f"no live world at heal_store={self.cfg.heal_store} to join (its ranks are gone)")
@@ -268,10 +269,6 @@ class Healer:
             # Left out: ask for the next world only once this one is published, or it would start without its members.
             while (self.quorum.generation() or 0) < generation and time.monotonic() < deadline:
                 time.sleep(POLL_SECONDS)
-
-    def _published(self, generation: int) -> list[Member]:
-        key = self.quorum.key(f"q{generation}/members")
-        return [Member(**m) for m in json.loads(self.quorum.store.get(key))] if self.quorum.store.check([key]) else []
 
     def attach(self, trainer) -> None:
         """Once the trainer is built: the first world publishes itself; a newcomer receives the state."""
@@ -411,14 +408,10 @@ def rebind(trainer, ctx: DistContext) -> None:
     # The share alone is re-cut; the dealer keeps its data set and position (BatchShare is the share's one home).
     BatchShare.__init__(b, b.global_batch, b.micro_batch, ctx.rank, ctx.world_size, b.device, b.dtype, b.equal_counts)
     step.wrapped = step.wrap(step.model)
-    from app.diagnostics.session import start_recording
     from app.parallel.probes import comm_probe
 
     step.probe = comm_probe(step.wrapped)
-    # The flight recorder learns the new world (a broadcast of its id: a newcomer's Trainer makes the same call).
-    cfg = trainer.cfg
-    flight = str(Path(cfg.checkpoint_dir) / "flight") if cfg.checkpoint_dir else None
-    start_recording(entries=cfg.flight_recorder_entries, dump_dir=flight, desync_check=bool(cfg.desync_check))
+    trainer.start_recording()  # the flight recorder learns the new world (a newcomer's Trainer makes the same call)
     if trainer.validator is not None:
         from app.worker.evaluation import build_validator
 

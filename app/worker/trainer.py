@@ -63,8 +63,7 @@ class Trainer:
         self.cfg, self.ctx, self.stop, self.metrics = cfg, ctx, stop, metrics
         self.step: TrainStep = step
         self.healer = healer  # heal=in_place (app.worker.heal); None: a lost peer ends the run, torchrun restarts it
-        flight = str(Path(cfg.checkpoint_dir) / "flight") if cfg.checkpoint_dir else None  # (docs/diagnostics.md)
-        start_recording(entries=cfg.flight_recorder_entries, dump_dir=flight, desync_check=bool(cfg.desync_check))
+        self.start_recording()
         self.checkpointer = Checkpointer(
             cfg.checkpoint_dir,
             every=cfg.checkpoint_every,
@@ -91,6 +90,12 @@ class Trainer:
         self.validator = build_validator(cfg, ctx, step.loss_fn) if cfg.eval_every else None
         if healer:
             healer.attach(self)
+
+    def start_recording(self) -> None:
+        """This world's flight recorder (docs/diagnostics.md); a heal in place starts it again for the new world."""
+        cfg = self.cfg
+        flight = str(Path(cfg.checkpoint_dir) / "flight") if cfg.checkpoint_dir else None
+        start_recording(entries=cfg.flight_recorder_entries, dump_dir=flight, desync_check=bool(cfg.desync_check))
 
     def run(self) -> int:
         """Train up to ``steps``; OK when finished or stopped on request, PEER_STOPPED when stopped for a peer."""
