@@ -30,6 +30,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import mmap
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -149,7 +150,7 @@ def load_checkpoint(path: str | Path, *, mapped: bool = False) -> dict[str, Any]
 # for the digest, then dropped again (``release``); copied into the model, then dropped; the optimizer state copied
 # out tensor by tensor (``copy_out``). The peak is the model, its buckets and the optimizer state: training's.
 _MADV_DONTNEED = 4  # Linux's <sys/mman.h>
-_PAGE = 4096
+_PAGE = mmap.PAGESIZE  # madvise takes a page-aligned start: 4 KiB on x86-64, up to 64 KiB on arm64
 
 
 def release(t: torch.Tensor) -> None:
