@@ -80,6 +80,42 @@ def describe_exit(code: int) -> str:
     return f"exited {code} ({meaning})"
 
 
+def replica_addresses(peers: str) -> set[str]:
+    """The IPv4 addresses DNS gives for ``peers`` (compose: one per running replica of the service); none on error."""
+    try:
+        return {a[4][0] for a in socket.getaddrinfo(peers, None, socket.AF_INET)}
+    except OSError:
+        return set()
+
+
+class Sightings:
+    """When each replica's address was first seen: a set that gained none for ``settle_s`` is taken as complete.
+
+    `docker compose up --scale worker=N` starts the N containers one after another, seconds apart on a busy
+    machine, and DNS lists each only once it runs: the first replicas could all be ready while the last is not yet
+    listed, and the first world would form without it (seen at load 25-36: a world of 3 out of 4).
+    """
+
+    def __init__(self, settle_s: float, clock=time.monotonic):
+        self.settle_s, self.clock = settle_s, clock
+        self.first_seen: dict[str, float] = {}
+        self.current: set[str] = set()
+
+    def see(self, addresses: set[str]) -> set[str]:
+        now = self.clock()
+        for address in addresses:
+            self.first_seen.setdefault(address, now)
+        self.current = set(addresses)
+        return self.current
+
+    def settled(self) -> bool:
+        """True once the newest of the current addresses has been listed for ``settle_s``."""
+        if not self.current:
+            return False
+        newest = max(self.first_seen[a] for a in self.current)
+        return self.clock() - newest >= self.settle_s
+
+
 class Reporter:
     """Reads the rendezvous state at the store (torch's own c10d backend) to say who is in each world."""
 
@@ -143,7 +179,8 @@ class Reporter:
         torch's c10d rendezvous completes ``last_call_timeout`` after its MIN-th member arrives and later arrivals
         do not extend it: with MIN=1 and containers whose start (``import torch``) takes from 5 to 40 s on a busy
         machine, the first world would hold the fastest few and re-form as each of the others arrives. ``peers``
-        is a DNS name with one address per running replica (Docker's name of the compose service).
+        is a DNS name with one address per running replica (Docker's name of the compose service); a replica not
+        yet running is not listed, so the set must also have stood still (``Sightings``).
         """
         if self.job_started():
             return  # a world exists or is forming: join it now
@@ -153,20 +190,21 @@ class Reporter:
         log.info("waiting until every replica of %r is ready to form the first world", peers)
         prefix = f"app.cluster.launch/{self.run_id}/ready/"
         self.client().set(prefix + socket.gethostbyname(socket.gethostname()), "1")
-        deadline, ips = time.monotonic() + timeout_s, set()
+        deadline, sightings = time.monotonic() + timeout_s, Sightings(self.settings.peers_settle_seconds)
+        ips: set[str] = set()
         while time.monotonic() < deadline:
-            try:
-                ips = {a[4][0] for a in socket.getaddrinfo(peers, None, socket.AF_INET)}
-            except OSError:
-                ips = set()
+            ips = sightings.see(replica_addresses(peers))
             # Ready first: the first replicas to see everyone ready join at once, and a replica that looked a
             # poll later would find the job started and, returning before this, never learn how many are coming;
             # if it is the last to join, the world would then wait the whole last call for nobody.
-            if ips and self.client().check([prefix + ip for ip in ips]):
+            ready = bool(ips) and self.client().check([prefix + ip for ip in ips])
+            if ready and sightings.settled():
                 log.debug("%d replicas of %r ready", len(ips), peers)
                 self.expected = len(ips)  # every one of them joins now: the world is full when they are in
                 return
             if self.job_started():
+                # Another replica saw the same addresses stand still for longer: they are the first world.
+                self.expected = len(ips) if ready else 0
                 return
             time.sleep(0.5)
         log.warning("not every one of the %d replicas of %r was ready in %g s: joining now", len(ips), peers, timeout_s)

@@ -121,3 +121,47 @@ def test_a_job_has_started_once_its_rendezvous_has_members_a_formed_world_or_a_p
     assert started("formed", complete=True)
     assert started("a past round", round=1)
     assert not Reporter(None, "standalone", None).job_started()  # no store: nothing to read
+
+
+def test_a_replica_listed_late_is_waited_for_until_the_set_stands_still():
+    """`up --scale worker=4` on a busy machine: three replicas listed (and ready), the fourth a few seconds later.
+    The set counts as complete only once no address is new for the settle time."""
+    from app.cluster.elastic import Sightings
+
+    now = [100.0]
+    sightings = Sightings(3.0, clock=lambda: now[0])
+    assert not sightings.settled()  # nothing listed yet: nothing to form
+    sightings.see({"10.0.0.2", "10.0.0.3", "10.0.0.4"})
+    now[0] += 2.0
+    assert not sightings.settled(), "the first world formed 2 s after the first listing: settle is 3 s"
+    sightings.see({"10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5"})  # the fourth container runs now
+    now[0] += 2.0
+    assert not sightings.settled(), "the fourth address is only 2 s old"
+    now[0] += 1.0
+    assert sightings.settled()
+    sightings.see({"10.0.0.2", "10.0.0.3"})  # two went away (killed before the first world): still settled
+    assert sightings.settled()
+
+
+def test_waiting_for_peers_returns_once_every_listed_replica_is_ready_and_the_list_stood_still():
+    """A real store, a real DNS name (localhost), every listed replica ready: the wait lasts the settle time, no
+    more, and the launcher then knows how many replicas the first world holds."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from app.cluster.elastic import Reporter, replica_addresses
+    from app.worker.config.launch import LaunchConfig
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
+    listed = replica_addresses("localhost")
+    assert listed, "localhost resolves to no IPv4 address on this machine"
+    for ip in listed:  # every other replica's launcher is ready
+        server.set(f"app.cluster.launch/job/ready/{ip}", "1")
+    reporter = Reporter(("127.0.0.1", server.port), "job", None, settings=LaunchConfig(peers_settle_seconds=1.5))
+    start = time.monotonic()
+    reporter.wait_for_peers("localhost", timeout_s=30)
+    waited = time.monotonic() - start
+    assert reporter.expected == len(listed) and reporter.first_of_job
+    assert 1.5 <= waited < 10, f"waited {waited:.1f} s for replicas that were all ready (settle 1.5 s)"

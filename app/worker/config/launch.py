@@ -35,6 +35,10 @@ class LaunchConfig:
     store_lost_seconds: float = 120.0
     peers: str = ""  # the DNS name of every replica (compose: the service's): the job's first world waits for all
     peers_wait_seconds: float = 90.0  # how long the first world waits for every replica's launcher to be ready
+    # Docker's DNS lists a replica only once its container runs; `up --scale worker=N` on a busy machine starts the
+    # N containers seconds apart, and the first ones could all be ready before the last is even listed. The first
+    # world forms only once no new address has appeared for this long.
+    peers_settle_seconds: float = 3.0
     # Before the first world, with every replica ready: how long after each arrival the rest are waited for (then
     # the world forms without them, as torch's last call would). Below join_timeout, so a member that is in never
     # times out waiting for one that is not coming.
