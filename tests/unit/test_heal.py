@@ -137,3 +137,37 @@ def test_a_world_is_live_to_a_newcomer_while_a_members_heartbeat_moves_and_until
     finally:
         stop.set()
         beating.join()
+
+
+def test_a_newcomer_waiting_to_join_is_told_at_once_when_the_job_finishes(published, tmp_path):
+    """Registered for the next world while the world's ranks still beat, a newcomer would wait out
+    rendezvous_timeout_seconds for a step boundary that never comes once the job has finished: it is told within a
+    poll, and its launcher ends 0 in one line (app.cluster.newcomer.failed)."""
+    import threading
+    from types import SimpleNamespace
+
+    from app.cluster.job_state import JobState
+    from app.cluster.newcomer import failed
+    from app.worker.heal import JobFinished, Quorum
+
+    address, quorum = published
+    newcomer = Quorum(address, "job1", "new", timeout_s=60, beat=False)
+    newcomer.enter("a")
+    stop = threading.Event()
+
+    def beat_then_finish() -> None:
+        for _ in range(10):  # the world's ranks beat for a second, then rank 0 says the job finished
+            quorum.store.add(quorum.heartbeat_key("a"), 1)
+            stop.wait(0.1)
+        quorum.store.set(quorum.key("finished"), "1")
+
+    threading.Thread(target=beat_then_finish, daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(JobFinished, match="finished while this rank waited to join"):
+        newcomer.agree(1, Member("new", -1, -1), previous=["a", "b", "c"])
+    assert time.monotonic() - started < 10
+    config = TrainConfig(heal="in_place", heal_store=address, effective_batch=64, steps=7)
+    job = JobState.in_dir(str(tmp_path), "job1", "here", "digest")
+    job.arrived()
+    assert failed(SimpleNamespace(rdzv_id="job1"), config, job, code=1) == 0
+    assert job.finished_since_arrival()["step"] == 7  # a start of this container again ends 0 at once

@@ -278,8 +278,13 @@ def ranks_now(d: Drill) -> dict[str, int]:
     return ranks
 
 
+def replica_of(container: str) -> str:
+    """A container's compose replica (worker-2), as ``replica`` reads it off its log lines."""
+    return "-".join(inspect(container)["name"].rsplit("-", 2)[-2:])
+
+
 def container_of(d: Drill, name: str) -> str:
-    return next(c for c in d.containers() if inspect(c)["name"] == name)
+    return next(c for c in d.containers() if replica_of(c) == name)
 
 
 def started_at(container: str) -> float:
@@ -312,7 +317,7 @@ def kill_holder(rank: int | None):
 
     def fault(d: Drill, world: int) -> dict:
         ranks = ranks_now(d)
-        running = {inspect(c)["name"] for c in d.containers() if inspect(c)["state"] == "running"}
+        running = {replica_of(c) for c in d.containers() if inspect(c)["state"] == "running"}
         held = {r: name for name, r in ranks.items() if name in running}
         name = held[max(held) if rank is None else rank]
         at = time.time()  # before the command: the survivors may see the loss before it returns
@@ -328,7 +333,7 @@ def bring_back(d: Drill, world: int) -> dict:
     it must heal into the live world as a newcomer, given the state by a peer, no survivor restarted."""
     gone = [c for c in d.containers() if inspect(c)["state"] == "exited"]
     d.p.compose("up", "-d", "--no-build", "--no-recreate", "--scale", f"worker={d.workers}", "worker")
-    name = inspect(gone[0])["name"]
+    name = replica_of(gone[0])
     return {"fault": f"{name} started again", "kind": "up", "at": started_at(gone[0]), "world": world + 1,
             "healers": world, "container": name}  # fmt: skip
 
