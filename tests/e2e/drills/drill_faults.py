@@ -338,6 +338,27 @@ def bring_back(d: Drill, world: int) -> dict:
             "healers": world, "container": name}  # fmt: skip
 
 
+def pause_holder(d: Drill, world: int) -> dict:
+    """A heal fault: the highest rank's container ``docker pause``d: its peers' collective times out
+    (collective_timeout_seconds), they heal without it; it stays paused until the next fault."""
+    held = {r: name for name, r in ranks_now(d).items() if inspect(container_of(d, name))["state"] == "running"}
+    name = held[max(held)]
+    at = time.time()
+    docker("pause", container_of(d, name))
+    return {"fault": f"pause rank {max(held)} ({name})", "kind": "pause", "at": at, "world": world - 1,
+            "healers": world - 1, "container": name, "bound_s": d.args.collective_timeout + HEAL_WITHIN_S}  # fmt: skip
+
+
+def unpause(d: Drill, world: int) -> dict:
+    """A heal fault: the paused container unpaused. Its trainer finds its collective failed and heals too: too late
+    for the world its peers formed, it asks for the next and is taken in with a live peer's state (its own is stale)."""
+    paused = next(c for c in d.containers() if inspect(c)["state"] == "paused")
+    at = time.time()
+    docker("unpause", paused)
+    return {"fault": f"{replica_of(paused)} unpaused", "kind": "unpause", "at": at, "world": world + 1,
+            "healers": world + 1, "container": replica_of(paused)}  # fmt: skip
+
+
 def heal_in_place(*faults):
     """heal=in_place: the uninterrupted run first, then this one with ``faults`` one after the other, each once the
     world has healed from the one before (every member of the new world finished a step after it)."""
@@ -355,9 +376,9 @@ def heal_in_place(*faults):
                 d.fault()
                 first = done[0]
                 d.notes["kill_sent_at"], d.notes["victim"] = first["at"], first["container"]
-                d.notes["victim_rank"] = int(first["fault"].split()[2]) if first["kind"] == "kill" else None
+                d.notes["victim_rank"] = int(first["fault"].split()[2]) if first["kind"] != "up" else None
         d.notes["faults"] = done
-        d.notes["victim_ranks"] = [int(f["fault"].split()[2]) for f in done if f["kind"] == "kill"]
+        d.notes["victim_ranks"] = [int(f["fault"].split()[2]) for f in done if f["kind"] in ("kill", "pause")]
 
     return inject
 
@@ -366,7 +387,7 @@ def wait_healed(d: Drill, fault: dict) -> None:
     """Until every member of the world after ``fault`` has logged its first finished step after it."""
 
     def healed() -> bool:
-        return sum(t > fault["at"] - 1 and bool(HEAL_STEP.search(line)) for t, line in d.p.lines()) >= fault["world"]
+        return sum(t > fault["at"] and bool(HEAL_STEP.search(line)) for t, line in d.p.lines()) >= fault["world"]
 
     d.p.wait_until(healed, d.args.bound, f"the world healing after: {fault['fault']}")
 
@@ -378,13 +399,16 @@ def measure_heal(d: Drill) -> None:
     faults = d.notes["faults"]
     ends = [f["at"] for f in faults[1:]] + [float("inf")]
     for fault, end in zip(faults, ends, strict=True):
-        measure_one_heal(fault, [(t, line) for t, line in lines if fault["at"] - 1 < t <= end])
+        measure_one_heal(fault, [(t, line) for t, line in lines if fault["at"] < t <= end])
     kills = [f["fault_to_next_step_s"] for f in faults if f["kind"] == "kill"]
     ups = [f["start_to_newcomer_step_s"] for f in faults if f["kind"] == "up"]
     if kills:
         d.notes["kill_to_next_step_s"] = None if None in kills else max(kills)
     if ups:
         d.notes["start_to_newcomer_step_s"] = None if None in ups else max(ups)
+    for kind, note in (("pause", "pause_to_next_step_s"), ("unpause", "unpause_to_step_s")):
+        if found := [f["fault_to_next_step_s"] for f in faults if f["kind"] == kind]:
+            d.notes[note] = None if None in found else max(found)
     d.notes["heal_s"] = max((f["heal_s"] or 0 for f in faults), default=None)
     redone = [f["redone"] for f in faults]
     d.notes["steps_redone_beyond_failed"] = None if None in redone else max(redone)
@@ -450,6 +474,14 @@ def heal_checks(r: dict) -> dict[str, bool]:
         checks[f"{f['fault']}: container start -> its first finished step as a newcomer <= {HEAL_WITHIN_S} s"] = (
             first_s is not None and first_s <= HEAL_WITHIN_S
         )
+    for f in [f for f in faults if f["kind"] == "pause"]:
+        next_s = f.get("fault_to_next_step_s")
+        checks[f"{f['fault']} -> the others' next finished step <= {f['bound_s']:g} s (the collective timeout + "
+               f"{HEAL_WITHIN_S} s)"] = next_s is not None and next_s <= f["bound_s"]  # fmt: skip
+    for f in [f for f in faults if f["kind"] == "unpause"]:
+        checks[f"{f['fault']}: it rejoined (every member of the world of {f['world']} finished a step after it), "
+               "and every container exited 0"] = f.get("fault_to_next_step_s") is not None and all(
+            c["exit_code"] == 0 for c in r["containers"])  # fmt: skip
     if ups:
         checks["each container brought back joined as a newcomer, and every container exited 0"] = r.get(
             "newcomer_launches"
@@ -537,6 +569,15 @@ def scenarios(workers: int) -> dict[str, Scenario]:
             env=HEAL_PACED,
             victims=2,
             victim_exit=137,
+            after=measure_heal,
+            checks=heal_checks,
+        ),
+        "heal-in-place-pause": Scenario(
+            f"heal=in_place: a worker paused (`docker pause`, rank {workers - 1}) past the collective timeout, the "
+            "others heal without it; unpaused, it rejoins with a live peer's state",
+            heal_in_place(pause_holder, unpause),
+            env={**HEAL_PACED, "DDP_STEPS": "1000"},  # paced: still training after the 30 s timeout and the rejoin
+            victims=1,
             after=measure_heal,
             checks=heal_checks,
         ),
