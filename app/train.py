@@ -80,9 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         return FAILED
     if joined is not None:  # its series carry the rank it was given, not the 0 of a process no launcher numbered
         world = dataclasses.replace(world, rank=joined.rank, world_size=joined.world_size)
-    metrics = start_metrics(cfg, world, stop)
+    metrics = start_metrics(cfg, world, stop)  # a newcomer that fails here leaves the world it joined: a lost peer
     if metrics is None:
-        cleanup_distributed()
         return BAD_CONFIG
     clock.mark("metrics endpoint")
     try:
