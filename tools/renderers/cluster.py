@@ -101,6 +101,8 @@ PHASES = {
     "reconnect_to_full_world_s": "reconnect → step on all",
     "kill_to_next_step_s": "healed in place: kill → survivors' next step",
     "start_to_newcomer_step_s": "healed in: container start → its first step",
+    "pause_to_next_step_s": "healed in place: pause → the others' next step",
+    "unpause_to_step_s": "unpause → a step of the world it rejoined",
 }
 
 # heal=restart's drill beside heal=in_place's for the same fault (docs/cluster.md, "Heal in place").
@@ -109,6 +111,7 @@ HEAL_PAIRS = [
     ("rank 0's container killed", "rank0-kill", "heal-in-place-rank0"),
     ("a container comes (2 → 3)", "scale-down-up", "heal-in-place-scale-up"),
     ("two kills in a row", None, "heal-in-place-two-kills"),
+    ("a peer paused past the collective timeout, then unpaused", "pause", "heal-in-place-pause"),
 ]
 
 
@@ -132,8 +135,8 @@ def restart_cell(d: dict | None, name: str | None) -> str:
         return f"`{name}`: not run"
     verdict = "PASS" if d["passed"] else "FAIL"
     new_world = d.get("fault_to_new_world_step_s")
-    up = d.get("up_to_step_s")
-    took = f"scale-up → step on all {up} s" if up is not None else f"fault → step of a new world {new_world} s"
+    up = d.get("up_to_step_s") or d.get("unpause_to_full_world_s")
+    took = f"fault → step of a new world {new_world} s" + (f", back → step on all {up} s" if up is not None else "")
     return f"`{name}` {verdict}: {took}, {d.get('steps_redone') or 0} step(s) redone"
 
 
@@ -146,6 +149,10 @@ def in_place_cell(d: dict | None) -> str:
         parts.append(f"kill → survivors' next step {d['kill_to_next_step_s']} s")
     if d.get("start_to_newcomer_step_s") is not None:
         parts.append(f"container start → its first step {d['start_to_newcomer_step_s']} s")
+    if d.get("pause_to_next_step_s") is not None:
+        parts.append(f"pause → the others' next step {d['pause_to_next_step_s']} s")
+    if d.get("unpause_to_step_s") is not None:
+        parts.append(f"unpause → a step with it back {d['unpause_to_step_s']} s")
     parts.append(f"{d.get('steps_redone_beyond_failed')} redone beyond the failed step")
     parts.append(f"final parameters {'equal' if d.get('params_equal') else 'NOT equal'} (max diff "
                  f"{d.get('max_abs_param_diff', float('nan')):.1e})")  # fmt: skip
