@@ -310,7 +310,7 @@ def launch(argv: list[str] | None = None) -> int:
     # heal=in_place: a container that comes while the job's world trains joins it in place (app.cluster.newcomer);
     # in torchrun's rendezvous it would make every running agent restart its trainer.
     if store and (size := live_world_to_join(args, config)) is not None:
-        code = join_live_world(args, config, settings, job, size)
+        code = join_live_world(args, config, settings, job, size, high)
         if code is not None:
             return code
     reporter = Reporter(store, args.rdzv_id, workers, config, settings)

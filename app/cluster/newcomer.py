@@ -52,9 +52,22 @@ def live_world_to_join(args, config) -> int | None:
         return None
 
 
-def join_live_world(args, config, settings: LaunchConfig, job: JobState, size: int) -> int | None:
+def join_live_world(args, config, settings: LaunchConfig, job: JobState, size: int, high: int) -> int | None:
     """Run this container's trainer as a newcomer to the live world of ``size`` ranks; the container's exit code,
-    or None when that world turned out to be gone (the caller goes on with torchrun's rendezvous)."""
+    or None when that world turned out to be gone (the caller goes on with torchrun's rendezvous). A world already
+    at ``high`` containers (``--nnodes``' MAX) takes none: refused as torchrun's spare is, exit 2."""
+    if size >= high:
+        reason = f"one container more than the world's maximum of {high} workers (MAX_WORKERS)"
+        log.error(
+            "the live world of job %r holds %d ranks, its maximum (MAX_WORKERS): this container would wait idle; "
+            "scale to at most %d (docker compose up -d --scale worker=%d --no-recreate)",
+            args.rdzv_id,
+            size,
+            high,
+            high,
+        )
+        job.refuse(reason)
+        return BAD_CONFIG
     log.info(
         "job %r trains in place (heal=in_place): joining its live world of %d at heal_store=%s as a newcomer, "
         "given the state by a live peer (not through torchrun's rendezvous: no survivor restarts)",

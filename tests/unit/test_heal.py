@@ -171,3 +171,20 @@ def test_a_newcomer_waiting_to_join_is_told_at_once_when_the_job_finishes(publis
     job.arrived()
     assert failed(SimpleNamespace(rdzv_id="job1"), config, job, code=1) == 0
     assert job.finished_since_arrival()["step"] == 7  # a start of this container again ends 0 at once
+
+
+def test_a_container_over_the_maximum_is_refused_rather_than_joining_a_full_live_world(tmp_path, caplog):
+    """A live world at --nnodes' MAX takes no newcomer: exit 2 in one line, recorded (a restart of the container ends
+    at once), no trainer started; below MAX, the same container would join."""
+    from types import SimpleNamespace
+
+    from app.cluster.job_state import JobState
+    from app.cluster.newcomer import join_live_world
+
+    job = JobState.in_dir(str(tmp_path), "job1", "here", "digest")
+    job.arrived()
+    config = TrainConfig(heal="in_place", heal_store="127.0.0.1:1", effective_batch=64)
+    with caplog.at_level("ERROR", logger="app.cluster.launch"):
+        assert join_live_world(SimpleNamespace(rdzv_id="job1"), config, None, job, size=3, high=3) == 2
+    assert "holds 3 ranks, its maximum (MAX_WORKERS)" in caplog.text
+    assert "maximum of 3 workers" in job.refused_before()
