@@ -137,7 +137,8 @@ def restart_cell(d: dict | None, name: str | None) -> str:
     new_world = d.get("fault_to_new_world_step_s")
     up = d.get("up_to_step_s") or d.get("unpause_to_full_world_s")
     took = f"fault → step of a new world {new_world} s" + (f", back → step on all {up} s" if up is not None else "")
-    return f"`{name}` {verdict}: {took}, {d.get('steps_redone') or 0} step(s) redone"
+    at = f" (measured at `{d['commit'][:7]}`)" if d.get("commit") else ""
+    return f"`{name}`{at} {verdict}: {took}, {d.get('steps_redone') or 0} step(s) redone"
 
 
 def in_place_cell(d: dict | None) -> str:
