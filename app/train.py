@@ -29,6 +29,7 @@ At the end every rank prints ``FINISHED rank=<r> world_size=<n> step=<s> checksu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -71,13 +72,20 @@ def main(argv: list[str] | None = None) -> int:
     from app.worker.trainer import TrainingDiverged
 
     clock.mark("trainer imports")
-    metrics = start_metrics(cfg, world, stop)
+    try:
+        healer = connect_healer(cfg)  # heal=in_place; a newcomer to a live world joins it instead of torchrun's
+        joined = healer.join_world(world) if healer and healer.joining else None
+    except (RendezvousError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return FAILED
+    if joined is not None:  # its series carry the rank it was given, not the 0 of a process no launcher numbered
+        world = dataclasses.replace(world, rank=joined.rank, world_size=joined.world_size)
+    metrics = start_metrics(cfg, world, stop)  # a newcomer that fails here leaves the world it joined: a lost peer
     if metrics is None:
         return BAD_CONFIG
     clock.mark("metrics endpoint")
     try:
-        healer = connect_healer(cfg)  # heal=in_place; a newcomer to a live world joins it instead of torchrun's
-        ctx = healer.join_world(world) if healer and healer.joining else join_world(cfg, world)
+        ctx = joined or join_world(cfg, world)
     except (RendezvousError, RuntimeError) as e:
         metrics.shutdown()
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -28,6 +28,17 @@ STEP = re.compile(r"\[rank 0\] INFO step (\d+)/\d+ \| loss ([-\d.naif]+)")
 WORLD = re.compile(r"\[rank 0\] INFO training .* world_size (\d+)")
 RESUMED = re.compile(r"\[rank 0\] INFO resumed from \S+ \(step (\d+)")
 JOINED = re.compile(r"\[launch (\w+)\] INFO joined a world of (\d+) as rank (\d+)")
+# heal=in_place (app.worker.heal): rank 0 of each world the trainers heal to, lost ranks or a newcomer later; no
+# torchrun world starts, so no "training" line says the new size.
+HEALED_WORLD = re.compile(r"\[rank 0\] WARNING rank 0 of (\d+) \(was \d+ of \d+\): world \d+ healed")
+
+
+def world_size_in(line: str) -> int | None:
+    """The world size a line of rank 0 announces: a world torchrun started, or one the trainers healed to."""
+    m = WORLD.search(line) or HEALED_WORLD.search(line)
+    return int(m[1]) if m else None
+
+
 CHECKPOINT_MS = re.compile(r"checkpoint \S+ written in (\d+) ms")
 
 
@@ -134,6 +145,8 @@ def project_env(name: str, args) -> dict[str, str]:
         "DDP_METRICS_LINGER_SECONDS": "0",
         "DDP_MIN_STEP_SECONDS": str(getattr(args, "min_step_seconds", 0.0)),
     }
+    if getattr(args, "heal", "restart") == "in_place":  # the compose store is the one that outlives every rank
+        env |= {"DDP_HEAL": "in_place", "DDP_HEAL_STORE": "rendezvous:29400"}
     if getattr(args, "parallel", "ddp") != "ddp":  # the ZeRO stages of issue 22: the same proof, sharded
         env["DDP_PARALLEL"] = args.parallel
     if getattr(args, "max_workers", None):  # compose.yaml's MAX_WORKERS (--nnodes=1:MAX), 8 unless set
@@ -149,8 +162,8 @@ def project_env(name: str, args) -> dict[str, str]:
 def first_step_after(lines, since: float, world: int) -> float | None:
     current = None
     for t, line in lines:
-        if m := WORLD.search(line):
-            current = int(m[1])
+        if (size := world_size_in(line)) is not None:
+            current = size
         elif t > since and current == world and STEP.search(line):
             return t
     return None

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from tools.renderers.accum import render_accum_checks, render_accum_curve
-from tools.renderers.cluster import render_chaos, render_drills, render_world_drift
+from tools.renderers.cluster import render_chaos, render_drills, render_heal_comparison, render_world_drift
 from tools.renderers.common import claims_table  # noqa: F401 (re-exported: renderers elsewhere import it from here)
 from tools.renderers.corpus import render_corpus_curve
 from tools.renderers.ddp import render_ddp_bench, render_ddp_compile, render_ddp_profile
@@ -60,6 +60,7 @@ def provenance_line(doc: dict) -> str:
 
 RENDERERS = {
     "drills": render_drills,
+    "drills/heal": render_heal_comparison,
     "chaos": render_chaos,
     "chaos-zero2": render_chaos,
     "world-drift": render_world_drift,

@@ -11,7 +11,7 @@ torchrun's public surface says nothing about who is in a world or why it re-form
 - ``install_agent``: a ``LocalElasticAgent`` subclass that ``elastic_launch`` builds in place of torch's, with the
   hooks, and the patches of the rendezvous handler (close only a finished job; join once every replica is ready);
   under ``heal=in_place`` its exit barrier waits for the containers of the world the trainers healed to
-  (``app.worker.heal.newest_world_size``), not for a lost one's;
+  (``app.worker.heal.exit_barrier``), not for a lost one's, and counts a newcomer's (``app.cluster.newcomer``);
 - ``fresh_node_identity``: a patch of the handler's node-id generator for containers that Docker restarts.
 
 The lines that write into torch (the agent class, the node id, the join hook) are ``app.torch_patches``'s, which
@@ -271,20 +271,26 @@ class Reporter:
 
         return summary_line(flight)
 
-    def healed_agents(self, local_world_size: int) -> int | None:
-        """How many containers the trainers' newest world spans (heal=in_place: as agreed at heal_store, after any
-        heal); None for heal=restart, or when the store does not say."""
+    def heal_exit_barrier(self, local_world_size: int, timeout_s: float) -> bool:
+        """heal=in_place: wait at heal_store for the launchers of every container of the trainers' newest world (as
+        agreed there, after any heal: a lost container's launcher never comes, a newcomer's comes though it never
+        entered torch's rendezvous). False: torch's own barrier instead (heal=restart, or no world at the store)."""
         cfg = self.config
         if cfg is None or cfg.heal != "in_place":
-            return None
-        from app.worker.heal import newest_world_size
+            return False
+        from app.worker.heal import exit_barrier
 
         try:
-            ranks = newest_world_size(cfg.heal_store, self.run_id)
+            containers = exit_barrier(cfg.heal_store, self.run_id, local_world_size, timeout_s)
+        except TimeoutError as e:  # as torch's barrier: a warning, and the trainers' own exit code stands
+            log.warning("exit barrier at heal_store=%s: %s", cfg.heal_store, e)
+            return True
         except Exception:  # noqa: BLE001 - torch's own barrier then: the slower, never the wrong ending
-            log.debug("cannot read the healed world at %s", cfg.heal_store, exc_info=True)
-            return None
-        return max(1, ranks // max(1, local_world_size)) if ranks else None
+            log.debug("cannot reach the healed world at %s", cfg.heal_store, exc_info=True)
+            return False
+        if containers is not None:
+            log.info("the exit barrier at heal_store waited for the %d container(s) of the trainers' world", containers)
+        return containers is not None
 
     def leaving(self, remaining: int, budget: int) -> None:
         log.info("leaving the world to re-form it: %s; restarts left %d of %d", self.leave_reason, remaining, budget)
@@ -396,13 +402,16 @@ def install_agent(reporter: Reporter) -> None:
 
         def _exit_barrier(self):
             # torch's barrier waits for every launcher of the world torchrun formed; after a heal in place
-            # (heal=in_place) a lost container's never comes, and the survivors would wait out its 300 s.
-            group = self._worker_group
-            agents = reporter.healed_agents(group.spec.local_world_size)
-            if agents is not None and agents < group.group_world_size:
-                log.info("the trainers healed in place to %d container(s): the exit barrier waits for those", agents)
-                group.group_world_size = agents
-            super()._exit_barrier()
+            # (heal=in_place) a lost container's never comes (the survivors would wait out its 300 s) and a
+            # newcomer's (app.cluster.newcomer) never entered it: the barrier at heal_store counts the healed world.
+            local = self._worker_group.spec.local_world_size
+            self._in_exit_barrier = True  # as torch's: its health check reads the wait as progress
+            try:
+                healed = reporter.heal_exit_barrier(local, self._exit_barrier_timeout)
+            finally:
+                self._in_exit_barrier = False
+            if not healed:
+                super()._exit_barrier()
 
     torch_patches.use_agent_class(ReportingAgent)
 

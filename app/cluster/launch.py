@@ -26,6 +26,9 @@ module adds what a person reading ``docker compose ps`` and ``docker compose log
   rendezvous store answering (``LAUNCH_STORE_WAIT_SECONDS``).
 - **A refusal, a storage fault or a kill for memory is not retried** (a trainer's exit 2, its exit 74, the kernel's
   kill over the container's limit: ``app.cluster.memory``): it would fail the same way again. One line, the cause.
+- **A container that comes to a live world heals in** (``heal=in_place``): its trainer joins the world the
+  running trainers hold, given the state by a live peer, instead of entering torchrun's rendezvous, which would
+  restart every trainer (``app.cluster.newcomer``).
 - **One line per event** instead of torch's multi-line reports and tracebacks: this container joining a world
   (its rank, the members, which containers left or came since the last world), its trainer failing (rank, exit
   code or signal), leaving a world and why, the reason the launcher gives up. What it reads of torch's private
@@ -57,6 +60,7 @@ from app.cluster.elastic import (
 )
 from app.cluster.forked_trainer import fork_trainers, runs_the_trainer
 from app.cluster.job_state import JobState, fingerprint
+from app.cluster.newcomer import join_live_world, live_world_to_join
 from app.exit_codes import BAD_CONFIG, FAILED, OK, STORAGE_FAILED
 from app.net import TcpUnreachable, wait_for_tcp
 from app.torch_patches import TorchChanged, check_torch
@@ -303,6 +307,12 @@ def launch(argv: list[str] | None = None) -> int:
         if e.code == BAD_CONFIG:
             job.refuse(str(e))
         return e.code
+    # heal=in_place: a container that comes while the job's world trains joins it in place (app.cluster.newcomer);
+    # in torchrun's rendezvous it would make every running agent restart its trainer.
+    if store and (size := live_world_to_join(args, config)) is not None:
+        code = join_live_world(args, config, settings, job, size, high)
+        if code is not None:
+            return code
     reporter = Reporter(store, args.rdzv_id, workers, config, settings)
     fresh_node_identity(reporter)
     complete_first_world_when_full(reporter)

@@ -157,6 +157,8 @@ class Quorum:
         beats = Heartbeats(self, previous)
         deadline = time.monotonic() + self.timeout_s
         while not self.store.check([decided]):
+            if self.store.check([self.key("finished")]):  # a newcomer's wait: no world will come to take it in
+                raise JobFinished(f"the job at heal_store={self.address} finished while this rank waited to join")
             registered = self._candidates(generation)
             ids = {m.id for m in registered}
             waiting = [p for p in previous if p not in ids and beats.alive(p)]
@@ -176,16 +178,72 @@ class Quorum:
         return [Member(**json.loads(self.store.get(k))) for k in keys if self.store.check([k])]
 
 
-def newest_world_size(address: str, job: str, timeout_s: float = 10.0) -> int | None:
-    """How many ranks the newest world of ``job`` at ``address`` holds (None: no world has formed there): what the
-    cluster's launcher waits for at its exit barrier (app.cluster.elastic), rather than the world torchrun formed."""
+class JobFinished(RuntimeError):
+    """The job's world finished while a newcomer waited to be taken in: there is nothing left to join."""
+
+
+def _reader(address: str, job: str, timeout_s: float) -> Quorum | None:
+    """A look at the live incarnation of ``job`` at ``address`` (no heartbeat of its own); None: none formed."""
     quorum = Quorum(address, job, member_id="", timeout_s=timeout_s, beat=False)
     incarnation = quorum.current()
     if incarnation is None:
         return None
     quorum.enter(incarnation)
+    return quorum
+
+
+def _newest_members(quorum: Quorum) -> list[Member]:
     generation = quorum.generation()
-    return len(quorum.published(generation)) if generation is not None else None
+    return quorum.published(generation) if generation is not None else []
+
+
+def newest_world_size(address: str, job: str, timeout_s: float = 10.0) -> int | None:
+    """How many ranks the newest world of ``job`` at ``address`` holds (None: no world has formed there)."""
+    quorum = _reader(address, job, timeout_s)
+    return (len(_newest_members(quorum)) or None) if quorum is not None else None
+
+
+def live_world(address: str, job: str, timeout_s: float = 10.0) -> int | None:
+    """How many ranks the newest world of ``job`` at ``address`` holds when it trains now: not finished, and a
+    member's heartbeat moves within ``STALE_SECONDS``; None otherwise (no world, finished, or its ranks all gone).
+    What the cluster's launcher asks before it runs a container's trainer as a newcomer (app.cluster.newcomer)."""
+    quorum = _reader(address, job, timeout_s)
+    if quorum is None or quorum.store.check([quorum.key("finished")]):
+        return None
+    members = _newest_members(quorum)
+    seen = {m.id: quorum.store.add(quorum.heartbeat_key(m.id), 0) for m in members}
+    deadline = time.monotonic() + STALE_SECONDS
+    while members and time.monotonic() < deadline:
+        time.sleep(HEARTBEAT_SECONDS / 2)
+        if any(quorum.store.add(quorum.heartbeat_key(i), 0) != n for i, n in seen.items()):
+            return len(members)
+    return None
+
+
+def job_finished(address: str, job: str, timeout_s: float = 10.0) -> bool:
+    """Whether the live incarnation of ``job`` at ``address`` has finished (its rank 0 said so)."""
+    quorum = _reader(address, job, timeout_s)
+    return quorum is not None and quorum.store.check([quorum.key("finished")])
+
+
+def exit_barrier(address: str, job: str, local_world_size: int, timeout_s: float) -> int | None:
+    """Each launcher of the newest world of ``job`` arrives here once its trainers finished; returns, with the
+    number of containers it waited for, once the launchers of every container of that world have arrived (torch's
+    exit barrier counts the world torchrun formed: a lost container's launcher never comes, and a newcomer's never
+    entered it). None: no world formed at ``address``; ``TimeoutError`` past ``timeout_s``."""
+    quorum = _reader(address, job, min(timeout_s, 10.0))  # reaching the store: seconds, not the barrier's minutes
+    if quorum is None:
+        return None
+    quorum.store.add(quorum.key("exit/n"), 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        containers = max(1, len(_newest_members(quorum)) // max(1, local_world_size))
+        arrived = quorum.store.add(quorum.key("exit/n"), 0)
+        if arrived >= containers:
+            return containers
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{arrived} of the {containers} containers of the world finished in {timeout_s:g} s")
+        time.sleep(POLL_SECONDS * 5)
 
 
 class Heartbeats:

@@ -127,3 +127,40 @@ def test_a_killed_rank_is_healed_in_place_and_a_new_one_joins(tmp_path, heal_sto
     # The heal's part of a newcomer's start; the process's own start-up before it (imports, config, the workload
     # check) is the same as any rank's, measured by bench/startup.py, and on a busy machine can alone pass 10 s.
     assert float(asked[0]) <= WITHIN_SECONDS, err[3]
+
+
+def test_a_launcher_that_comes_to_a_live_world_joins_it_as_a_newcomer(tmp_path, heal_store):
+    """app.cluster.launch, started while a heal=in_place world of 2 trains (a container that comes under compose),
+    runs its trainer as a newcomer to that world instead of entering torchrun's rendezvous (where every running
+    agent would restart its trainer); once the world of 3 finishes, its launcher waits at heal_store's exit barrier
+    for the other two containers' launchers (here the test arrives for them) and exits 0."""
+    import threading
+
+    from app.worker.heal import exit_barrier
+
+    # Long enough (at least 45 s) to be still training once the launcher has started its trainer: at load 27 on 2
+    # cores that took 22 s. A world that finishes first is a clean ending too (the launcher exits 0), not this test.
+    steps = 300
+    args = worker_args("healing", steps=steps, heal_store=heal_store, checkpoint_dir=tmp_path, min_step_seconds=0.15)
+    ranks = start_ranks(*args, world_size=2)
+    read = wait_for_lines(ranks[0], ranks[0].stderr, f"step 3/{steps}", timeout=120)
+    torchrun_flags = ["--nnodes=1:4", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={heal_store}"]
+    launcher = start_module("app.cluster.launch", *torchrun_flags, "--rdzv-id=job", "-m", "app.train", *args,
+                            env=clean_env(LAUNCH_STORE_WAIT_SECONDS="30"))  # fmt: skip
+    arrivals = []  # the other containers' launchers at the exit barrier, once their trainers are done
+    outs = finish(ranks, timeout=240)
+    for _ in range(2):
+        arrivals.append(threading.Thread(target=exit_barrier, args=(heal_store, "job", 1, 60), daemon=True))
+        arrivals[-1].start()
+    out, err = finish([launcher], timeout=120)[0]
+    for t in arrivals:
+        t.join(timeout=60)
+    ranks_err = "".join(read) + "".join(e for _, e in outs)
+    assert [p.returncode for p in ranks] == [0, 0] and launcher.returncode == 0, ranks_err + err
+    assert "joining its live world of 2 at heal_store" in err, err
+    assert "joining a world of job" not in err and "INFO joined a world of" not in err, err  # torchrun's, never
+    assert re.search(r"rank 2 joined a world of 3 at step \d+", err), err
+    assert "exit barrier at heal_store waited for the 3 container(s)" in err and err.rstrip().endswith("exit 0"), err
+    done = finished(out + "".join(o for o, _ in outs))
+    assert set(done) == {0, 1, 2} and {d["world_size"] for d in done.values()} == {"3"}, out
+    assert len({d["checksum"] for d in done.values()}) == 1, out  # the newcomer ends with its peers' parameters

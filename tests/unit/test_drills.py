@@ -116,10 +116,12 @@ def test_the_heal_in_place_drill_fails_on_a_late_step_a_redone_step_a_slow_exit_
 
     s = scenarios(3)["heal-in-place-kill"]
     victim = {"name": "worker-3", "id": "c", "state": "exited", "exit_code": 137, "restart_count": 0}
+    kill = {"fault": "kill rank 2 (worker-3)", "kind": "kill", "fault_to_next_step_s": 2.4}
     healed = result(
         containers=[*result()["containers"], victim],
         reference_exit_codes=[0, 0, 0],
-        healed={"survivors": 2, "worlds": [2]},
+        faults=[kill],
+        healed=True,
         new_torchrun_world=False,
         resumed_from_step=None,
         kill_to_next_step_s=2.4,
@@ -129,17 +131,31 @@ def test_the_heal_in_place_drill_fails_on_a_late_step_a_redone_step_a_slow_exit_
     )
     assert all(judge(healed, s, [], alerts=False).values())
     for broken in (
-        {"kill_to_next_step_s": HEAL_WITHIN_S + 0.1},
-        {"kill_to_next_step_s": None},  # a survivor never finished a step after the kill
+        {"faults": [{**kill, "fault_to_next_step_s": HEAL_WITHIN_S + 0.1}]},
+        {"faults": [{**kill, "fault_to_next_step_s": None}]},  # a survivor never finished a step after the kill
         {"steps_redone_beyond_failed": 1},
         {"finished_to_exit_s": EXIT_WITHIN_S + 270},  # torch's exit barrier waited out for the lost launcher
         {"params_equal": False},
         {"resumed_from_step": 185},  # the world restarted and resumed from the checkpoint
         {"new_torchrun_world": True},
+        {"healed": False},  # a member of the new world did not heal in place
         {"reference_exit_codes": [0, 0, 1]},
     ):
         checks = judge({**healed, **broken}, s, [], alerts=False)
         assert not all(checks.values()), broken
+    # 3 -> 2 -> 3: the container brought back must train within the bound of its start, as a newcomer, and exit 0.
+    up = {"fault": "worker-3 started again", "kind": "up", "fault_to_next_step_s": 3.1, "start_to_newcomer_step_s": 3.3}
+    back = {**victim, "state": "exited", "exit_code": 0}
+    scaled = {**healed, "faults": [kill, up], "newcomer_launches": 1, "containers": [*result()["containers"], back]}
+    scale_up = scenarios(3)["heal-in-place-scale-up"]
+    assert all(judge(scaled, scale_up, [], alerts=False).values())
+    for broken in (
+        {"faults": [kill, {**up, "start_to_newcomer_step_s": HEAL_WITHIN_S + 0.1}]},
+        {"faults": [kill, {**up, "start_to_newcomer_step_s": None}]},  # it never trained as a newcomer
+        {"newcomer_launches": 0},  # it entered torchrun's rendezvous instead
+        {"containers": [*result()["containers"], {**back, "exit_code": 1}]},
+    ):
+        assert not all(judge({**scaled, **broken}, scale_up, [], alerts=False).values()), broken
     settings = {"workers": 3, "steps": 9, "effective_batch": 8, "checkpoint_every": 5, "at_step": 3}
     settings.update(collective_timeout=30, store_wait=30, bound=300)
     row = {**healed, "passed": True, "problems": {"first": []}, "store": []}

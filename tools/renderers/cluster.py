@@ -100,7 +100,64 @@ PHASES = {
     "cut_to_smaller_world_s": "cut → step on one fewer",
     "reconnect_to_full_world_s": "reconnect → step on all",
     "kill_to_next_step_s": "healed in place: kill → survivors' next step",
+    "start_to_newcomer_step_s": "healed in: container start → its first step",
+    "pause_to_next_step_s": "healed in place: pause → the others' next step",
+    "unpause_to_step_s": "unpause → a step of the world it rejoined",
 }
+
+# heal=restart's drill beside heal=in_place's for the same fault (docs/cluster.md, "Heal in place").
+HEAL_PAIRS = [
+    ("a worker killed", "worker-kill", "heal-in-place-kill"),
+    ("rank 0's container killed", "rank0-kill", "heal-in-place-rank0"),
+    ("a container comes (2 → 3)", "scale-down-up", "heal-in-place-scale-up"),
+    ("two kills in a row", None, "heal-in-place-two-kills"),
+    ("a peer paused past the collective timeout, then unpaused", "pause", "heal-in-place-pause"),
+]
+
+
+def render_heal_comparison(doc: dict) -> list[str]:
+    """heal=restart vs heal=in_place, fault by fault, from the drills' rows (``make drills``)."""
+    drills = doc.get("drills", {})
+    lines = [
+        "| fault | heal=restart: torchrun restarts the world | heal=in_place: the trainers stay up |",
+        "|---|---|---|",
+    ]
+    for what, restart, in_place in HEAL_PAIRS:
+        cells = restart_cell(drills.get(restart), restart), in_place_cell(drills.get(in_place))
+        lines.append(f"| {what} | {cells[0]} | {cells[1]} |")
+    return lines
+
+
+def restart_cell(d: dict | None, name: str | None) -> str:
+    if name is None:
+        return "no drill"
+    if d is None or "error" in d:
+        return f"`{name}`: not run"
+    verdict = "PASS" if d["passed"] else "FAIL"
+    new_world = d.get("fault_to_new_world_step_s")
+    up = d.get("up_to_step_s") or d.get("unpause_to_full_world_s")
+    took = f"fault → step of a new world {new_world} s" + (f", back → step on all {up} s" if up is not None else "")
+    at = f" (measured at `{d['commit'][:7]}`)" if d.get("commit") else ""
+    return f"`{name}`{at} {verdict}: {took}, {d.get('steps_redone') or 0} step(s) redone"
+
+
+def in_place_cell(d: dict | None) -> str:
+    if d is None or "error" in d:
+        return "not run"
+    verdict = "PASS" if d["passed"] else "FAIL"
+    parts = []
+    if d.get("kill_to_next_step_s") is not None:
+        parts.append(f"kill → survivors' next step {d['kill_to_next_step_s']} s")
+    if d.get("start_to_newcomer_step_s") is not None:
+        parts.append(f"container start → its first step {d['start_to_newcomer_step_s']} s")
+    if d.get("pause_to_next_step_s") is not None:
+        parts.append(f"pause → the others' next step {d['pause_to_next_step_s']} s")
+    if d.get("unpause_to_step_s") is not None:
+        parts.append(f"unpause → a step with it back {d['unpause_to_step_s']} s")
+    parts.append(f"{d.get('steps_redone_beyond_failed')} redone beyond the failed step")
+    parts.append(f"final parameters {'equal' if d.get('params_equal') else 'NOT equal'} (max diff "
+                 f"{d.get('max_abs_param_diff', float('nan')):.1e})")  # fmt: skip
+    return f"{verdict}: " + ", ".join(parts)
 
 
 def drill_row(d: dict) -> str:

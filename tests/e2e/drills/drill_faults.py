@@ -13,7 +13,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from tests.e2e.drills.drill_kit import Drill, inspect, wait_for
+from tests.e2e.drills.drill_kit import Drill, inspect, message, wait_for
 from tools.compose_project import JOINED, Project, first_step_after
 from tools.docker_cli import docker
 
@@ -247,6 +247,8 @@ def wait_seconds(d: Drill, since: float, world: int) -> float | None:
 # step. float64: the healed world of 2 sums in another order than the world of 3, and only in float64 is that rounding
 # far below what a wrong heal (a step lost or applied twice) would leave.
 HEAL_IN_PLACE = {"DDP_HEAL": "in_place", "DDP_HEAL_STORE": "rendezvous:29400", "DDP_DTYPE": "float64"}
+# Paced where a container is brought back: it must find the world still training once its own start-up is done.
+HEAL_PACED = {**HEAL_IN_PLACE, "DDP_MIN_STEP_SECONDS": str(PACED_STEP_SECONDS)}
 HEAL_WITHIN_S = 10  # issue 41's bar: kill -> the survivors' next finished step
 # The final parameters against the uninterrupted run's, as tests/integration/test_heal.py compares them in float64.
 HEAL_RTOL, HEAL_ATOL = 1e-9, 1e-12
@@ -254,13 +256,50 @@ HEAL_RTOL, HEAL_ATOL = 1e-9, 1e-12
 # launchers (app.cluster.elastic), not for the lost one's, which torch's barrier would wait out (300 s).
 EXIT_WITHIN_S = 30
 HEALING = re.compile(r"WARNING rank (\d+): .* at step (\d+); healing in place")
-HEALED = re.compile(r"rank (\d+) of (\d+) \(was (\d+) of \d+\): world \d+ healed in ([\d.]+) s.*next step (\d+)")
-HEAL_STEP = re.compile(r"WARNING heal: step (\d+) finished [\d.]+ s after .*\(at unix time ([\d.]+)\)")
+HEALED = re.compile(r"rank (\d+) of (\d+) \(was (\d+) of \d+\): world (\d+) healed in ([\d.]+) s.*next step (\d+)")
+HEAL_STEP = re.compile(r"WARNING heal: step (\d+) finished [\d.]+ s after (.*) \(at unix time ([\d.]+)\)")
+NEWCOMER_JOINED = re.compile(r"WARNING rank (\d+) joined a world of (\d+) at step (\d+)")
+NEWCOMER_LAUNCH = "joining its live world of"  # app.cluster.newcomer's line: this container did not enter torchrun's
+ASKED = "this rank asked to join"  # a newcomer's own first finished step (app.worker.heal.Healer.after_step)
 
 
-def heal_in_place_kill(d: Drill) -> None:
-    """An uninterrupted run first (its own project, the same settings), then this one with its last rank killed: the
-    highest rank, so that the healed world's ranks 0..n-2 are the same numbers and a page can name only the lost one."""
+def replica(line: str) -> str:
+    """The compose replica a log line came from (worker-2): a container keeps it across a restart."""
+    return message(line).split(":", 1)[0]
+
+
+def ranks_now(d: Drill) -> dict[str, int]:
+    """Each worker replica's rank in the newest world it is in: torchrun's join line, then every heal in place and
+    a newcomer's joining renumber them (the member with the most steps first, app.worker.heal.order)."""
+    ranks: dict[str, int] = {}
+    for _, line in d.p.lines():
+        if m := (JOINED.search(line) or HEALED.search(line) or NEWCOMER_JOINED.search(line)):
+            ranks[replica(line)] = int(m[3] if m.re is JOINED else m[1])
+    return ranks
+
+
+def replica_of(container: str) -> str:
+    """A container's compose replica (worker-2), as ``replica`` reads it off its log lines."""
+    return "-".join(inspect(container)["name"].rsplit("-", 2)[-2:])
+
+
+def container_of(d: Drill, name: str) -> str:
+    return next(c for c in d.containers() if replica_of(c) == name)
+
+
+def started_at(container: str) -> float:
+    """When Docker last started ``container`` (unix time; its State.StartedAt, nanoseconds cut to microseconds)."""
+    import datetime
+    import json
+
+    raw = json.loads(docker("inspect", container).stdout)[0]["State"]["StartedAt"]
+    whole, _, frac = raw.rstrip("Z").partition(".")
+    stamp = datetime.datetime.fromisoformat(f"{whole}.{(frac + '000000')[:6]}+00:00")
+    return stamp.timestamp()
+
+
+def run_reference(d: Drill) -> None:
+    """The uninterrupted run: its own project, the same settings; its final parameters are the drill's reference."""
     ref = Project(f"{d.p.name}-ref", {**d.p.env})
     ref.env["RUN_ID"] = ref.name
     try:
@@ -270,40 +309,138 @@ def heal_in_place_kill(d: Drill) -> None:
         d.reference = ref.final_parameters(int(d.p.env["DDP_STEPS"]))
     finally:
         ref.down()
-    d.start(at_step=d.args.at_step)
-    rank = d.workers - 1
-    victim = d.rank_container(rank)
-    d.notes["victim"], d.notes["victim_rank"] = inspect(victim)["name"], rank
-    d.notes["kill_sent_at"] = time.time()  # before the command: the survivors may see the loss before it returns
-    docker("kill", victim)
-    d.fault()
+
+
+def kill_holder(rank: int | None):
+    """A heal fault: ``docker kill`` of the container holding ``rank`` now (None: the highest rank, so that the
+    healed world's ranks are the same numbers but one and a page can name only the lost one)."""
+
+    def fault(d: Drill, world: int) -> dict:
+        ranks = ranks_now(d)
+        running = {replica_of(c) for c in d.containers() if inspect(c)["state"] == "running"}
+        held = {r: name for name, r in ranks.items() if name in running}
+        name = held[max(held) if rank is None else rank]
+        at = time.time()  # before the command: the survivors may see the loss before it returns
+        docker("kill", container_of(d, name))
+        return {"fault": f"kill rank {ranks[name]} ({name})", "kind": "kill", "at": at, "world": world - 1,
+                "healers": world - 1, "container": name}  # fmt: skip
+
+    return fault
+
+
+def bring_back(d: Drill, world: int) -> dict:
+    """A heal fault: the killed container started again (``docker compose up -d --scale worker=N --no-recreate``):
+    it must heal into the live world as a newcomer, given the state by a peer, no survivor restarted."""
+    gone = [c for c in d.containers() if inspect(c)["state"] == "exited"]
+    d.p.compose("up", "-d", "--no-build", "--no-recreate", "--scale", f"worker={d.workers}", "worker")
+    name = replica_of(gone[0])
+    return {"fault": f"{name} started again", "kind": "up", "at": started_at(gone[0]), "world": world + 1,
+            "healers": world, "container": name}  # fmt: skip
+
+
+def pause_holder(d: Drill, world: int) -> dict:
+    """A heal fault: the highest rank's container ``docker pause``d: its peers' collective times out
+    (collective_timeout_seconds), they heal without it; it stays paused until the next fault."""
+    held = {r: name for name, r in ranks_now(d).items() if inspect(container_of(d, name))["state"] == "running"}
+    name = held[max(held)]
+    at = time.time()
+    docker("pause", container_of(d, name))
+    return {"fault": f"pause rank {max(held)} ({name})", "kind": "pause", "at": at, "world": world - 1,
+            "healers": world - 1, "container": name, "bound_s": d.args.collective_timeout + HEAL_WITHIN_S}  # fmt: skip
+
+
+def unpause(d: Drill, world: int) -> dict:
+    """A heal fault: the paused container unpaused. Its trainer finds its collective failed and heals too: too late
+    for the world its peers formed, it asks for the next and is taken in with a live peer's state (its own is stale)."""
+    paused = next(c for c in d.containers() if inspect(c)["state"] == "paused")
+    at = time.time()
+    docker("unpause", paused)
+    return {"fault": f"{replica_of(paused)} unpaused", "kind": "unpause", "at": at, "world": world + 1,
+            "healers": world + 1, "container": replica_of(paused)}  # fmt: skip
+
+
+def heal_in_place(*faults):
+    """heal=in_place: the uninterrupted run first, then this one with ``faults`` one after the other, each once the
+    world has healed from the one before (every member of the new world finished a step after it)."""
+
+    def inject(d: Drill) -> None:
+        run_reference(d)
+        d.start(at_step=d.args.at_step)
+        world, done = d.workers, []
+        for fault in faults:
+            if done:
+                wait_healed(d, done[-1])
+            done.append(fault(d, world))
+            world = done[-1]["world"]
+            if len(done) == 1:
+                d.fault()
+                first = done[0]
+                d.notes["kill_sent_at"], d.notes["victim"] = first["at"], first["container"]
+                d.notes["victim_rank"] = int(first["fault"].split()[2]) if first["kind"] != "up" else None
+        d.notes["faults"] = done
+        d.notes["victim_ranks"] = [int(f["fault"].split()[2]) for f in done if f["kind"] in ("kill", "pause")]
+
+    return inject
+
+
+def wait_healed(d: Drill, fault: dict) -> None:
+    """Until every member of the world after ``fault`` has logged its first finished step after it."""
+
+    def healed() -> bool:
+        return sum(t > fault["at"] and bool(HEAL_STEP.search(line)) for t, line in d.p.lines()) >= fault["world"]
+
+    d.p.wait_until(healed, d.args.bound, f"the world healing after: {fault['fault']}")
 
 
 def measure_heal(d: Drill) -> None:
-    """What the survivors' heal lines say (each survivor logs them, tagged with its rank), and the final parameters
+    """Per fault, what the heal lines say (each member logs them, tagged with its rank); then the final parameters
     against the uninterrupted run's."""
-    import torch
-
     lines = d.p.lines()
-    sent = d.notes["kill_sent_at"]
-    # Every heal line of the run (one kill, one heal): the first ones come before `docker kill` has returned.
-    healing = [(int(m[1]), int(m[2])) for _, line in lines if (m := HEALING.search(line))]  # (old rank, failed step)
-    healed = [(int(m[1]), int(m[2]), float(m[4]), int(m[5])) for _, line in lines if (m := HEALED.search(line))]
-    next_steps = [float(m[2]) for _, line in lines if (m := HEAL_STEP.search(line))]
-    resumed_at = {n for *_, n in healed}
-    d.notes["healed"] = {"survivors": len(healed), "worlds": sorted({w for _, w, _, _ in healed})}
-    d.notes["heal_s"] = max((s for _, _, s, _ in healed), default=None)
-    # The slowest survivor's first finished step after the kill (its own clock: the containers share the host's).
-    d.notes["kill_to_next_step_s"] = round(max(next_steps) - sent, 2) if len(next_steps) == len(healed) else None
-    failed = max((step for _, step in healing), default=None)
-    d.notes["failed_step"], d.notes["next_step"] = failed, min(resumed_at, default=None)
-    # The world resumes at the failed step (or past it, where a survivor had completed it): anything lower is redone.
-    redone = None if failed is None or not resumed_at else max(0, failed - min(resumed_at))
-    d.notes["steps_redone_beyond_failed"] = redone
+    faults = d.notes["faults"]
+    ends = [f["at"] for f in faults[1:]] + [float("inf")]
+    for fault, end in zip(faults, ends, strict=True):
+        measure_one_heal(fault, [(t, line) for t, line in lines if fault["at"] < t <= end])
+    kills = [f["fault_to_next_step_s"] for f in faults if f["kind"] == "kill"]
+    ups = [f["start_to_newcomer_step_s"] for f in faults if f["kind"] == "up"]
+    if kills:
+        d.notes["kill_to_next_step_s"] = None if None in kills else max(kills)
+    if ups:
+        d.notes["start_to_newcomer_step_s"] = None if None in ups else max(ups)
+    for kind, note in (("pause", "pause_to_next_step_s"), ("unpause", "unpause_to_step_s")):
+        if found := [f["fault_to_next_step_s"] for f in faults if f["kind"] == kind]:
+            d.notes[note] = None if None in found else max(found)
+    d.notes["heal_s"] = max((f["heal_s"] or 0 for f in faults), default=None)
+    redone = [f["redone"] for f in faults]
+    d.notes["steps_redone_beyond_failed"] = None if None in redone else max(redone)
+    d.notes["healed"] = all(f["healed_members"] == f["healers"] for f in faults)
     finished = [t for t, line in lines if "FINISHED rank=" in line]
     done = [t for t, line in lines if "INFO the workers finished: exit 0" in line]
     d.notes["finished_to_exit_s"] = round(max(done) - max(finished), 1) if finished and done else None
-    d.notes["new_torchrun_world"] = any(JOINED.search(line) for t, line in lines if t > sent)
+    d.notes["new_torchrun_world"] = any(JOINED.search(line) for t, line in lines if t > faults[0]["at"])
+    d.notes["newcomer_launches"] = sum(NEWCOMER_LAUNCH in line for _, line in lines)
+    compare_parameters(d)
+
+
+def measure_one_heal(fault: dict, lines: list[tuple[float, str]]) -> None:
+    """One heal: its members' first finished steps (the unix time each logs), the steps it redid beyond the failed
+    one (the world resumes at the failed step, or past it where a survivor had completed it), the heal's seconds."""
+    steps = [(m[2], float(m[3]), replica(line)) for _, line in lines if (m := HEAL_STEP.search(line))]
+    healed = [(replica(line), int(m[6]), float(m[5])) for _, line in lines if (m := HEALED.search(line))]
+    failed = [int(m[2]) for _, line in lines if (m := HEALING.search(line))]
+    fault["healed_members"], fault["heal_s"] = len(healed), max((s for *_, s in healed), default=None)
+    members = [t for why, t, _ in steps if why != ASKED]
+    complete = len(members) >= fault["healers"]
+    fault["fault_to_next_step_s"] = round(max(members) - fault["at"], 2) if complete else None
+    if fault["kind"] == "up":
+        mine = [t for why, t, name in steps if why == ASKED and name == fault["container"]]
+        fault["start_to_newcomer_step_s"] = round(mine[0] - fault["at"], 2) if mine else None
+    resumed = [n for _, n, _ in healed]
+    fault["redone"] = max(0, max(failed) - min(resumed)) if failed and resumed else None
+
+
+def compare_parameters(d: Drill) -> None:
+    import torch
+
     got = d.p.final_parameters(int(d.p.env["DDP_STEPS"]))
     ref = d.reference
     diff = max((got[k].double() - ref[k].double()).abs().max().item() for k in ref)
@@ -312,16 +449,13 @@ def measure_heal(d: Drill) -> None:
 
 
 def heal_checks(r: dict) -> dict[str, bool]:
-    survivors = len(r["containers"]) - 1
-    next_s = r.get("kill_to_next_step_s")
-    return {
+    faults = r.get("faults") or []
+    kills, ups = [f for f in faults if f["kind"] == "kill"], [f for f in faults if f["kind"] == "up"]
+    checks = {
         "the uninterrupted run: every worker exited 0": r.get("reference_exit_codes") == [0] * len(r["containers"]),
-        f"each of the {survivors} survivors healed in place (no new torchrun world, no resume)": (
-            r.get("healed", {}).get("survivors") == survivors
-            and r.get("new_torchrun_world") is False
-            and r["resumed_from_step"] is None
+        "every member of each new world healed in place (no new torchrun world, no resume)": (
+            r.get("healed") is True and r.get("new_torchrun_world") is False and r["resumed_from_step"] is None
         ),
-        f"kill -> survivors' next finished step <= {HEAL_WITHIN_S} s": next_s is not None and next_s <= HEAL_WITHIN_S,
         "0 steps redone beyond the failed one": r.get("steps_redone_beyond_failed") == 0,
         f"the survivors' launchers exited within {EXIT_WITHIN_S} s of the last FINISHED": (
             r.get("finished_to_exit_s") is not None and r["finished_to_exit_s"] <= EXIT_WITHIN_S
@@ -330,6 +464,29 @@ def heal_checks(r: dict) -> dict[str, bool]:
             r.get("params_equal") is True
         ),
     }
+    for f in kills:
+        next_s = f.get("fault_to_next_step_s")
+        checks[f"{f['fault']} -> survivors' next finished step <= {HEAL_WITHIN_S} s"] = (
+            next_s is not None and next_s <= HEAL_WITHIN_S
+        )
+    for f in ups:
+        first_s = f.get("start_to_newcomer_step_s")
+        checks[f"{f['fault']}: container start -> its first finished step as a newcomer <= {HEAL_WITHIN_S} s"] = (
+            first_s is not None and first_s <= HEAL_WITHIN_S
+        )
+    for f in [f for f in faults if f["kind"] == "pause"]:
+        next_s = f.get("fault_to_next_step_s")
+        checks[f"{f['fault']} -> the others' next finished step <= {f['bound_s']:g} s (the collective timeout + "
+               f"{HEAL_WITHIN_S} s)"] = next_s is not None and next_s <= f["bound_s"]  # fmt: skip
+    for f in [f for f in faults if f["kind"] == "unpause"]:
+        checks[f"{f['fault']}: it rejoined (every member of the world of {f['world']} finished a step after it), "
+               "and every container exited 0"] = f.get("fault_to_next_step_s") is not None and all(
+            c["exit_code"] == 0 for c in r["containers"])  # fmt: skip
+    if ups:
+        checks["each container brought back joined as a newcomer, and every container exited 0"] = r.get(
+            "newcomer_launches"
+        ) == len(ups) and all(c["exit_code"] == 0 for c in r["containers"])
+    return checks
 
 
 def scenarios(workers: int) -> dict[str, Scenario]:
@@ -380,10 +537,47 @@ def scenarios(workers: int) -> dict[str, Scenario]:
         "heal-in-place-kill": Scenario(
             f"heal=in_place: the last worker killed (rank {workers - 1}); the survivors heal, compared with an "
             "uninterrupted run",
-            heal_in_place_kill,
+            heal_in_place(kill_holder(None)),
             env=HEAL_IN_PLACE,
             victims=1,
             victim_exit=137,
+            after=measure_heal,
+            checks=heal_checks,
+        ),
+        "heal-in-place-scale-up": Scenario(
+            f"heal=in_place: {workers} → {workers - 1} → {workers}: the last worker killed, then its container "
+            "started again; it heals in as a newcomer (no survivor restarted)",
+            heal_in_place(kill_holder(None), bring_back),
+            env=HEAL_PACED,
+            victims=1,
+            after=measure_heal,
+            checks=heal_checks,
+        ),
+        "heal-in-place-rank0": Scenario(
+            "heal=in_place: rank 0's container killed; the survivors heal",
+            heal_in_place(kill_holder(0)),
+            env=HEAL_IN_PLACE,
+            victims=1,
+            victim_exit=137,
+            after=measure_heal,
+            checks=heal_checks,
+        ),
+        "heal-in-place-two-kills": Scenario(
+            f"heal=in_place: two kills in a row ({workers} → {workers - 1} → {workers - 2}), the second after the "
+            "first heal",
+            heal_in_place(kill_holder(None), kill_holder(None)),
+            env=HEAL_PACED,
+            victims=2,
+            victim_exit=137,
+            after=measure_heal,
+            checks=heal_checks,
+        ),
+        "heal-in-place-pause": Scenario(
+            f"heal=in_place: a worker paused (`docker pause`, rank {workers - 1}) past the collective timeout, the "
+            "others heal without it; unpaused, it rejoins with a live peer's state",
+            heal_in_place(pause_holder, unpause),
+            env={**HEAL_PACED, "DDP_STEPS": "1000"},  # paced: still training after the 30 s timeout and the rejoin
+            victims=1,
             after=measure_heal,
             checks=heal_checks,
         ),

@@ -108,7 +108,9 @@ def alert_checks(r: dict, s: Scenario) -> dict[str, bool]:
             finished is None or finished > ALERT_WITHIN_S
         )
         checks[f"DDPRankDown named rank {victim} within {ALERT_WITHIN_S} s"] = on_time
-    checks["DDPRankDown named no other rank"] = named <= ({str(victim)} if victim is not None else set())
+    # Two faults in a row (heal-in-place-two-kills) lose two ranks: each may be named.
+    victims = {str(v) for v in r.get("victim_ranks") or ([victim] if victim is not None else [])}
+    checks["DDPRankDown named no other rank"] = named <= victims
     return checks
 
 
