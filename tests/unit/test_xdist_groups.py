@@ -83,7 +83,8 @@ def test_every_docker_test_runs_in_the_docker_lane_and_the_others_keep_their_own
     # The real conftest, on real files.
     (tmp_path / "lane_probe.py").write_text(PROBE)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
-    files = ["tests/e2e/test_chaos.py", "tests/e2e/test_k8s_emulation.py", "tests/integration/test_invariance.py"]
+    files = ["tests/e2e/test_chaos.py", "tests/e2e/test_chaos_in_place.py", "tests/e2e/test_k8s_emulation.py"]
+    files.append("tests/integration/test_invariance.py")
     run = pytest_passes(["--collect-only", "-q", "-p", "lane_probe", "-p", "no:cacheprovider", *files], ROOT, env)
     groups = {line.split()[1]: line.split()[2] for line in run.stdout.splitlines() if line.startswith("GROUP ")}
     docker = {node: group for node, group in groups.items() if node.startswith("tests/e2e/test_k8s")}
@@ -93,6 +94,8 @@ def test_every_docker_test_runs_in_the_docker_lane_and_the_others_keep_their_own
     assert docker.pop(lost_pod) == "docker-2" and docker.pop(evicted) == "docker-2", groups
     assert docker and set(docker.values()) == {"docker"}, docker  # function-scoped tests too
     chaos = {node: group for node, group in groups.items() if node.startswith("tests/e2e/test_chaos")}
+    in_place = chaos.pop("tests/e2e/test_chaos_in_place.py::test_a_run_healed_in_place_equals_the_uninterrupted_run")
+    assert in_place == "docker", in_place  # the first lane: its own minutes of containers, away from the other run
     assert len(chaos) == 4 and set(chaos.values()) == {"docker-2"}, chaos  # the second lane, beside the other
     others = {group for node, group in groups.items() if node.startswith("tests/integration/")}
     assert others and "docker" not in others and "None" not in others, others  # the shared fixture's own group
