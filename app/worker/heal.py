@@ -386,6 +386,7 @@ class Healer:
         t1 = time.time()
         rebind(trainer, new)
         self._sync_state(trainer)
+        trainer.metrics.observe_healed_world(new.world_size)  # the alerts' world size: a heal is a new world too
         self.heals += 1
         log.warning(
             "rank %d of %d (was %d of %d): world %d healed in %.2f s (agreed and formed in %.2f s, state in %.2f s); "

@@ -106,3 +106,19 @@ def test_comm_stats_read_before_any_step_say_nothing_was_sent():
     assert stats.last_bucket_seconds == [] and stats.last_bucket_bytes == []
     assert (stats.allreduce_seconds, stats.wait_seconds) == (0.0, 0.0)
     assert (stats.last_wait_seconds, stats.last_comm_span_seconds) == (0.0, 0.0)
+
+
+def test_a_world_healed_in_place_is_the_world_size_the_alerts_read_and_the_rank_label_stays():
+    """heal=in_place keeps the process up: ``ddp_world_size`` must follow the healed world (DDPWorldShrank compares
+    it with its 10-minute maximum), and the series keep the rank label the process started with."""
+    from prometheus_client import generate_latest
+
+    from app.worker.metrics import NoMetrics, TrainMetrics
+
+    metrics = TrainMetrics(rank=2, local_rank=0, world_size=3, node="0")
+    metrics.observe_world(world_size=3, min_world_size=1, max_world_size=8, restart_count=0, generation=1)
+    metrics.observe_healed_world(2)  # rank 0 lost: this process is rank 1 of 2 now
+    lines = generate_latest(metrics.registry).decode().splitlines()
+    assert 'ddp_world_size{rank="2"} 2.0' in lines
+    assert 'ddp_max_world_size{rank="2"} 8.0' in lines and 'ddp_min_world_size{rank="2"} 1.0' in lines
+    NoMetrics().observe_healed_world(2)  # metrics_port=0: the heal calls it all the same
