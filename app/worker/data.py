@@ -113,11 +113,19 @@ class BatchShare:
         dtype: torch.dtype,
         equal_counts: bool = False,
     ):
-        self.global_batch, self.micro_batch, self.rank, self.world_size = global_batch, micro_batch, rank, world_size
-        self.device, self.dtype, self.equal_counts = device, dtype, equal_counts
+        self.global_batch, self.micro_batch = global_batch, micro_batch
+        self.device, self.dtype = device, dtype
+        self.recut(rank, world_size, equal_counts)
+
+    def recut(self, rank: int, world_size: int, equal_counts: bool | None = None) -> None:
+        """Deal the same global batch over another world (a heal in place: app.worker.heal); a dealer's data set and
+        position stay as they are. ``equal_counts`` None keeps this share's."""
+        global_batch, micro_batch = self.global_batch, self.micro_batch
+        self.rank, self.world_size = rank, world_size
+        self.equal_counts = self.equal_counts if equal_counts is None else equal_counts
         self.start, self.local_samples = split_global_batch(global_batch, world_size, rank)
         self.sizes = micro_batch_sizes(self.local_samples, micro_batch)
-        if equal_counts:
+        if self.equal_counts:
             self.cut_equal_counts()
         # The wrapper averages gradients over ranks; a share larger or smaller than 1/world_size must weigh more or
         # less, so the average is the full global batch's gradient.

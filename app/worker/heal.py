@@ -47,7 +47,6 @@ import torch
 import torch.distributed as dist
 
 from app.cli import setup_logging
-from app.worker.data import BatchShare
 from app.worker.dist import DistContext, lost_peer
 
 log = logging.getLogger("app.train")
@@ -463,9 +462,7 @@ def rebind(trainer, ctx: DistContext) -> None:
     checkpointer, the step control, the validator."""
     step = trainer.step
     trainer.ctx = step.ctx = trainer.checkpointer.ctx = trainer.control.ctx = ctx
-    b = step.batches
-    # The share alone is re-cut; the dealer keeps its data set and position (BatchShare is the share's one home).
-    BatchShare.__init__(b, b.global_batch, b.micro_batch, ctx.rank, ctx.world_size, b.device, b.dtype, b.equal_counts)
+    step.batches.recut(ctx.rank, ctx.world_size)  # the share alone: the dealer keeps its data set and position
     step.wrapped = step.wrap(step.model)
     from app.parallel.probes import comm_probe
 

@@ -178,3 +178,20 @@ def test_equal_counts_give_every_rank_the_largest_shares_micro_batch_count(globa
     assert all(sum(s.sizes) == s.local_samples and max(s.sizes) <= micro for s in shares)
     with pytest.raises(ValueError, match="rank 1's 1 samples cannot fill the 2 micro-batches every rank runs"):
         GlobalBatches(teacher_classification(8, 0), 4, 1, 1, 3, 0, torch.device("cpu")).cut_equal_counts()
+
+
+def test_a_share_recut_for_another_world_is_the_share_that_world_deals():
+    """A heal in place (app.worker.heal) re-deals the same global batch over the new ranks: a recut share must be
+    exactly the share a fresh dealer of that world gives (samples, micro-batches, gradient weight)."""
+    import torch
+
+    from app.worker.data import BatchShare
+
+    cpu = torch.device("cpu")
+    for equal in (False, True):
+        share = BatchShare(50, 8, 2, 3, cpu, torch.float64, equal_counts=equal)
+        share.recut(0, 2)
+        fresh = BatchShare(50, 8, 0, 2, cpu, torch.float64, equal_counts=equal)
+        got = (share.rank, share.world_size, share.start, share.local_samples, share.sizes, share.grad_scale)
+        assert got == (0, 2, fresh.start, fresh.local_samples, fresh.sizes, fresh.grad_scale)
+        assert share.equal_counts is equal
