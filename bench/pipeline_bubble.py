@@ -35,7 +35,7 @@ from pathlib import Path
 from app.cli import OneLineParser
 from app.demos.bubble import measure, render
 
-SCHEMA = "pipeline-bubble.v1"
+SCHEMA = "pipeline-bubble.v2"  # v2: rows per engine, phases per stage, excess over the formula
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -125,8 +125,14 @@ def choice_list(allowed: tuple[str, ...]):
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="bench.pipeline_bubble", description=__doc__.splitlines()[0])
     p.add_argument("--stages", type=int_list, default=[2, 4], help="S values, one world each (default 2,4)")
-    p.add_argument("--micro-batches", type=int_list, default=[1, 2, 4, 8], help="M values (default 1,2,4,8)")
+    p.add_argument("--micro-batches", type=int_list, default=[1, 2, 4, 8, 16], help="M values (default 1,2,4,8,16)")
     p.add_argument("--schedules", type=choice_list(("gpipe", "1f1b")), default=["gpipe", "1f1b"])
+    p.add_argument(
+        "--engines",
+        type=choice_list(("overlapped", "pytorch")),
+        default=["overlapped", "pytorch"],
+        help="overlapped: our schedule, receives posted ahead; pytorch: PyTorch's loop, the baseline (default both)",
+    )
     p.add_argument("--compute", type=choice_list(("emulated", "real")), default=["emulated", "real"])
     p.add_argument("--steps", type=int, default=5, help="measured steps per point, after one warm-up (default 5)")
     p.add_argument("--batch", type=int, default=256, help="rows per step; a multiple of every M (default 256)")
@@ -160,7 +166,8 @@ def main(argv=None) -> int:
         write_docs(args.out or RESULTS / "pipeline-bubble.json")
         print(f"rewrote the bubble table of {DOC.relative_to(DOC.parents[1])}")
         return 0
-    cfg = {k: getattr(args, k) for k in ("stages", "micro_batches", "schedules", "compute", "steps", "batch", "width")}
+    keys = ("stages", "micro_batches", "schedules", "engines", "compute", "steps", "batch", "width")
+    cfg = {k: getattr(args, k) for k in keys}
     cfg["stage_ms"] = args.stage_ms
     before = load_average()
     rows = measure(cfg)
