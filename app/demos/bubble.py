@@ -59,22 +59,32 @@ def measure_on_rank(rank: int, world: int, cfg: dict) -> list[dict]:
     from app.parallel.pipeline.stages import build_pipeline_stage
 
     points = []
-    for compute in cfg["compute"]:
+    for compute, stage_ms, engine, schedule, micro in _grid(cfg, world):
         width = cfg["width"] if compute == "real" else 64
-        for engine in cfg.get("engines", ["overlapped"]):
-            for schedule in cfg["schedules"]:
-                for micro in cfg["micro_batches"]:
-                    if schedule == "1f1b" and micro < world:
-                        continue  # 1F1B needs M >= S
-                    torch.manual_seed(0)
-                    model = bubble_model(world, compute, width, cfg["batch"], cfg["stage_ms"])
-                    runner = build_pipeline_stage(
-                        model, stage_index=rank, num_stages=world, n_microbatches=micro, schedule=schedule,
-                        overlap=engine == "overlapped",
-                    )  # fmt: skip
-                    point = {"compute": compute, "engine": engine, "schedule": schedule, "stages": world}
-                    points.append({**point, "micro_batches": micro, "stage": rank, **_steps(runner, width, cfg)})
+        torch.manual_seed(0)
+        model = bubble_model(world, compute, width, cfg["batch"], stage_ms)
+        runner = build_pipeline_stage(
+            model, stage_index=rank, num_stages=world, n_microbatches=micro, schedule=schedule,
+            overlap=engine == "overlapped",
+        )  # fmt: skip
+        point = {"compute": compute, "stage_ms": stage_ms, "engine": engine, "schedule": schedule, "stages": world}
+        points.append({**point, "micro_batches": micro, "stage": rank, **_steps(runner, width, cfg)})
     return points
+
+
+def _grid(cfg: dict, world: int):
+    """Every (compute, stage_ms, engine, schedule, M) point; 1F1B needs M >= S. ``cfg["stage_ms"]`` is a list (or one
+    value): its first value for every point; each further one (longer emulated work per micro-batch) for the
+    emulated rows of our schedule at M >= 4 only, the rows the issue's target is about."""
+    stage_ms = cfg["stage_ms"] if isinstance(cfg["stage_ms"], list) else [cfg["stage_ms"]]
+    for compute in cfg["compute"]:
+        for ms in stage_ms if compute == "emulated" else stage_ms[:1]:
+            longer = ms != stage_ms[0]
+            for engine in ["overlapped"] if longer else cfg.get("engines", ["overlapped"]):
+                for schedule in cfg["schedules"]:
+                    for micro in cfg["micro_batches"]:
+                        if (micro >= world or schedule == "gpipe") and (not longer or micro >= 4):
+                            yield compute, ms, engine, schedule, micro
 
 
 def _steps(runner, width: int, cfg: dict) -> dict:
@@ -114,7 +124,7 @@ def merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
         mean = statistics.fmean(measured)
         rows.append(
             {
-                **{k: first[k] for k in ("compute", "engine", "schedule", "stages", "micro_batches")},
+                **{k: first[k] for k in ("compute", "stage_ms", "engine", "schedule", "stages", "micro_batches")},
                 "theory": theory,
                 "measured_per_stage": measured,
                 "measured_mean": mean,
