@@ -1,10 +1,10 @@
 """GPipe and 1F1B for one stage per rank, with every receive posted ahead and no send waited inside the step.
 
 PyTorch's ``ScheduleGPipe`` and ``Schedule1F1B`` post a micro-batch's receive just before they compute it and wait
-for it at once; 1F1B also waits for its last send together with the next receive. On gloo a transfer moves when both
-ends have posted their half, so a receive posted late adds a round trip to every hop of the pipeline's critical
-path, and a send waited with a receive ties a stage to its neighbour's progress. With M micro-batches that is paid
-about 2M times a step: the bubble then grows with M instead of shrinking (``bench.pipeline_bubble``'s profile).
+for it at once; 1F1B also waits for its last send together with the next receive. A gloo send completes only once
+its receive is posted, so a receive posted late makes every hop wait for the receiving stage to get there, and a
+send waited with a receive ties a stage to its neighbour's progress. With M micro-batches there are about 2M such
+hand-offs a step: the idle beyond (S-1)/(M+S-1) grows with M (``bench.pipeline_bubble`` measures both loops).
 
 ``OverlappedSchedule`` runs the same actions in the same order (so the same arithmetic: results equal PyTorch's
 schedule bit for bit, ``tests/integration/test_pipeline.py``), but

@@ -15,8 +15,10 @@ micro-batches' activations instead of M, which is why it is the default of large
     result = runner.forward_backward(x, y)   # x used on the first stage, y on the last; result.loss on every stage
     optimizer.step(); optimizer.zero_grad()
 
-The schedules, the send/recv of activations and gradients, and the shape inference are PyTorch's (``PipelineStage``,
-``ScheduleGPipe``, ``Schedule1F1B``); this file splits the model (``split_model``, shared with model parallelism, or
+The send/recv of activations and gradients, the shape inference and the schedules' orders are PyTorch's
+(``PipelineStage``, ``ScheduleGPipe``, ``Schedule1F1B``); the loop that steps them is ``schedule.OverlappedSchedule``
+(every receive posted ahead, sends waited at the end of the step; ``overlap=False``: PyTorch's loop); this file
+splits the model (``split_model``, shared with model parallelism, or
 at named modules of any model that is a sequence of its children: ``split.py``),
 measures each step (compute vs blocked time, bytes sent) and adds data parallelism across pipeline replicas with
 this project's DDP wrapper over a sub-group (``build_pipeline_groups``).
@@ -432,7 +434,7 @@ def build_pipeline_stage(
             flag over the world) and clipping, as ``optimizer_step`` applies them; None: fp32, no clipping.
         overlap: ``OverlappedSchedule`` (receives posted ahead, sends waited at the end of the step); False:
             PyTorch's ``ScheduleGPipe``/``Schedule1F1B`` loop, the same actions in the same order, kept as the
-            baseline ``bench.pipeline_bubble --engine pytorch`` measures against.
+            baseline ``bench.pipeline_bubble --engines pytorch`` measures against.
 
     Example::
 
