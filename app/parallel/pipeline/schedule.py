@@ -9,8 +9,9 @@ hand-offs a step: the idle beyond (S-1)/(M+S-1) grows with M (``bench.pipeline_b
 ``OverlappedSchedule`` runs the same actions in the same order (so the same arithmetic: results equal PyTorch's
 schedule bit for bit, ``tests/integration/test_pipeline.py``), but
 
-- posts the receives of every micro-batch of the step (activations in, gradients in) at its start: each lands in
-  its own per-micro-batch buffer of PyTorch's stage as soon as the neighbour sends it, while this stage computes;
+- posts the receives of every micro-batch of the step (activations in, gradients in) at its start, in the order it
+  will wait for them: each lands in its own per-micro-batch buffer of PyTorch's stage as soon as the neighbour
+  sends it, while this stage computes;
 - fires each send right after its compute and waits for all of them only at the end of the step.
 
 Nothing can deadlock: no wait inside the loop is on a send, and every receive it waits on is one a neighbour sends
@@ -84,12 +85,17 @@ class OverlappedSchedule(PipelineScheduleSingle):
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         self._initialize_stage(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs else None, loss_kwargs)
         phases = self.phases = StepPhases()
+        actions = action_order(self.order, stage.stage_index, stage.num_stages, m)
         tick = time.perf_counter()
-        receives = {("F", i): _post(stage.get_fwd_recv_ops(i)) for i in range(m)}
-        receives.update({("B", i): _post(stage.get_bwd_recv_ops(i)) for i in range(m)})
+        # Posted in the order they will be waited for: the oldest receive still open (what the flight recorder's
+        # doctor names in a hang) is then always the one this stage is blocked on.
+        receives = {
+            (kind, i): _post(stage.get_fwd_recv_ops(i) if kind == "F" else stage.get_bwd_recv_ops(i))
+            for kind, i in actions
+        }
         sends: list[dist.Work] = []
         phases.send += time.perf_counter() - tick
-        for kind, i in action_order(self.order, stage.stage_index, stage.num_stages, m):
+        for kind, i in actions:
             tick = time.perf_counter()
             for work in receives.pop((kind, i)):
                 work.wait()
