@@ -96,7 +96,7 @@ accum: venv ### bench: gradient accumulation on 2 CPU ranks: equivalence, sync c
 pipeline: venv ## use: model parallel, GPipe, 1F1B, data x pipeline vs single-process training, step by step; bubble table
 	$(PY) -m app.demos.pipeline_demo
 
-pipeline-bubble: venv ### bench: pipeline idle share per stage vs (S-1)/(M+S-1), S=2,4 M=1..8; JSON + PNG in bench/results/
+pipeline-bubble: venv ### bench: pipeline idle share per stage vs (S-1)/(M+S-1), S=2,4 M=1..16, per-phase profile; JSON + PNG in bench/results/
 	$(PY) -m bench.pipeline_bubble
 
 .PHONY: scaling

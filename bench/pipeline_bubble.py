@@ -1,16 +1,20 @@
 """The pipeline bubble, measured: each stage's idle share against GPipe's (S−1)/(M+S−1), for S = 2, 4 stages and
-M = 1, 2, 4, 8 micro-batches, on PyTorch's schedules (``app.parallel.pipeline.stages``), gloo on CPU, world size S.
+M = 1, 2, 4, 8, 16 micro-batches, on our schedule (``OverlappedSchedule``: receives posted ahead) and on PyTorch's
+own loop (``ScheduleGPipe``/``Schedule1F1B``) as the baseline, gloo on CPU, world size S.
 
-    make pipeline-bubble                                     # both compute kinds: 2-6 minutes on 2 cores
+    make pipeline-bubble                                     # both compute kinds, both engines: 4-8 min on 2 cores
     .venv/bin/python -m bench.pipeline_bubble --compute emulated --steps 3
-    .venv/bin/python -m bench.pipeline_bubble --stages 2 --micro-batches 1,2,4,8,16 --schedules gpipe,1f1b
+    .venv/bin/python -m bench.pipeline_bubble --stages 2 --micro-batches 4,8,16 --engines overlapped
 
 How idle is measured: on every rank, ``PipelineRunner.step`` times the stage's own work (forward, backward, loss)
 with ``time.perf_counter``; the rest of the step's wall time is spent blocked in a receive (waiting for a neighbour's
 activations or gradients) or handing a tensor to a send. Idle share = that rest / step wall time, median over the
 measured steps (one unmeasured warm-up step first: it infers the shapes). Steps run back to back, as in training:
 the last stage's wait for the first micro-batch of a step includes the other stages' drain of the step before, so
-the bubble shows up on every stage, not only on the first.
+the bubble shows up on every stage, not only on the first. Each row also keeps every stage's profile (the phases
+of ``PipelineStepResult.phases``: compute, waiting for a receive, handing sends over, the sends' drain, the loss
+broadcast, the schedule's own Python) and splits the idle beyond the formula into imbalance and latency
+(``app.demos.bubble.excess``).
 
 Two kinds of stage work, because this machine has fewer cores than S = 4 stages:
 
@@ -21,7 +25,7 @@ Two kinds of stage work, because this machine has fewer cores than S = 4 stages:
   for a core, not only for each other: time spent runnable but descheduled lands in "compute" (it is inside
   forward), and a stage that finishes early waits for a slowed neighbour, so the table flags those rows.
 
-Writes ``bench/results/pipeline-bubble.json`` (schema ``pipeline-bubble.v1``, with provenance) and a PNG beside it.
+Writes ``bench/results/pipeline-bubble.json`` (schema ``pipeline-bubble.v2``, with provenance) and a PNG beside it.
 Exit status: 2 on a bad flag.
 """
 
@@ -35,7 +39,7 @@ from pathlib import Path
 from app.cli import OneLineParser
 from app.demos.bubble import measure, render
 
-SCHEMA = "pipeline-bubble.v1"
+SCHEMA = "pipeline-bubble.v2"  # v2: rows per engine, phases per stage, excess over the formula
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -46,6 +50,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     from app.parallel.pipeline.stages import theoretical_bubble
 
+    rows = [r for r in rows if r["stage_ms"] == rows[0]["stage_ms"]]  # the longer-work reruns: a table, not a plot
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     colors = {2: "tab:blue", 4: "tab:orange"}
     for stages in sorted({r["stages"] for r in rows}):
@@ -55,13 +60,15 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.plot(
             grid, [theoretical_bubble(stages, m) for m in grid], "-", color=color, label=f"(S−1)/(M+S−1), S={stages}"
         )
-        for compute, schedule, marker, fill in (
-            ("emulated", "gpipe", "o", True),
-            ("emulated", "1f1b", "o", False),
-            ("real", "gpipe", "x", True),
-            ("real", "1f1b", "+", True),
+        for compute, engine, schedule, marker, fill in (
+            ("emulated", "overlapped", "gpipe", "o", True),
+            ("emulated", "overlapped", "1f1b", "o", False),
+            ("emulated", "pytorch", "gpipe", "s", False),
+            ("real", "overlapped", "gpipe", "x", True),
+            ("real", "overlapped", "1f1b", "+", True),
         ):
-            pts = [r for r in rows if (r["stages"], r["compute"], r["schedule"]) == (stages, compute, schedule)]
+            key = (stages, compute, engine, schedule)
+            pts = [r for r in rows if (r["stages"], r["compute"], r["engine"], r["schedule"]) == key]
             if pts:
                 ax.plot(
                     [r["micro_batches"] for r in pts],
@@ -70,10 +77,11 @@ def plot(rows: list[dict], path: Path) -> None:
                     color=color,
                     markerfacecolor=color if fill else "none",
                     linestyle="none",
-                    label=f"S={stages} {compute} {schedule}",
+                    label=f"S={stages} {compute} {schedule}{', PyTorch loop' if engine == 'pytorch' else ''}",
                 )
     ax.set_xscale("log", base=2)
-    ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+    ticks = sorted({r["micro_batches"] for r in rows})
+    ax.set_xticks(ticks, [str(m) for m in ticks])
     ax.minorticks_off()
     ax.set_xlabel("micro-batches M")
     ax.set_ylabel("idle share of a stage (mean over stages)")
@@ -111,6 +119,16 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def float_list(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated positive milliseconds, e.g. 40,160")
+    return values
+
+
 def choice_list(allowed: tuple[str, ...]):
     def parse(text: str) -> list[str]:
         values = text.split(",")
@@ -125,13 +143,25 @@ def choice_list(allowed: tuple[str, ...]):
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="bench.pipeline_bubble", description=__doc__.splitlines()[0])
     p.add_argument("--stages", type=int_list, default=[2, 4], help="S values, one world each (default 2,4)")
-    p.add_argument("--micro-batches", type=int_list, default=[1, 2, 4, 8], help="M values (default 1,2,4,8)")
+    p.add_argument("--micro-batches", type=int_list, default=[1, 2, 4, 8, 16], help="M values (default 1,2,4,8,16)")
     p.add_argument("--schedules", type=choice_list(("gpipe", "1f1b")), default=["gpipe", "1f1b"])
+    p.add_argument(
+        "--engines",
+        type=choice_list(("overlapped", "pytorch")),
+        default=["overlapped", "pytorch"],
+        help="overlapped: our schedule, receives posted ahead; pytorch: PyTorch's loop, the baseline (default both)",
+    )
     p.add_argument("--compute", type=choice_list(("emulated", "real")), default=["emulated", "real"])
-    p.add_argument("--steps", type=int, default=5, help="measured steps per point, after one warm-up (default 5)")
+    p.add_argument("--steps", type=int, default=9, help="measured steps per point, after one warm-up (default 9)")
     p.add_argument("--batch", type=int, default=256, help="rows per step; a multiple of every M (default 256)")
     p.add_argument("--width", type=int, default=1024, help="real compute: Linear width (default 1024)")
-    p.add_argument("--stage-ms", type=float, default=40.0, help="emulated: forward ms per stage per batch (default 40)")
+    p.add_argument(
+        "--stage-ms",
+        type=float_list,
+        default=[40.0, 160.0],
+        help="emulated: forward ms per stage per batch; a further value reruns our schedule's M >= 4 rows with that "
+        "longer work (default 40,160)",
+    )
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/pipeline-bubble.json)")
     p.add_argument("--write-docs", action="store_true", help="only rewrite docs/parallelism.md's table from the JSON")
     return p
@@ -160,7 +190,8 @@ def main(argv=None) -> int:
         write_docs(args.out or RESULTS / "pipeline-bubble.json")
         print(f"rewrote the bubble table of {DOC.relative_to(DOC.parents[1])}")
         return 0
-    cfg = {k: getattr(args, k) for k in ("stages", "micro_batches", "schedules", "compute", "steps", "batch", "width")}
+    keys = ("stages", "micro_batches", "schedules", "engines", "compute", "steps", "batch", "width")
+    cfg = {k: getattr(args, k) for k in keys}
     cfg["stage_ms"] = args.stage_ms
     before = load_average()
     rows = measure(cfg)

@@ -207,7 +207,11 @@ def bubble_rows(doc: dict, fits: dict) -> dict:
     """pipeline-bubble.json's emulated rows: GPipe's formula and the formula + fitted send/recv term vs measured."""
     sr = fits["ring"]["send_recv"]
     rows = []
-    for r in (r for r in doc["rows"] if r["compute"] == "emulated"):
+    # v2 results also hold PyTorch's own loop and longer emulated work: the rows of the default loop at the first
+    # --stage-ms are the ones the training path runs (v1 rows have neither field: all of them).
+    base_ms = doc["rows"][0].get("stage_ms")
+    default = [r for r in doc["rows"] if r.get("engine", "overlapped") == "overlapped" and r.get("stage_ms") == base_ms]
+    for r in (r for r in default if r["compute"] == "emulated"):
         compute = statistics.fmean(r["compute_ms_per_stage"]) / 1e3
         sent = min(r["activation_bytes_per_stage"])  # an end stage: one direction, one boundary
         idle, transfer = bubble_with_comm(

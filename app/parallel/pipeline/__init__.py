@@ -1,8 +1,9 @@
 """Pipeline parallelism across ranks on PyTorch's engine (``torch.distributed.pipelining``): one stage per rank.
 
 ``stages.py`` builds a rank's stage, its process groups (the pipeline's, and the data-parallel group of each stage
-over replicas) and runs GPipe or 1F1B on it; ``split.py`` says where a model is cut (its sequence of children, cut
-at named modules or balanced by parameter count).
+over replicas) and runs GPipe or 1F1B on it with ``schedule.py``'s loop (every receive of a step posted ahead);
+``split.py`` says where a model is cut (its sequence of children, cut at named modules or balanced by parameter
+count).
 """
 
 from app.parallel.pipeline.split import SequenceStage, check_sequence, model_sequence, stage_ranges

@@ -15,8 +15,10 @@ micro-batches' activations instead of M, which is why it is the default of large
     result = runner.forward_backward(x, y)   # x used on the first stage, y on the last; result.loss on every stage
     optimizer.step(); optimizer.zero_grad()
 
-The schedules, the send/recv of activations and gradients, and the shape inference are PyTorch's (``PipelineStage``,
-``ScheduleGPipe``, ``Schedule1F1B``); this file splits the model (``split_model``, shared with model parallelism, or
+The send/recv of activations and gradients, the shape inference and the schedules' orders are PyTorch's
+(``PipelineStage``, ``ScheduleGPipe``, ``Schedule1F1B``); the loop that steps them is ``schedule.OverlappedSchedule``
+(every receive posted ahead, sends waited at the end of the step; ``overlap=False``: PyTorch's loop); this file
+splits the model (``split_model``, shared with model parallelism, or
 at named modules of any model that is a sequence of its children: ``split.py``),
 measures each step (compute vs blocked time, bytes sent) and adds data parallelism across pipeline replicas with
 this project's DDP wrapper over a sub-group (``build_pipeline_groups``).
@@ -55,6 +57,7 @@ from app.diagnostics import collectives as recorded
 from app.parallel.accum import StepRecipe
 from app.parallel.ddp import DistributedDataParallel
 from app.parallel.model_parallel import merge_stage_state_dicts, sequential_of, split_model
+from app.parallel.pipeline.schedule import OverlappedSchedule
 from app.parallel.pipeline.split import SequenceStage, model_sequence, stage_ranges
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -74,6 +77,10 @@ class PipelineStepResult(NamedTuple):
     send_recv_seconds: the rest of the step: blocked waiting for activations/gradients (and their sends)
     bubble_ratio: send_recv_seconds / step wall time, the measured idle share
     activation_bytes: bytes of activations (forward) and gradients (backward) this stage sent to its neighbours
+    phases: where the step's wall time went, in seconds: compute, recv_wait (blocked until a neighbour's tensor
+        arrived), send (handing tensors to gloo), send_drain (the step's sends completing at its end), loss_share
+        (the loss broadcast that ends the step), overhead (the rest: the schedule's Python). With PyTorch's own
+        loop (``overlap=False``) the waits inside it cannot be told apart: recv_wait holds them all, send is 0.
     """
 
     loss: float
@@ -81,6 +88,7 @@ class PipelineStepResult(NamedTuple):
     send_recv_seconds: float
     bubble_ratio: float
     activation_bytes: int
+    phases: dict | None = None
 
 
 class TimedStage(PipelineStage):
@@ -95,7 +103,8 @@ class TimedStage(PipelineStage):
         self.recipe = recipe or StepRecipe()
         self.compute_seconds = 0.0
         self.sent_bytes = 0
-        self._receiving: list = []  # flight recorder entries of receives not yet waited for (done by the next compute)
+        # Flight recorder entries of receives not yet waited for, by (what, chunk): ended when that chunk computes.
+        self._receiving: dict[tuple[str, int], list] = {}
         self._sending: list = []  # and of sends (waited for by the end of the schedule's step: sends_done)
 
     def _record(self, ops: list[dist.P2POp], what: str, chunk: int) -> list[dist.P2POp]:
@@ -103,14 +112,17 @@ class TimedStage(PipelineStage):
             recv = op.op in (dist.irecv, dist.recv)
             source = f"pipeline stage {self.stage_index} {what} chunk {chunk}"
             entry = recorded.start("recv" if recv else "send", op.group, op.tensor, source, peer=op.peer)
-            (self._receiving if recv else self._sending).append(entry)
+            if recv:
+                self._receiving.setdefault((what, chunk), []).append(entry)
+            else:
+                self._sending.append(entry)
         return ops
 
-    def _received(self) -> None:
-        # A schedule computes a chunk only once it has waited for that chunk's receives.
-        for entry in self._receiving:
+    def _received(self, what: str, chunk: int) -> None:
+        # A schedule computes a chunk only once it has waited for that chunk's receives; the other receives
+        # posted ahead (OverlappedSchedule) stay open in the recorder until their own chunk is computed.
+        for entry in self._receiving.pop((what, chunk), []):
             recorded.end(entry)
-        self._receiving = []
 
     def sends_done(self) -> None:
         for entry in self._sending:
@@ -123,15 +135,16 @@ class TimedStage(PipelineStage):
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         return self._record(super().get_bwd_recv_ops(bwd_chunk_id), "gradients in", bwd_chunk_id)
 
-    def forward_one_chunk(self, *args, **kwargs):
-        return self._computing(super().forward_one_chunk, *args, **kwargs)
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        self._received("activations in", fwd_chunk_id)
+        return self._computing(super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
 
-    def backward_one_chunk(self, *args, **kwargs):
-        return self._computing(super().backward_one_chunk, *args, **kwargs)
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        self._received("gradients in", bwd_chunk_id)
+        return self._computing(super().backward_one_chunk, bwd_chunk_id, *args, **kwargs)
 
     def _computing(self, chunk, *args, **kwargs):
         """Run one chunk's forward or backward, its time counted as compute (what it waited to receive is not)."""
-        self._received()
         start = time.perf_counter()
         try:
             return chunk(*args, **kwargs)
@@ -239,13 +252,26 @@ class PipelineRunner:
         self.stage.sends_done()  # (every schedule waits for its sends before its step returns)
         # The loss broadcast is part of the step: the last stage blocks in it while the others drain their backward.
         # The losses the schedule kept were scaled for backward (fp16): shared unscaled.
+        schedule_end = time.perf_counter()
         loss = self._share_loss(losses) / (scaler.get_scale() if scaler is not None else 1.0)
-        wall = time.perf_counter() - start
-        compute = self.stage.compute_seconds - compute0
+        end = time.perf_counter()
+        wall, compute = end - start, self.stage.compute_seconds - compute0
         blocked = max(0.0, wall - compute)
+        phases = self._phases(wall, compute, loss_share=end - schedule_end)
         return PipelineStepResult(
-            loss, compute, blocked, blocked / wall if wall > 0 else 0.0, self.stage.sent_bytes - bytes0
+            loss, compute, blocked, blocked / wall if wall > 0 else 0.0, self.stage.sent_bytes - bytes0, phases
         )
+
+    def _phases(self, wall: float, compute: float, loss_share: float) -> dict:
+        """The step's wall time by phase (``PipelineStepResult.phases``); overhead is what no phase accounts for."""
+        if isinstance(self.schedule, OverlappedSchedule):
+            p = self.schedule.phases
+            waits = {"recv_wait": p.recv_wait, "send": p.send, "send_drain": p.send_drain}
+        else:  # PyTorch's loop waits inside itself: all of its non-compute time counts as waiting
+            waits = {"recv_wait": max(0.0, wall - compute - loss_share), "send": 0.0, "send_drain": 0.0}
+        phases = {"compute": compute, **waits, "loss_share": loss_share}
+        phases["overhead"] = max(0.0, wall - sum(phases.values()))
+        return phases
 
     def _share_loss(self, losses: list[torch.Tensor]) -> float:
         # One float from the last stage to the others, so every rank (the worker logs on rank 0) knows the loss.
@@ -384,6 +410,7 @@ def build_pipeline_stage(
     bucket_cap_mb: float = 25.0,
     split: Sequence[str] | None = None,
     recipe: StepRecipe | None = None,
+    overlap: bool = True,
 ) -> PipelineRunner:
     """Build this rank's stage of ``model``, on PyTorch's pipelining engine.
 
@@ -405,6 +432,9 @@ def build_pipeline_stage(
             them); ``None``: ``split_model`` by ``balance``.
         recipe: autocast for every stage's forward and the loss, an fp16 ``ShardedGradScaler`` (one found-inf
             flag over the world) and clipping, as ``optimizer_step`` applies them; None: fp32, no clipping.
+        overlap: ``OverlappedSchedule`` (receives posted ahead, sends waited at the end of the step); False:
+            PyTorch's ``ScheduleGPipe``/``Schedule1F1B`` loop, the same actions in the same order, kept as the
+            baseline ``bench.pipeline_bubble --engines pytorch`` measures against.
 
     Example::
 
@@ -441,7 +471,10 @@ def build_pipeline_stage(
         submod = DistributedDataParallel(module, process_group=dp_group, bucket_cap_mb=bucket_cap_mb)
     stage = TimedStage(submod, stage_index, num_stages, torch.device(device), group=group, recipe=recipe)
     timed_loss = _timed(loss_fn, stage)
-    sched = SCHEDULES[schedule](stage, n_microbatches=n_microbatches, loss_fn=timed_loss, scale_grads=True)
+    if overlap:
+        sched = OverlappedSchedule(stage, n_microbatches, order=schedule, loss_fn=timed_loss, scale_grads=True)
+    else:
+        sched = SCHEDULES[schedule](stage, n_microbatches=n_microbatches, loss_fn=timed_loss, scale_grads=True)
     return PipelineRunner(module, stage, sched, prefix, group, dp_group, schedule)
 
 
