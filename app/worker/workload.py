@@ -109,7 +109,9 @@ def compiles_at_buckets(cfg: TrainConfig) -> bool:
     """Whether ``compile`` compiles our DDP's module whole, its graph cut at the buckets (app.parallel.compile's
     ``compile_at_buckets``): wrapper=ours, parallel=ddp|zero1, unless ``compile_units`` names units to compile one by
     one."""
-    return cfg.compile != "none" and cfg.wrapper == "ours" and cfg.parallel in ("ddp", "zero1") and not cfg.compile_units
+    return (
+        cfg.compile != "none" and cfg.wrapper == "ours" and cfg.parallel in ("ddp", "zero1") and not cfg.compile_units
+    )
 
 
 def compiled_units(cfg: TrainConfig, model: nn.Module) -> dict[str, nn.Module]:
