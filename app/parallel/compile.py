@@ -37,7 +37,7 @@ the unit's own hooks, which a whole-model graph would skip.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -65,10 +65,11 @@ def compile_units(units: Iterable[nn.Module], backend: str) -> list[nn.Module]:
     return done
 
 
-def compile_at_buckets(ddp: nn.Module, backend: str) -> nn.Module:
+def compile_at_buckets(ddp: nn.Module, backend: str, on_compile: Callable[[int], None] | None = None) -> nn.Module:
     """Compile the module ``ddp`` (app.parallel.ddp's wrapper) holds, whole and in place, its graph cut at ``ddp``'s
     bucket caps (see [Note: graphs cut at the buckets]); returns that module. Its ``state_dict`` keys, its class and
-    ``ddp``'s hooks are untouched: only its ``forward`` goes through dynamo."""
+    ``ddp``'s hooks are untouched: only its ``forward`` goes through dynamo. ``on_compile(graphs)``: called each time
+    dynamo compiles it (at the first forward), with the number of graphs it was cut into."""
     import torch
     from torch._dynamo.backends.distributed import DDPOptimizer
     from torch._dynamo.backends.registry import lookup_backend
@@ -77,7 +78,14 @@ def compile_at_buckets(ddp: nn.Module, backend: str) -> nn.Module:
         raise ValueError(f"backend={backend!r}: choose one of {', '.join(BACKENDS)}")
     module = ddp.module
     cuts = DDPOptimizer(ddp.bucket_cap_bytes, lookup_backend(backend), first_bucket_cap=ddp.first_bucket_cap_bytes)
-    module.forward = torch.compile(module.forward, backend=cuts.compile_fn)
+
+    def compile_fn(gm, example_inputs, **configs):
+        compiled = cuts.compile_fn(gm, example_inputs, **configs)
+        if on_compile is not None:
+            on_compile(len(cuts.buckets))
+        return compiled
+
+    module.forward = torch.compile(module.forward, backend=compile_fn)
     return module
 
 

@@ -50,5 +50,12 @@ def test_zero3_prefetch_and_units_kept_whole_finish_with_the_checksum_of_off():
 
 def test_a_compiled_ddp_run_trains_as_the_eager_one(zero2_off):
     compiled, log = checksum(parallel="ddp", compile="aot_eager")
-    assert "compile (aot_eager): the model whole, its graph cut at our DDP's buckets (DDPOptimizer)" in log, log[-3000:]
+    assert "compile (aot_eager): the model whole, cut at our DDP's buckets into 1 graphs" in log, log[-3000:]
     assert compiled == zero2_off
+
+
+def test_a_compiled_zero1_run_trains_as_the_eager_one():
+    # zero1's DDP keeps gradients in its buckets (gradient_as_bucket_view): the cut graph must accumulate there too.
+    compiled, log = checksum(parallel="zero1", compile="aot_eager")
+    assert "compile (aot_eager): the model whole, cut at our DDP's buckets into 1 graphs" in log, log[-3000:]
+    assert compiled == checksum(parallel="zero1")[0]

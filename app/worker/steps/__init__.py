@@ -68,8 +68,10 @@ def build_step(cfg: TrainConfig, ctx: DistContext, grad_accum_steps: int, metric
     if compiles_at_buckets(cfg):
         from app.parallel.compile import compile_at_buckets
 
-        compile_at_buckets(step.wrapped, cfg.compile)
-        log.info("compile (%s): the model whole, its graph cut at our DDP's buckets (DDPOptimizer)", cfg.compile)
+        def compiled(graphs: int) -> None:  # at the first forward, when dynamo compiles
+            log.info("compile (%s): the model whole, cut at our DDP's buckets into %d graphs", cfg.compile, graphs)
+
+        compile_at_buckets(step.wrapped, cfg.compile, on_compile=compiled)
     units = checkpointed_units(cfg, model)
     if units:
         checkpoint_modules(units.values())
