@@ -6,8 +6,9 @@
   in flight at the end: the checksum waits for them, app.worker.steps.zero).
 - ``compile=aot_eager`` (mini_mlp compiled whole, its graph cut at our DDP's buckets, app.parallel.compile)
   finishes with the checksum of the eager zero2 run: mini_mlp's compiled graph does the same float operations in the
-  same order, and zero2 is bit for bit ddp (test_train_sharded.py). That run has the real torch._dynamo
-  (app.worker.startup).
+  same order, and zero2 is bit for bit ddp (test_train_sharded.py); zero1's compiled run, zero1's eager checksum.
+  That run has the real torch._dynamo (app.worker.startup), and its log says the model was compiled: the checksum
+  alone could not tell a compiled run from an eager one (the first step's FLOP count once kept dynamo out of them).
 
     .venv/bin/python -m pytest -q tests/integration/test_train_compile.py
 """
