@@ -20,13 +20,15 @@ Variants (step time):
     ours bf16 view    ... and gradient_as_bucket_view=True (no copy back from the bucket)
     ours / torch view gradient_as_bucket_view=True
     ours / torch find_unused, ours / torch static_graph: the graph walk per step, and static_graph's reuse of it
-    ours compiled     ours 25MB over the model's units compiled one by one (app.parallel.compile; --compile-backend)
+    ours compiled     ours 25MB, the model compiled whole and cut at its buckets (app.parallel.compile's
+                      compile_at_buckets, what the worker does; --compile-backend)
+    ours compiled units   ours 25MB over the model's units compiled one by one (compile_units: stages 2 and 3's way)
     torch compiled    torch.compile(torch 25MB): the wrapper compiled whole, its graph cut at the buckets by dynamo's
                       DDPOptimizer, as PyTorch documents; both compile at the warm-up steps, which are not timed
 
     # compiled vs not, alone: what docs/benchmarks.md's compile block is rendered from
-    torchrun --standalone --nproc-per-node=2 -m bench.ddp_bench --variants "ours 25MB,ours compiled,torch compiled" \
-        --no-extras --out bench/results/ddp-compile.json
+    torchrun --standalone --nproc-per-node=2 -m bench.ddp_bench --no-extras \
+        --variants "ours 25MB,ours compiled,ours compiled units,torch compiled" --out bench/results/ddp-compile.json
 
 Then: memory (bytes held by gradients + buckets, and the peak RSS growth of training, ours vs PyTorch's with and
 without gradient_as_bucket_view); the loss after ``--loss-steps`` steps with bf16 / fp16 compression against fp32;
@@ -52,7 +54,7 @@ from torch import nn
 
 from app.diagnostics.recorder import RECORDER
 from app.parallel import wrap_model
-from app.parallel.compile import BACKENDS, compile_units, default_units
+from app.parallel.compile import BACKENDS, compile_at_buckets, compile_units, default_units
 from app.parallel.ddp.comm_hooks import HOOKS
 from app.worker.allocator import return_freed_memory_to_the_os, trim
 from app.worker.dist import distributed, exit_process
@@ -79,9 +81,11 @@ CONFIGS = {
     "ours static_graph": ("ours", {"bucket_cap_mb": 25, "static_graph": True}, None),
     "torch static_graph": ("torch", {"bucket_cap_mb": 25, "static_graph": True}, None),
     "ours compiled": ("ours", {"bucket_cap_mb": 25}, None),
+    "ours compiled units": ("ours", {"bucket_cap_mb": 25}, None),
     "torch compiled": ("torch", {"bucket_cap_mb": 25}, None),
 }
-COMPILED = ("ours compiled", "torch compiled")  # torch.compile: ours per unit, torch's wrapper whole
+# torch.compile: ours whole cut at its buckets, or per unit; torch's wrapper whole
+COMPILED = ("ours compiled", "ours compiled units", "torch compiled")
 VARIANTS = list(CONFIGS)
 MEMORY_VARIANTS = {  # (wrapper, gradient_as_bucket_view)
     "ours": ("ours", False),
@@ -99,14 +103,16 @@ class Variant:
     def __init__(self, name: str, base: nn.Module, lr: float = 1e-4, backend: str = "inductor"):
         self.name = name
         model = copy.deepcopy(base)
-        if name == "ours compiled":
-            compile_units(default_units(model).values(), backend)  # before wrapping, as the worker does
+        if name == "ours compiled units":
+            compile_units(default_units(model).values(), backend)
         config = CONFIGS.get(name)
         if config is not None:
             wrapper, kwargs, hook = config
             model = wrap_model(model, wrapper, **kwargs)
             if hook is not None:
                 model.register_comm_hook(None, HOOKS[hook])
+        if name == "ours compiled":
+            compile_at_buckets(model, backend)  # after wrapping: the cuts are the wrapper's bucket caps
         self.opt = torch.optim.SGD(model.parameters(), lr=lr)
         self.model = torch.compile(model, backend=backend) if name == "torch compiled" else model
         self.world = dist.get_world_size()

@@ -1,6 +1,6 @@
 """Where ZeRO's step time goes: forward, backward, step and the waits on communication, per variant, side by side.
 
-    python -m bench.zero_phases                     # worlds 2 and 4, writes runs/zero-phases.json
+    python -m bench.zero_phases                     # worlds 2 and 4, writes bench/results/zero-phases.json
     python -m bench.zero_phases --world-sizes 2 --repeats 3
 
 The model, variants and bucket cap are bench/zero_bench.py's. Each repeat runs every variant for --steps steps in a
@@ -69,14 +69,12 @@ def rank_main(rank: int, world: int, cfg: dict) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_args(p, repeats=7)
-    p.add_argument("--out", default=None, help="JSON path (default: runs/zero-phases.json)")
+    p.add_argument("--out", default=None, help="JSON path (default: bench/results/zero-phases.json)")
     return p, p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     parser, args = parse_args(argv)
-    if args.out is None:
-        args.out = "runs/zero-phases.json"  # a diagnosis, not a documented result
     before = load_average()
     cfg = {k: getattr(args, k) for k in ("width", "depth", "batch", "repeats", "steps", "warmup", "bucket_cap_mb")}
     results = {str(n): spawn_world(rank_main, n, cfg, timeout=900)[0] for n in args.world_sizes}

@@ -34,7 +34,7 @@ from tools.renderers.metrics import render_metrics_budget, render_metrics_overhe
 from tools.renderers.mutants import render_mutants, render_mutation
 from tools.renderers.pipeline import render_pipeline_bubble
 from tools.renderers.scaling import render_block as render_scaling
-from tools.renderers.sharding import render_memory, render_zero
+from tools.renderers.sharding import render_memory, render_zero, render_zero_phases
 from tools.renderers.startup import render_startup, render_startup_local
 from tools.renderers.training import render_activation_checkpointing
 
@@ -76,6 +76,7 @@ RENDERERS = {
     "metrics-budget": render_metrics_budget,
     "scaling": render_scaling,
     "zero": render_zero,
+    "zero-phases": render_zero_phases,
     "memory": render_memory,
     "corpus-curve": render_corpus_curve,
     "startup": render_startup,

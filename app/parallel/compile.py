@@ -1,8 +1,10 @@
-"""``torch.compile`` one unit at a time, so that a data-parallel wrapper's gradient hooks still fire during backward.
+"""``torch.compile`` under our wrappers, so that their gradient hooks still fire during backward: our DDP's module
+compiled whole with its graph cut at the buckets, or any wrapper's units one at a time.
 
-    from app.parallel.compile import compile_units
-    compile_units(model.blocks, backend="aot_eager")  # each block's forward compiled on its own, in place
-    ddp = DistributedDataParallel(model)              # buckets all-reduced while earlier blocks' backward runs
+    from app.parallel.compile import compile_at_buckets, compile_units
+    ddp = DistributedDataParallel(model)
+    compile_at_buckets(ddp, backend="inductor")       # one graph per bucket: each all-reduced as its backward ends
+    compile_units(model.blocks, backend="aot_eager")  # or: each block's forward compiled on its own, in place
 
 [Note: why per unit] A module compiled whole runs its backward as *one* autograd node (``CompiledFunctionBackward``):
 every parameter's gradient comes out of it at once, at the very end, so a wrapper's per-parameter hooks (our DDP's,
@@ -19,11 +21,23 @@ In place, on the unit's ``forward``: the module keeps its class, its parameters 
 ``nn.Module.compile()``: it compiles ``_call_impl``, a frame of torch's own module.py, which dynamo leaves alone for
 torch.nn's classes (an ``nn.Sequential`` unit ran uncompiled, torch 2.13).
 Units of the same structure share one compiled graph (dynamo guards on the module's structure, not its identity).
+
+[Note: graphs cut at the buckets] A unit is a graph, so a model of many small units pays dynamo's guards and
+AOTAutograd's wrappers once per unit in forward and again in backward; where a bucket spans many units (deep_mlp's
+24 layers in one 25 MiB bucket) none of those cuts lets anything overlap. ``compile_at_buckets`` cuts where PyTorch's
+DDP under compile does, and with the same code: dynamo's ``DDPOptimizer`` (the backend dynamo itself puts in front
+of the compiler for a ``torch.nn.parallel.DistributedDataParallel``, not for ours) counts the parameters' bytes in
+reverse graph order and starts a new graph at each bucket cap, our DDP's caps given to it. Each bucket's graph is
+then its own backward node, so its gradients arrive, its hooks fire and its all-reduce starts while the earlier
+graphs' backward runs: the overlap eager mode has at bucket granularity, with no cut where it would buy none.
+The cuts are DDPOptimizer's estimate of the buckets (reverse order of use); a bucket straddling two graphs still
+launches, at the later one's end. Stages 2 and 3 keep ``compile_units``: stage 3 gathers each unit's parameters in
+the unit's own hooks, which a whole-model graph would skip.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -49,6 +63,30 @@ def compile_units(units: Iterable[nn.Module], backend: str) -> list[nn.Module]:
         unit.forward = compiled  # an instance attribute: _call_impl runs the unit's hooks, then this
         done.append(unit)
     return done
+
+
+def compile_at_buckets(ddp: nn.Module, backend: str, on_compile: Callable[[int], None] | None = None) -> nn.Module:
+    """Compile the module ``ddp`` (app.parallel.ddp's wrapper) holds, whole and in place, its graph cut at ``ddp``'s
+    bucket caps (see [Note: graphs cut at the buckets]); returns that module. Its ``state_dict`` keys, its class and
+    ``ddp``'s hooks are untouched: only its ``forward`` goes through dynamo. ``on_compile(graphs)``: called each time
+    dynamo compiles it (at the first forward), with the number of graphs it was cut into."""
+    import torch
+    from torch._dynamo.backends.distributed import DDPOptimizer
+    from torch._dynamo.backends.registry import lookup_backend
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: choose one of {', '.join(BACKENDS)}")
+    module = ddp.module
+    cuts = DDPOptimizer(ddp.bucket_cap_bytes, lookup_backend(backend), first_bucket_cap=ddp.first_bucket_cap_bytes)
+
+    def compile_fn(gm, example_inputs, **configs):
+        compiled = cuts.compile_fn(gm, example_inputs, **configs)
+        if on_compile is not None:
+            on_compile(len(cuts.buckets))
+        return compiled
+
+    module.forward = torch.compile(module.forward, backend=compile_fn)
+    return module
 
 
 def default_units(model: nn.Module, class_names: list[str] | None = None) -> dict[str, nn.Module]:

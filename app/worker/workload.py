@@ -105,10 +105,19 @@ def compiles_wrapper_whole(cfg: TrainConfig) -> bool:
     return cfg.compile != "none" and cfg.wrapper == "torch" and cfg.parallel in ("ddp", "zero1")
 
 
+def compiles_at_buckets(cfg: TrainConfig) -> bool:
+    """Whether ``compile`` compiles our DDP's module whole, its graph cut at the buckets (app.parallel.compile's
+    ``compile_at_buckets``): wrapper=ours, parallel=ddp|zero1, unless ``compile_units`` names units to compile one by
+    one."""
+    return (
+        cfg.compile != "none" and cfg.wrapper == "ours" and cfg.parallel in ("ddp", "zero1") and not cfg.compile_units
+    )
+
+
 def compiled_units(cfg: TrainConfig, model: nn.Module) -> dict[str, nn.Module]:
     """``{name: module}`` that ``compile`` compiles one by one (app.parallel.compile: a wrapper's gradient hooks fire
-    between them); ``{}`` when none or when the wrapper is compiled whole. ConfigError (one line) if none is found."""
-    if cfg.compile == "none" or compiles_wrapper_whole(cfg):
+    between them); ``{}`` when none or when the module is compiled whole. ConfigError (one line) if none is found."""
+    if cfg.compile == "none" or compiles_wrapper_whole(cfg) or compiles_at_buckets(cfg):
         return {}
     classes = [n.strip() for n in cfg.compile_units.split(",") if n.strip()]
     try:

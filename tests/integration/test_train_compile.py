@@ -4,9 +4,11 @@
 - zero2 with ``overlap_gather=1`` and zero3 with ``prefetch=1 reshard_after_forward=0`` finish with the FINISHED
   checksum of the same run with them off: they move communication, not arithmetic (zero2's last all-gathers are still
   in flight at the end: the checksum waits for them, app.worker.steps.zero).
-- ``compile=aot_eager`` (each of mini_mlp's Linear layers compiled on its own, app.parallel.compile) finishes with
-  the checksum of the eager zero2 run: mini_mlp's compiled graphs do the same float operations in the same order, and
-  zero2 is bit for bit ddp (test_train_sharded.py). That run has the real torch._dynamo (app.worker.startup).
+- ``compile=aot_eager`` (mini_mlp compiled whole, its graph cut at our DDP's buckets, app.parallel.compile)
+  finishes with the checksum of the eager zero2 run: mini_mlp's compiled graph does the same float operations in the
+  same order, and zero2 is bit for bit ddp (test_train_sharded.py); zero1's compiled run, zero1's eager checksum.
+  That run has the real torch._dynamo (app.worker.startup), and its log says the model was compiled: the checksum
+  alone could not tell a compiled run from an eager one (the first step's FLOP count once kept dynamo out of them).
 
     .venv/bin/python -m pytest -q tests/integration/test_train_compile.py
 """
@@ -49,5 +51,12 @@ def test_zero3_prefetch_and_units_kept_whole_finish_with_the_checksum_of_off():
 
 def test_a_compiled_ddp_run_trains_as_the_eager_one(zero2_off):
     compiled, log = checksum(parallel="ddp", compile="aot_eager")
-    assert "compile (aot_eager): 3 units one by one, net.0, net.2, net.4" in log, log[-3000:]
+    assert "compile (aot_eager): the model whole, cut at our DDP's buckets into 1 graphs" in log, log[-3000:]
     assert compiled == zero2_off
+
+
+def test_a_compiled_zero1_run_trains_as_the_eager_one():
+    # zero1's DDP keeps gradients in its buckets (gradient_as_bucket_view): the cut graph must accumulate there too.
+    compiled, log = checksum(parallel="zero1", compile="aot_eager")
+    assert "compile (aot_eager): the model whole, cut at our DDP's buckets into 1 graphs" in log, log[-3000:]
+    assert compiled == checksum(parallel="zero1")[0]

@@ -212,3 +212,26 @@ def test_a_stream_passes_the_start_up_check_on_its_first_two_samples():
     # A stream has no len() and no data[i]: the check must read it as the training loop will, by iterating.
     cfg = config(["--wrapper", "none"], {"DDP_DATA": "tests.unit.test_workload:Stream"})
     check_workload(cfg, world_size=1, grad_accum_steps=1)  # a refusal here would be exit 2 for a valid stream
+
+
+@pytest.mark.parametrize(
+    "flags, at_buckets, units",
+    [
+        (["--compile", "aot_eager"], True, []),  # our DDP: the model whole, cut at its buckets
+        (["--compile", "aot_eager", "--parallel", "zero1"], True, []),  # zero1 is our DDP too
+        (
+            ["--compile", "aot_eager", "--compile-units", "Linear"],
+            False,
+            ["net.0", "net.2", "net.4"],
+        ),  # named: asked for
+        (["--compile", "aot_eager", "--parallel", "zero2"], False, ["net.0", "net.2", "net.4"]),  # stage 2: per unit
+        (["--compile", "aot_eager", "--wrapper", "torch"], False, []),  # PyTorch's DDP compiled whole (DDPStep)
+        (["--compile", "none"], False, []),
+    ],
+)
+def test_compile_cuts_our_ddp_at_its_buckets_and_the_other_kinds_per_unit(flags, at_buckets, units):
+    from app.worker.workload import compiled_units, compiles_at_buckets
+
+    cfg = config(["--model", "mini_mlp", *flags])
+    assert compiles_at_buckets(cfg) is at_buckets
+    assert list(compiled_units(cfg, build_model(cfg))) == units

@@ -230,3 +230,27 @@ def _render_activation_checkpointing(ac: dict | None) -> list[str]:
         f"Peak lowered by {ac['measured_saving_bytes'] / MIB:.0f} MiB measured, "
         f"{ac['predicted_saving_bytes'] / MIB:.0f} MiB planned.",
     ]
+
+
+PHASES = ("forward", "backward", "step", "all_gather_wait", "reduce_scatter_wait", "total")
+
+
+def render_zero_phases(doc: dict) -> list[str]:
+    """bench/zero_phases.py's cut of each step (``bench/results/zero-phases.json``): where stage 2's and stage 3's
+    extra time goes, beside DDP's and ``fully_shard``'s."""
+    s = doc["settings"]
+    lines = [
+        f"`python -m bench.zero_phases`: zero_bench's model, {s['repeats']} interleaved repeats of {s['steps']} "
+        "steps; ms, rank 0, the median over repeats of each repeat's median. The waits are the wrappers' own "
+        "`comm_seconds` (launch and wait of each collective inside the step; PyTorch's wrappers keep none): they "
+        "overlap the phases, so they do not add up to the total.",
+        "",
+        "| N | variant | forward | backward | step | all-gather wait | reduce-scatter wait | total | total × DDP |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for world, rows in doc["results_seconds"].items():
+        ddp = rows["ddp"]["total"]
+        for name, r in rows.items():
+            cells = " | ".join(f"{r[p] * 1e3:.1f}" if p in r else "–" for p in PHASES)
+            lines.append(f"| {world} | {name} | {cells} | {r['total'] / ddp:.2f} |")
+    return lines

@@ -152,15 +152,16 @@ class TrainConfig:
         "",
     )
     compile: str = _doc(
-        "torch.compile: none | aot_eager | inductor (the backend; inductor is torch.compile's default): each unit "
-        "compiled on its own, so the wrappers' gradient hooks still fire during backward; wrapper=torch compiles "
-        "its DDP whole instead (PyTorch's DDPOptimizer; docs/ddp.md#torchcompile)",
+        "torch.compile: none | aot_eager | inductor (the backend; inductor is torch.compile's default), so the "
+        "wrappers' gradient hooks still fire during backward: parallel=ddp|zero1 compile the model whole, its graph "
+        "cut at the DDP buckets (dynamo's DDPOptimizer, for wrapper=torch and ours), the other kinds each unit on "
+        "its own (docs/ddp.md#torchcompile)",
         "none",
     )
     compile_units: str = _doc(
         'compile: comma list of module class names compiled one by one ("" = the items of the '
         "nn.ModuleList/nn.Sequential holding the most parameters, as activation_checkpointing_units); units "
-        "without parameters run eager",
+        "without parameters run eager; named, they replace the bucket cuts of wrapper=ours parallel=ddp|zero1",
         "",
     )
     overlap_gather: int = _doc(

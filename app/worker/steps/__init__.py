@@ -19,7 +19,7 @@ from app.worker.dist import DistContext
 from app.worker.steps.base import StepInputs, TrainStep
 from app.worker.steps.data_parallel import DataParallelStep
 from app.worker.steps.ddp import DDPStep
-from app.worker.workload import build_loss, build_model, checkpointed_units, compiled_units
+from app.worker.workload import build_loss, build_model, checkpointed_units, compiled_units, compiles_at_buckets
 
 log = logging.getLogger("app.train")
 
@@ -54,7 +54,8 @@ def build_step(cfg: TrainConfig, ctx: DistContext, grad_accum_steps: int, metric
     Every kind is called alike: ``kind(StepInputs(cfg, ctx, model, loss_fn, grad_accum_steps, metrics))``;
     ``metrics`` serves the kinds that report series of their own (the pipeline's ``ddp_pipeline_*``). Then the
     modules ``activation_checkpointing`` names recompute their forward in backward, and the units ``compile``
-    names are compiled one by one, whatever the kind (``wrapper=torch`` compiles its DDP whole: DDPStep).
+    names are compiled one by one, whatever the kind (``wrapper=torch`` compiles its DDP whole: DDPStep; our DDP's
+    module is compiled whole, cut at its buckets, unless ``compile_units`` names units: ``compiles_at_buckets``).
     """
     torch.manual_seed(cfg.seed)  # identical parameters on every rank, before any wrapper broadcasts them
     model = build_model(cfg)
@@ -64,6 +65,13 @@ def build_step(cfg: TrainConfig, ctx: DistContext, grad_accum_steps: int, metric
     # After the kind: every wrapper and pipeline stage holds these very modules, and zero3 has already found its
     # units by class (a checkpointed module's class is a subclass of its own: app.parallel.activation_checkpointing).
     compile_model_units(cfg, to_compile)
+    if compiles_at_buckets(cfg):
+        from app.parallel.compile import compile_at_buckets
+
+        def compiled(graphs: int) -> None:  # at the first forward, when dynamo compiles
+            log.info("compile (%s): the model whole, cut at our DDP's buckets into %d graphs", cfg.compile, graphs)
+
+        compile_at_buckets(step.wrapped, cfg.compile, on_compile=compiled)
     units = checkpointed_units(cfg, model)
     if units:
         checkpoint_modules(units.values())
