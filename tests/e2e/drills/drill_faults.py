@@ -534,54 +534,49 @@ def scenarios(workers: int) -> dict[str, Scenario]:
             says="was killed for memory",
             env={"WORKER_MEMORY": OOM_MEMORY, "DDP_MODEL_KWARGS": OOM_MODEL},
         ),
-        "heal-in-place-kill": Scenario(
-            f"heal=in_place: the last worker killed (rank {workers - 1}); the survivors heal, compared with an "
-            "uninterrupted run",
-            heal_in_place(kill_holder(None)),
-            env=HEAL_IN_PLACE,
-            victims=1,
-            victim_exit=137,
-            after=measure_heal,
-            checks=heal_checks,
+        **heal_scenarios(workers),
+        **sharded_scenarios(),
+    }
+
+
+def heal_scenarios(workers: int) -> dict[str, Scenario]:
+    """The heal=in_place drills (issue 41): each fault, then measured and checked as one heal per fault."""
+
+    def heal(text: str, *faults, env=HEAL_IN_PLACE, victims: int = 1, victim_exit: int | None = 137) -> Scenario:
+        return Scenario(text, heal_in_place(*faults), env=env, victims=victims, victim_exit=victim_exit,
+                        after=measure_heal, checks=heal_checks)  # fmt: skip
+
+    last = workers - 1
+    return {
+        "heal-in-place-kill": heal(
+            f"heal=in_place: the last worker killed (rank {last}); the survivors heal, compared with an uninterrupted "
+            "run",
+            kill_holder(None),
         ),
-        "heal-in-place-scale-up": Scenario(
-            f"heal=in_place: {workers} → {workers - 1} → {workers}: the last worker killed, then its container "
-            "started again; it heals in as a newcomer (no survivor restarted)",
-            heal_in_place(kill_holder(None), bring_back),
+        "heal-in-place-scale-up": heal(
+            f"heal=in_place: {workers} → {last} → {workers}: the last worker killed, then its container started "
+            "again; it heals in as a newcomer (no survivor restarted)",
+            kill_holder(None),
+            bring_back,
             env=HEAL_PACED,
-            victims=1,
-            after=measure_heal,
-            checks=heal_checks,
+            victim_exit=None,
         ),
-        "heal-in-place-rank0": Scenario(
-            "heal=in_place: rank 0's container killed; the survivors heal",
-            heal_in_place(kill_holder(0)),
-            env=HEAL_IN_PLACE,
-            victims=1,
-            victim_exit=137,
-            after=measure_heal,
-            checks=heal_checks,
-        ),
-        "heal-in-place-two-kills": Scenario(
-            f"heal=in_place: two kills in a row ({workers} → {workers - 1} → {workers - 2}), the second after the "
-            "first heal",
-            heal_in_place(kill_holder(None), kill_holder(None)),
+        "heal-in-place-rank0": heal("heal=in_place: rank 0's container killed; the survivors heal", kill_holder(0)),
+        "heal-in-place-two-kills": heal(
+            f"heal=in_place: two kills in a row ({workers} → {last} → {workers - 2}), the second after the first heal",
+            kill_holder(None),
+            kill_holder(None),
             env=HEAL_PACED,
             victims=2,
-            victim_exit=137,
-            after=measure_heal,
-            checks=heal_checks,
         ),
-        "heal-in-place-pause": Scenario(
-            f"heal=in_place: a worker paused (`docker pause`, rank {workers - 1}) past the collective timeout, the "
-            "others heal without it; unpaused, it rejoins with a live peer's state",
-            heal_in_place(pause_holder, unpause),
+        "heal-in-place-pause": heal(
+            f"heal=in_place: a worker paused (`docker pause`, rank {last}) past the collective timeout, the others "
+            "heal without it; unpaused, it rejoins with a live peer's state",
+            pause_holder,
+            unpause,
             env={**HEAL_PACED, "DDP_STEPS": "1000"},  # paced: still training after the 30 s timeout and the rejoin
-            victims=1,
-            after=measure_heal,
-            checks=heal_checks,
+            victim_exit=None,
         ),
-        **sharded_scenarios(),
     }
 
 
