@@ -142,3 +142,25 @@ def test_the_desync_fingerprint_tells_equal_sizes_issued_for_different_reasons_a
     extra[0] = bucket[0]  # the same sequence number on two ranks
     assert fingerprint(bucket, t) != fingerprint(extra, t)
     assert fingerprint(bucket, t) == fingerprint(list(bucket), t.clone())
+
+
+def test_a_rank_that_entered_the_hung_collective_late_is_named_among_those_waiting(tmp_path: Path):
+    """Rank 1 frozen; rank 2 waited its whole timeout in all-reduce #6, rank 0 entered it late (a busy machine) and
+    its wait was cut short when rank 2 gave up: rank 0 waited there too, however briefly, and must be named so."""
+    import time
+
+    recorders = [FlightRecorder(capacity=64) for _ in range(3)]
+    for rank, rec in enumerate(recorders):
+        rec.configure(rank=rank, world_size=3, dump_dir=tmp_path, job="job", world_id="w1")
+        for _ in range(5):
+            rec.end(rec.start("all_reduce", None, torch.zeros(256), "DDP bucket 0"))
+    recorders[2].start("all_reduce", None, torch.zeros(256), "DDP bucket 0")
+    recorders[2]._ring[-1][6] -= 5.0  # rank 2 entered #6 five seconds before the dumps
+    recorders[0].start("all_reduce", None, torch.zeros(256), "DDP bucket 0")  # rank 0 only now
+    time.sleep(0.01)
+    for rank in (0, 2):
+        recorders[rank].dump("peer went away" if rank == 0 else "collective timeout")
+    assert summary_line(tmp_path) == (
+        "doctor: rank 1 left no dump (frozen or killed) and never completed all_reduce #6 (DDP bucket 0, 1.0 KiB "
+        "float32); ranks 0, 2 waited there 5.0 s"
+    )
