@@ -190,6 +190,18 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
         ("tests/unit/test_activation_checkpointing*.py", "tests/integration/test_activation_checkpointing*.py"),
     ),
     (
+        ("app/parallel/ddp/reducer*",),
+        (
+            "tests/integration/test_ddp.py",
+            "tests/integration/test_ddp_api*.py",
+            "tests/integration/test_ddp_buffers*.py",
+            # where a gradient lives (a bucket slot lent as p.grad, _plan_lending): only these tests look
+            "tests/integration/test_ddp_grad_slots*.py",
+            "-k",
+            "not (nccl or gpu_check or known_delay or powersgd)",
+        ),
+    ),
+    (
         ("app/parallel/*",),
         (
             "tests/integration/test_ddp.py",
