@@ -43,6 +43,7 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
         ("app/worker/config*",),
         (
             "tests/unit/test_config*.py",
+            "tests/unit/test_launch_config*.py",  # config/launch.py: the launchers' LAUNCH_* settings
             "tests/unit/test_docs*.py::test_config_table_is_generated_from_train_config",  # the documented defaults
             "tests/integration/test_train_pipeline*.py::test_bad_input_is_one_line_and_exit_2",  # the pipeline checks
         ),
