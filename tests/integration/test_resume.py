@@ -150,6 +150,10 @@ def test_resume_restores_every_ranks_own_rng_stream(tmp_path):
     assert [o["restored"] for o in out] == [True, True]
     assert not torch.equal(out[0]["next"], out[1]["next"])  # rank 1 got its own stream back, not rank 0's
     assert [o["lr"] for o in out] == [[5e-3], [5e-3]]  # the new --lr trains, not the one the checkpoint saved
+    # One CPU stream per rank and no CUDA state from a CPU world: a GPU run resuming the file restores CUDA streams
+    # only from states a GPU world saved (a placeholder per rank would be handed to torch.cuda.set_rng_state).
+    rng = load_checkpoint(checkpoint_path(tmp_path, 5))["rng"]
+    assert len(rng["cpu"]) == 2 and rng["cuda"] == [], rng["cuda"]
 
 
 def test_a_checkpoint_dir_of_another_model_is_a_config_error_exit_2(tmp_path):
