@@ -113,6 +113,11 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
         ("tests/unit/test_progress*.py", "tests/integration/test_train.py", "-k", SLOW),
     ),
     (
+        ("app/worker/evaluation*",),
+        # the held-out split, and the validation loss of real ranks against one process's
+        ("tests/unit/test_evaluation*.py", "tests/integration/test_validation*.py"),
+    ),
+    (
         ("app/worker/*",),
         (
             "tests/unit/test_steps*.py",
