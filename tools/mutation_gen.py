@@ -118,6 +118,19 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
         ("tests/unit/test_evaluation*.py", "tests/integration/test_validation*.py"),
     ),
     (
+        ("app/worker/trainer*", "app/worker/heal*"),
+        (
+            "tests/unit/test_steps*.py",
+            "tests/integration/test_train.py",
+            "tests/integration/test_resume*.py",
+            "tests/integration/test_metrics.py::test_a_resumed_world_counts_its_generation_and_the_steps_it_redoes",
+            # the loop's heal: a rank killed and healed in place, then a new one let in mid-run
+            "tests/integration/test_heal*.py::test_a_killed_rank_is_healed_in_place_and_a_new_one_joins",
+            "-k",
+            SLOW,
+        ),
+    ),
+    (
         ("app/worker/*",),
         (
             "tests/unit/test_steps*.py",
@@ -197,6 +210,22 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     (
         ("app/parallel/activation_checkpointing*",),
         ("tests/unit/test_activation_checkpointing*.py", "tests/integration/test_activation_checkpointing*.py"),
+    ),
+    (
+        ("app/parallel/compile*",),
+        ("tests/unit/test_compile*.py", "tests/integration/test_ddp_compile*.py"),  # which units, and compiled
+    ),
+    (
+        ("app/parallel/ddp/module*",),
+        (
+            "tests/integration/test_ddp.py",
+            "tests/integration/test_ddp_api*.py",
+            "tests/integration/test_ddp_buffers*.py",
+            # the Joinable protocol torch's Join reads (join_device, join_process_group, join_hook)
+            "tests/integration/test_ddp_join*.py::test_a_second_join_context_divides_by_its_own_rule",
+            "-k",
+            "not (nccl or gpu_check or known_delay or powersgd)",
+        ),
     ),
     (
         ("app/parallel/ddp/reducer*",),
