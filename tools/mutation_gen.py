@@ -39,6 +39,9 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
             # ... and its damaged newest checkpoint set aside (Checkpointer._load_sharded's DamagedCheckpoint)
             "tests/integration/test_train_sharded*.py::"
             "test_a_damaged_newest_sharded_checkpoint_falls_back_to_the_one_before_and_ends_as_if_uninterrupted",
+            # ... and a sharded save the disk refuses (Checkpointer._save_sharded's one line, exit 74)
+            "tests/integration/test_train_sharded*.py::"
+            "test_a_save_the_disk_refuses_ends_every_zero_rank_in_one_line_with_exit_74",
         ),
     ),
     (("app/checkpoint_dir*",), ("tests/unit/test_checkpoint_dir*.py", "tests/unit/test_launch*.py")),
@@ -228,7 +231,7 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
         ),
     ),
     (
-        ("app/parallel/ddp/reducer*",),
+        ("app/parallel/ddp/reducer*", "app/parallel/ddp/buckets*"),
         (
             "tests/integration/test_ddp.py",
             "tests/integration/test_ddp_api*.py",

@@ -212,3 +212,16 @@ def test_a_stream_passes_the_start_up_check_on_its_first_two_samples():
     # A stream has no len() and no data[i]: the check must read it as the training loop will, by iterating.
     cfg = config(["--wrapper", "none"], {"DDP_DATA": "tests.unit.test_workload:Stream"})
     check_workload(cfg, world_size=1, grad_accum_steps=1)  # a refusal here would be exit 2 for a valid stream
+
+
+def test_a_pipeline_of_a_model_that_is_not_its_children_in_order_is_refused_at_start_up():
+    # The start-up check runs the model's children in order on a sample and compares with its forward: a model whose
+    # forward is something else (a residual around its first layer) would train another function cut in stages.
+    env = {**USER, "DDP_MODEL": "tests.models_user:ResidualNet", "DDP_LOSS": "cross_entropy"}
+    cfg = config(["--parallel", "pipeline", "--pipeline-stages", "2", "--micro-batch", "8", "--wrapper", "none"], env)
+    with pytest.raises(ConfigError) as e:
+        check_workload(cfg, world_size=2, grad_accum_steps=1)
+    assert str(e.value).startswith(
+        "parallel=pipeline with model='tests.models_user:ResidualNet': ResidualNet's forward is not its children in "
+        "order (inner, head): the chain gives another output;"
+    ) and str(e.value).endswith(", or use parallel=ddp"), str(e.value)
