@@ -73,6 +73,7 @@ RENDERERS = {
     "metrics-overhead": render_metrics_overhead,
     "mutants": render_mutants,
     "mutation": render_mutation,
+    "mutation-first": render_mutation,  # the first fresh-clone sample, before its survivors had their tests
     "metrics-budget": render_metrics_budget,
     "scaling": render_scaling,
     "zero": render_zero,

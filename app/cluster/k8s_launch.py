@@ -174,17 +174,22 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("%s: the ranks were asked to stop; exit %d", e.sigval.name, EXIT_STOPPED)
         return EXIT_STOPPED
     except ChildFailedError as e:
-        failed = {rank: failure.exitcode for rank, failure in e.failures.items()}
-        code = pod_exit_code(failed)
-        killed = [rank for rank, c in sorted(failed.items()) if c == -signal.SIGKILL]
-        if killed and (state := memory.kills()):
-            # Over the pod's resources.limits.memory: its container is not OOMKilled (the kernel took the trainer,
-            # not this process), so say it here, as the compose launcher does (app/cluster/memory.py).
-            log.error("%s: exit %d", oom_line(killed[0], socket.gethostname(), state), OUT_OF_MEMORY)
-            return OUT_OF_MEMORY
-        log.warning("ranks failed with exit codes %s; exit %d", failed, code)
-        return code
+        return failure_exit({rank: failure.exitcode for rank, failure in e.failures.items()}, memory)
     return OK
+
+
+def failure_exit(failed: dict[int, int], memory: OomWatch) -> int:
+    """The pod's exit code once ranks failed (rank: exit code), said in one line: a rank killed by SIGKILL while the
+    container's cgroup counted a kill for memory is ``OUT_OF_MEMORY`` (the limit, the peak, what to change)."""
+    code = pod_exit_code(failed)
+    killed = [rank for rank, c in sorted(failed.items()) if c == -signal.SIGKILL]
+    if killed and (state := memory.kills()):
+        # Over the pod's resources.limits.memory: its container is not OOMKilled (the kernel took the trainer,
+        # not this process), so say it here, as the compose launcher does (app/cluster/memory.py).
+        log.error("%s: exit %d", oom_line(killed[0], socket.gethostname(), state), OUT_OF_MEMORY)
+        return OUT_OF_MEMORY
+    log.warning("ranks failed with exit codes %s; exit %d", failed, code)
+    return code
 
 
 if __name__ == "__main__":

@@ -43,3 +43,18 @@ def test_the_fp16_and_bf16_hooks_stay_within_their_error_bounds_on_cuda(report):
 
 def test_the_trainer_trains_and_resumes_on_cuda(report):
     assert report["checks"]["trainer"], report["trainer"]
+
+
+def test_the_cuda_memory_gauges_read_what_this_ranks_gpu_holds():
+    # On a CPU-only build every path reads 0, so only a GPU tells a gauge that reads the GPU from one that never does.
+    import re
+
+    from prometheus_client import generate_latest
+
+    from app.worker.metrics import TrainMetrics
+
+    held = torch.empty(2**20, device="cuda")  # 4 MiB
+    text = generate_latest(TrainMetrics(0, torch.cuda.current_device(), 1, "node").registry).decode()
+    for name in ("ddp_cuda_memory_allocated_bytes", "ddp_cuda_memory_reserved_bytes"):
+        value = float(re.search(rf'^{name}{{rank="0"}} (\S+)$', text, re.MULTILINE).group(1))
+        assert value >= held.numel() * held.element_size(), (name, value)

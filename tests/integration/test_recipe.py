@@ -273,3 +273,16 @@ def _resume_lrs(rank: int, world: int, directory: str) -> tuple[float, float]:
     ckpt, changed = checkpointer(dataclasses.replace(SCHEDULE, lr=2 * SCHEDULE.lr), f"{directory}/new")
     assert ckpt.resume().step == 3 and changed.scheduler.last_epoch == 3
     return old, changed.lr
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_after_warm_up_the_lr_falls_from_the_peak_to_its_floor_by_the_last_step(schedule):
+    # 11 steps, 3 of warm-up (1/3, 2/3, 1), then 8 from the peak (step 4) to min_lr_ratio (step 11), evenly spaced
+    # in progress: each step's place in the decay is the steps done since warm-up ended.
+    import math
+
+    from app.worker.recipe import lr_factor
+
+    got = [lr_factor(s, schedule=schedule, steps=11, warmup_steps=3, min_lr_ratio=0.1) for s in range(11)]
+    decay = [1 - k / 7 if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * k / 7)) for k in range(8)]
+    assert got == pytest.approx([1 / 3, 2 / 3, 1, *(0.1 + 0.9 * d for d in decay)]), got

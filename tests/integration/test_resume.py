@@ -7,13 +7,16 @@ a truncated newest checkpoint (from the one before) ends identical too.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 
 import pytest
 import torch
 
+from app.checkpoint_dir import MANIFEST, sharded_path
 from app.worker.checkpoint.checkpointer import Checkpointer
 from app.worker.checkpoint.files import checkpoint_path, list_checkpoints, load_checkpoint
 from app.worker.models import MiniMLP, parameter_checksum
@@ -79,6 +82,25 @@ def test_resume_gives_the_same_parameters_as_a_straight_run(tmp_path):
     assert again["checksum"] == straight["checksum"]
 
 
+def test_plain_ddp_sets_a_damaged_sharded_checkpoint_aside_naming_its_shard_and_resumes_the_one_before(tmp_path):
+    """parallel=ddp resuming a ZeRO run's checkpoint_dir (every rank consolidates the shards): a newest checkpoint
+    whose shard changed after its manifest was written is set aside with a warning naming that shard and why, and
+    the checkpoint before it loads (the zero2 route to the same fallback: tests/integration/test_train_sharded.py)."""
+    zero = run_ranks(*worker_args("fixed_global_batch", steps=8, checkpoint_dir=tmp_path, parallel="zero2"))
+    assert zero.returncode == 0, describe(zero)  # sharded checkpoints at steps 4 and 8
+    newest = sharded_path(tmp_path, 8)
+    shard = newest / json.loads((newest / MANIFEST).read_text())["shards"][1]["file"]
+    shard.write_bytes(shard.read_bytes() + b"\0")
+    ddp = run_ranks(*worker_args("fixed_global_batch", steps=8, checkpoint_dir=tmp_path, parallel="ddp"))
+    assert ddp.returncode == 0, describe(ddp)
+    assert re.search(
+        rf"WARNING checkpoint {re.escape(str(newest))} is unusable \({re.escape(str(shard))}: sha256 \w+\.\.\. "
+        r"does not match the manifest's .*\); renamed to sharded-step-00000008\.corrupt; trying the previous one",
+        ddp.stderr,
+    ), ddp.stderr
+    assert re.search(r"resumed from \S+/sharded-step-00000004/manifest\.json \(step 4", ddp.stderr), ddp.stderr
+
+
 def _rng_round_trip(rank: int, world: int, directory: str) -> dict:
     """Each rank draws from its own CPU stream, a checkpoint is written, the stream moves on, and a resume must put
     every rank back exactly where it was when the checkpoint was written."""
@@ -128,6 +150,10 @@ def test_resume_restores_every_ranks_own_rng_stream(tmp_path):
     assert [o["restored"] for o in out] == [True, True]
     assert not torch.equal(out[0]["next"], out[1]["next"])  # rank 1 got its own stream back, not rank 0's
     assert [o["lr"] for o in out] == [[5e-3], [5e-3]]  # the new --lr trains, not the one the checkpoint saved
+    # One CPU stream per rank and no CUDA state from a CPU world: a GPU run resuming the file restores CUDA streams
+    # only from states a GPU world saved (a placeholder per rank would be handed to torch.cuda.set_rng_state).
+    rng = load_checkpoint(checkpoint_path(tmp_path, 5))["rng"]
+    assert len(rng["cpu"]) == 2 and rng["cuda"] == [], rng["cuda"]
 
 
 def test_a_checkpoint_dir_of_another_model_is_a_config_error_exit_2(tmp_path):

@@ -21,6 +21,7 @@ from tests.trainer_run import (
     describe,
     finish,
     finished,
+    free_port,
     kill,
     run_process,
     run_ranks,
@@ -137,6 +138,22 @@ def test_two_replicas_of_a_two_stage_pipeline_equal_one_process(tmp_path):
     assert "2 stages x 2 replicas" in result.stderr, describe(result)
     assert len({d["checksum"] for d in finished(result.stdout).values()}) == 1, describe(result)
     assert _max_diff(_model(ckpt, 10), _model(_train_alone(tmp_path, 10), 10)) < ATOL
+
+
+def test_a_pipeline_without_replicas_serves_its_metrics_and_counts_no_gradient_sync(tmp_path):
+    """With metrics on, each stage of a pure pipeline (no data-parallel replicas: nothing all-reduces its gradients)
+    trains to the end and reports its steps and its bubble, and ``ddp_gradient_syncs_total`` stays 0 (a negative
+    count would stop the run: a counter only goes up)."""
+    from tests.integration.test_metrics import scrape_at_the_end
+
+    scraped, err = scrape_at_the_end(free_port(2), parallel="pipeline", micro_batch=32, steps=3, log_every=3)
+    assert "2 stages x 1 replicas" in err, err
+    for rank, values in enumerate(scraped):
+        assert values[f'ddp_pipeline_stage{{rank="{rank}"}}'] == rank, values
+        assert values[f'ddp_optimizer_steps_total{{rank="{rank}"}}'] == 3, values
+        assert values[f'ddp_gradient_syncs_total{{rank="{rank}"}}'] == 0, values
+        # Each stage waits on the other for part of every step: its bubble is a share of the step, neither 0 nor 1.
+        assert 0 < values[f'ddp_pipeline_bubble_ratio{{rank="{rank}"}}'] < 1, values
 
 
 def test_sigterm_stops_every_stage_at_one_step_with_a_checkpoint(tmp_path):

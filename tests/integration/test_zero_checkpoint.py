@@ -11,9 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from app.parallel.ddp import DistributedDataParallel as DDP
 from app.parallel.zero import checkpoint as zero_checkpoint
 from app.parallel.zero.checkpoint import CheckpointError, DamagedCheckpoint, load_sharded, save_sharded
+from app.parallel.zero.stage1 import ZeroRedundancyOptimizer
+from app.parallel.zero.stage2 import ShardedGradDataParallel
 from app.world import run_world
 from tests.integration.test_zero import batch, build, full_parameters, wrap
 
@@ -76,6 +80,76 @@ def test_save_on_4_resume_on_3_equals_an_uninterrupted_run(stage, kind, file_byt
     worst = max((resumed[n] - uninterrupted[n]).abs().max().item() for n in uninterrupted)
     assert resumed.keys() == uninterrupted.keys()
     assert worst <= RESUME_TOL, worst
+
+
+class CountingAdamW(torch.optim.AdamW):
+    """AdamW that also keeps a Python int in each parameter's state, as a user's optimizer may (LBFGS keeps several)."""
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["updates"] = self.state[p].get("updates", 0) + 1
+        return loss
+
+
+class OneOutput(nn.Module):
+    """A regression head: its bias has one element, as many as AdamW's 0-dim ``step``."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _held_state(stage, wrapped, opt) -> list[dict]:
+    """This rank's optimizer state, per tensor it steps, in a fixed order (copies: the optimizer goes on using it)."""
+    held = (
+        [opt.optim.state[p] for p in opt.owned_parameters()]
+        if stage == 1
+        else [opt.state[shard] for _, shard in wrapped.flat_shards()]
+    )
+    return [{k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()} for state in held]
+
+
+def _counting(stage: int):
+    torch.manual_seed(0)
+    model = OneOutput()
+    if stage == 1:
+        ddp = DDP(model)
+        return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=CountingAdamW, lr=0.01)
+    wrapped = ShardedGradDataParallel(model, bucket_cap_mb=0.001)
+    return wrapped, wrapped.build_optimizer(CountingAdamW, lr=0.01)
+
+
+def save_and_load_the_state(rank, world, stage, directory):
+    wrapped, opt = _counting(stage)
+    for step in range(2):
+        x, y = batch(step, 2 * world)
+        F.mse_loss(wrapped(x[2 * rank : 2 * rank + 2]), y[2 * rank : 2 * rank + 2, :1]).backward()
+        opt.step()
+        opt.zero_grad()
+    saved = _held_state(stage, wrapped, opt)
+    save_sharded(directory, wrapped, opt, extra={"step": 2})
+    wrapped, opt = _counting(stage)
+    load_sharded(directory, wrapped, opt)
+    return saved, _held_state(stage, wrapped, opt)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_optimizer_state_comes_back_as_saved_numbers_and_0_dim_tensors_included(stage, tmp_path):
+    # AdamW's step is a 0-dim tensor, and travels as one, beside the element-wise state; so does any Python number
+    # an optimizer keeps. With a one-element parameter, the step must still not be taken for element-wise state.
+    for saved, loaded in run_world(save_and_load_the_state, 2, stage, str(tmp_path), timeout=120):
+        assert [sorted(s) for s in saved] == [sorted(s) for s in loaded] and saved, (saved, loaded)
+        for before, after in zip(saved, loaded):
+            assert after["updates"] == before["updates"] == 2, (before, after)
+            for k, v in before.items():
+                same = torch.equal(v, after[k]) if torch.is_tensor(v) else v == after[k]
+                assert same, (stage, k, v, after[k])
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,19 @@ def test_the_launchers_line_names_the_file_its_time_and_its_settings():
     assert line == "settings from env file .cluster.env (written 2026-12-03T18:00:00Z): DDP_LR, DDP_STEPS"
     assert describe_env_file({"DDP_LR": "0.5"}) is None, "a plain up read no file: nothing to say"
     assert describe_env_file({FILE_ENV: "x.env"}).endswith(": none (no DDP_* in its shell)")
+
+
+def test_an_env_file_that_cannot_be_written_is_one_line_naming_it_and_exit_2(tmp_path):
+    # `make up` runs this first: a CLUSTER_ENV_FILE in a place that cannot hold a file must stop it with the path and
+    # what to do, not a traceback (a file where its directory should be: refused even to root, unlike permissions).
+    (tmp_path / "a-file").write_text("")
+    path = tmp_path / "a-file" / "run.env"
+    env = {**os.environ, "DDP_STEPS": "5"}
+    out = subprocess.run(
+        [sys.executable, "-m", "app.cluster.compose_env", str(path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out
+    assert out.stderr.splitlines() == [
+        f"error: cannot write {path} (Not a directory): choose another CLUSTER_ENV_FILE"
+    ], out.stderr

@@ -441,3 +441,21 @@ def test_activation_checkpointing_every_refuses_a_step_below_one_in_one_line(val
     with pytest.raises(ConfigError, match=r"N an integer >= 1") as err:
         activation_checkpointing_every(value)
     assert "\n" not in str(err.value)
+
+
+def test_parallel_dp_without_two_gpus_names_what_is_missing():
+    # device=cpu rules dp out whatever the GPUs; the error says so only when it is what the user set.
+    import torch  # (check_world's own import: the rest of this file runs without torch)
+
+    gpus = torch.cuda.device_count()
+    if gpus >= 2:
+        pytest.skip("this machine has >= 2 GPUs: parallel=dp with device=auto is valid here")
+    with pytest.raises(ConfigError) as cpu:
+        TrainConfig(parallel="dp", device="cpu").check_world(1)
+    assert str(cpu.value) == (
+        f"parallel=dp needs CUDA with >= 2 GPUs; {gpus} visible and device=cpu: use parallel=ddp (any device), "
+        "or run on a machine with >= 2 GPUs"
+    )
+    with pytest.raises(ConfigError) as auto:
+        TrainConfig(parallel="dp").check_world(1)
+    assert str(auto.value).startswith(f"parallel=dp needs CUDA with >= 2 GPUs; {gpus} visible: use parallel=ddp")

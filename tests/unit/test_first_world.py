@@ -165,3 +165,26 @@ def test_waiting_for_peers_returns_once_every_listed_replica_is_ready_and_the_li
     waited = time.monotonic() - start
     assert reporter.expected == len(listed) and reporter.first_of_job
     assert 1.5 <= waited < 10, f"waited {waited:.1f} s for replicas that were all ready (settle 1.5 s)"
+
+
+def test_a_launcher_waits_for_a_replica_that_is_not_ready_yet_then_counts_it():
+    """``Reporter.wait_for_peers`` against a real store: the one replica its peers name (an address of its own, as
+    Docker's service name gives one per container) marks itself ready a second later; the launcher polls until then
+    and counts it, rather than join a first world alone or fail."""
+    import datetime
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
+    reporter = Reporter(("127.0.0.1", server.port), "job", None)
+    late = threading.Timer(1.0, lambda: server.set("app.cluster.launch/job/ready/127.0.0.2", "1"))
+    late.start()
+    t0 = time.monotonic()
+    try:
+        reporter.wait_for_peers("127.0.0.2", timeout_s=30)
+    finally:
+        late.cancel()
+    assert reporter.first_of_job and reporter.expected == 1
+    assert 0.9 < time.monotonic() - t0 < 20

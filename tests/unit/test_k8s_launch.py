@@ -6,9 +6,21 @@ in the Kubernetes emulation (tests/e2e/test_k8s_emulation.py).
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
-from app.cluster.k8s_launch import EXIT_PEER, EXIT_STOPPED, _rendezvous_timeout, pod_exit_code, set_omp_threads
+from app.cluster.k8s_launch import (
+    EXIT_PEER,
+    EXIT_STOPPED,
+    _rendezvous_timeout,
+    failure_exit,
+    pod_exit_code,
+    set_omp_threads,
+)
+from app.cluster.memory import OomWatch
+from app.exit_codes import OUT_OF_MEMORY
+from tests.unit.test_memory import v2
 
 
 @pytest.mark.parametrize(
@@ -75,3 +87,20 @@ def test_wait_for_fresh_store_counts_the_stale_store_it_met_once(monkeypatch):
 
     monkeypatch.setattr(k8s_launch, "TCPStore", Store)
     assert k8s_launch.wait_for_fresh_store("pod-0", 29500, node_rank=1, timeout_s=10, poll_s=0) == 1
+
+
+@pytest.mark.parametrize("exitcode", [-9, 1])
+def test_a_rank_killed_for_memory_ends_the_pod_in_one_line_and_any_other_failure_as_usual(tmp_path, caplog, exitcode):
+    # The kernel's count tells a kill for memory (over resources.limits.memory) from any other: only a rank ended by
+    # SIGKILL while the count rose is one, and the pod then says so, with the limit, and exits OUT_OF_MEMORY.
+    memory = OomWatch(v2(tmp_path, kills=0))
+    v2(tmp_path, kills=1)
+    with caplog.at_level(logging.INFO, logger="app.cluster.k8s_launch"):
+        code = failure_exit({0: 1, 1: exitcode}, memory)
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1, lines
+    if exitcode == -9:
+        assert code == OUT_OF_MEMORY and lines[0].startswith("rank 1 (this container, "), lines
+        assert "was killed for memory: over its container's limit of 1300 MiB" in lines[0], lines
+    else:
+        assert code == pod_exit_code({0: 1, 1: 1}) and lines[0].startswith("ranks failed with exit codes"), lines

@@ -69,3 +69,31 @@ def test_a_zero_step_drops_its_gradients_before_a_save_so_the_save_adds_nothing_
     # sit beside the save's own copies at the step's peak.
     for after_step, at_save in run_world(gradient_bytes_around_a_save, 2, parallel):
         assert after_step > 0 and at_save == 0, (parallel, after_step, at_save)
+
+
+def _one_inf(g: torch.Tensor) -> torch.Tensor:
+    return g.flatten().index_put((torch.tensor([0]),), torch.tensor(float("inf"))).view_as(g)
+
+
+def overflow_in_one_shard(rank: int, world: int, parallel: str) -> list[bool]:
+    # fp16 autocast (a GradScaler): the second step's gradient gets one inf, on rank 1, in one element, which after
+    # the reduce-scatter sits in one rank's shard only.
+    cfg = TrainConfig(steps=3, parallel=parallel, autocast="fp16", metrics_port=0, micro_batch=8)
+    step = build_step(cfg, DistContext(rank, rank, world, torch.device("cpu"), "gloo"), 1, NoMetrics())
+    skipped = []
+    for i in range(3):
+        hook = None
+        if i == 1 and rank == 1:
+            weight = next(step.model.parameters())
+            hook = weight.register_hook(_one_inf)
+        outcome = step.train_step(step.batches.next_micro_batches(), agree_nonfinite=lambda bad: bad)
+        if hook is not None:
+            hook.remove()
+        skipped.append(outcome.skipped)
+    return skipped
+
+
+def test_an_fp16_overflow_in_one_ranks_shard_skips_that_step_on_every_rank():
+    # Sharded gradients: only the rank holding the inf can see it. The step kind's scaler must agree over the world,
+    # or that rank skips while the others step, and the ranks train different models from then on.
+    assert run_world(overflow_in_one_shard, 2, "zero2") == [[False, True, False], [False, True, False]]

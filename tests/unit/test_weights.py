@@ -146,3 +146,26 @@ def test_a_checkpoint_dir_gives_its_newest_checkpoint_that_loads_and_is_left_as_
     (tmp_path / "step-00000003.pt").write_bytes(b"torn too")
     with pytest.raises(WeightsError, match=r"none of its 3 checkpoints loads"):
         read_model_state(tmp_path)
+
+
+def test_an_optimizer_state_by_name_comes_back_to_a_plain_optimizer_as_it_was():
+    # parallel=ddp resuming a ZeRO run's checkpoint: each parameter's AdamW moments, held by name, must land at that
+    # parameter's position in a plain optimizer, or the resumed run restarts its moments from zero.
+    from app.worker.checkpoint.weights import consolidated_from_plain, plain_optimizer_state
+
+    torch.manual_seed(0)
+    model = MiniMLP()
+    trained = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 32)).sum().backward()
+    trained.step()
+    names = [n for n, _ in model.named_parameters()]
+    whole = consolidated_from_plain(
+        {"model": model.state_dict(), "optimizer": trained.state_dict(), "param_names": names}
+    )
+    fresh_model = MiniMLP()
+    fresh = torch.optim.AdamW(fresh_model.parameters(), lr=0.01)
+    fresh.load_state_dict(plain_optimizer_state(whole, fresh_model, fresh))
+    want, got = trained.state_dict()["state"], fresh.state_dict()["state"]
+    assert sorted(got) == sorted(want) == list(range(len(names)))
+    for i in want:
+        assert all(torch.equal(want[i][k], got[i][k]) for k in want[i]), names[i]

@@ -235,3 +235,16 @@ def test_compile_cuts_our_ddp_at_its_buckets_and_the_other_kinds_per_unit(flags,
     cfg = config(["--model", "mini_mlp", *flags])
     assert compiles_at_buckets(cfg) is at_buckets
     assert list(compiled_units(cfg, build_model(cfg))) == units
+
+
+def test_a_pipeline_of_a_model_that_is_not_its_children_in_order_is_refused_at_start_up():
+    # The start-up check runs the model's children in order on a sample and compares with its forward: a model whose
+    # forward is something else (a residual around its first layer) would train another function cut in stages.
+    env = {**USER, "DDP_MODEL": "tests.models_user:ResidualNet", "DDP_LOSS": "cross_entropy"}
+    cfg = config(["--parallel", "pipeline", "--pipeline-stages", "2", "--micro-batch", "8", "--wrapper", "none"], env)
+    with pytest.raises(ConfigError) as e:
+        check_workload(cfg, world_size=2, grad_accum_steps=1)
+    assert str(e.value).startswith(
+        "parallel=pipeline with model='tests.models_user:ResidualNet': ResidualNet's forward is not its children in "
+        "order (inner, head): the chain gives another output;"
+    ) and str(e.value).endswith(", or use parallel=ddp"), str(e.value)
