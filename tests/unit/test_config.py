@@ -459,3 +459,13 @@ def test_parallel_dp_without_two_gpus_names_what_is_missing():
     with pytest.raises(ConfigError) as auto:
         TrainConfig(parallel="dp").check_world(1)
     assert str(auto.value).startswith(f"parallel=dp needs CUDA with >= 2 GPUs; {gpus} visible: use parallel=ddp")
+
+
+def test_the_settings_digest_is_the_same_whatever_order_a_mappings_keys_came_in():
+    # Two containers given the same loss_kwargs in another JSON key order must not be told their settings differ.
+    from app.worker.config.load import digest
+
+    one = TrainConfig(loss_kwargs={"label_smoothing": 0.1, "reduction": "mean"})
+    other = TrainConfig(loss_kwargs={"reduction": "mean", "label_smoothing": 0.1})
+    assert digest(one) == digest(other)
+    assert digest(one) != digest(TrainConfig(loss_kwargs={"label_smoothing": 0.2, "reduction": "mean"}))
