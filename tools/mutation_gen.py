@@ -317,12 +317,40 @@ def stable_id(path: str, key: str, seen: dict[str, int]) -> str:
     return hashlib.sha1(f"{key}|#{n}".encode()).hexdigest()[:10]
 
 
-def selection_for(path: str) -> tuple[str, ...]:
-    """The test selection (pytest arguments, globs; or one promtool command) for a mutated file."""
-    for files, tests in AREAS:
-        if any(fnmatch.fnmatch(path, f) for f in files):
-            return tests
-    raise KeyError(f"{path}: no rule in tools/mutation_gen.py AREAS names its tests")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def selection_for(path: str, root: Path = REPO) -> tuple[str, ...]:
+    """The test selection (pytest arguments, globs; or one promtool command) for a mutated file: its area's rule
+    (the first that matches) with the file's own tests added, unit ones first (``own_tests``)."""
+    rule = next((tests for files, tests in AREAS if any(fnmatch.fnmatch(path, f) for f in files)), None)
+    if rule is None:
+        raise KeyError(f"{path}: no rule in tools/mutation_gen.py AREAS names its tests")
+    tests: tuple[str, ...] = rule
+    if not path.endswith(".py"):
+        return tests
+    k = tests.index("-k") if "-k" in tests else len(tests)
+    unit, integration = own_tests(path, root)
+    return tuple(dict.fromkeys((*unit, *tests[:k], *integration))) + tests[k:]
+
+
+def own_tests(path: str, root: Path = REPO) -> tuple[list[str], list[str]]:
+    """A file's own tests, whatever its area's rule says: a held-out sample's survivors were mostly mutants of a
+    file that fell under a folder's catch-all, whose selection left out the test file named after the module or the
+    unit test that imports it. Unit: tests/unit/test_<name>.py and test_<name>_*.py, and every unit test file that
+    imports the module; integration: tests/integration/test_<name>.py only (test_ddp_*.py is a dozen gloo files a
+    survivor would run whole). <name> is the package's for an __init__.py."""
+    p = Path(path)
+    name = p.parent.name if p.stem == "__init__" else p.stem
+    module = ".".join(p.with_suffix("").parts[:-1] if p.stem == "__init__" else p.with_suffix("").parts)
+    imports = re.compile(rf"\b{re.escape(module)}\b|from {re.escape(module.rpartition('.')[0])} import .*\b{p.stem}\b")
+    unit = [f"tests/unit/test_{name}.py", f"tests/unit/test_{name}_*.py"]
+    unit += [
+        str(t.relative_to(root))
+        for t in sorted((root / "tests/unit").glob("test_*.py"))
+        if p.stem != "__init__" and imports.search(t.read_text())
+    ]
+    return list(dict.fromkeys(unit)), [f"tests/integration/test_{name}.py"]
 
 
 def expand(tests: tuple[str, ...], root: Path) -> list[str]:

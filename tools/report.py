@@ -74,6 +74,7 @@ RENDERERS = {
     "mutants": render_mutants,
     "mutation": render_mutation,
     "mutation-first": render_mutation,  # the first fresh-clone sample, before its survivors had their tests
+    "mutation-heldout": render_mutation,  # a sample drawn after every file's selection gained its own tests
     "metrics-budget": render_metrics_budget,
     "scaling": render_scaling,
     "zero": render_zero,

@@ -102,3 +102,20 @@ def test_an_env_file_that_cannot_be_written_is_one_line_naming_it_and_exit_2(tmp
     assert out.stderr.splitlines() == [
         f"error: cannot write {path} (Not a directory): choose another CLUSTER_ENV_FILE"
     ], out.stderr
+
+
+def test_make_ups_line_counts_and_names_the_settings_it_wrote(tmp_path):
+    # What `make up` prints: the file, how many DDP_* settings the workers get, and which (none: no names after it).
+    path = tmp_path / "run.env"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DDP_")}
+    lines = [
+        subprocess.run(
+            [sys.executable, "-m", "app.cluster.compose_env", str(path)],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=True,
+        ).stdout.strip()
+        for env in ({**base, "DDP_STEPS": "5", "DDP_LR": "0.5"}, base)
+    ]  # fmt: skip
+    assert lines[0].endswith(": 2 setting(s) for the workers: DDP_LR DDP_STEPS") or lines[0].endswith(
+        ": 2 setting(s) for the workers: DDP_STEPS DDP_LR"
+    ), lines[0]
+    assert lines[1].endswith(": 0 setting(s) for the workers"), lines[1]

@@ -459,3 +459,20 @@ def test_parallel_dp_without_two_gpus_names_what_is_missing():
     with pytest.raises(ConfigError) as auto:
         TrainConfig(parallel="dp").check_world(1)
     assert str(auto.value).startswith(f"parallel=dp needs CUDA with >= 2 GPUs; {gpus} visible: use parallel=ddp")
+
+
+def test_the_settings_digest_is_the_same_whatever_order_a_mappings_keys_came_in():
+    # Two containers given the same loss_kwargs in another JSON key order must not be told their settings differ.
+    from app.worker.config.load import digest
+
+    one = TrainConfig(loss_kwargs={"label_smoothing": 0.1, "reduction": "mean"})
+    other = TrainConfig(loss_kwargs={"reduction": "mean", "label_smoothing": 0.1})
+    assert digest(one) == digest(other)
+    assert digest(one) != digest(TrainConfig(loss_kwargs={"label_smoothing": 0.2, "reduction": "mean"}))
+
+
+def test_a_local_rank_without_local_world_size_counts_itself_and_the_ranks_below_it():
+    # A launcher that sets LOCAL_RANK but not LOCAL_WORLD_SIZE: local rank 3 means at least 4 processes on this node.
+    from app.worker.config import WorldEnv
+
+    assert WorldEnv.from_environ({"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "4"}).local_world_size == 4

@@ -20,6 +20,7 @@ from tools.mutants import MUTANTS, REPO
 from tools.mutation import load_triage, pytest_cmd, score
 from tools.mutation_gen import (
     AREAS,
+    SLOW,
     Candidate,
     alert_candidates,
     apply_alert,
@@ -325,3 +326,17 @@ def test_an_except_clause_naming_a_dotted_class_is_mutated_where_it_can_be_and_n
     applied = [apply_python(c, code) for c in mutants]
     assert len(mutants) == 2 and None in applied
     assert any(m is not None and "except (os.error, type(" in m for m in applied)
+
+
+def test_a_file_under_a_catch_all_rule_also_runs_its_own_tests_unit_first_and_before_the_k_filter():
+    # app/cluster/elastic.py falls under app/cluster/*; tests/unit/test_rendezvous_store_lifetime.py imports it
+    selection = selection_for("app/cluster/elastic.py")
+    assert "tests/unit/test_rendezvous_store_lifetime.py" in selection
+    assert selection.index("tests/unit/test_elastic.py") < selection.index("tests/integration/test_launch*.py")
+    # named after the module: steps/pipeline.py falls under the pipeline step's rule, which had no unit tests
+    assert {"tests/unit/test_pipeline_schedule.py", "tests/integration/test_pipeline.py"} <= set(
+        expand(selection_for("app/worker/steps/pipeline.py"), REPO)
+    )
+    dist = selection_for("app/worker/dist.py")
+    assert dist[-2:] == ("-k", SLOW) and "tests/unit/test_dist.py" in dist, "the area's -k stays last, with its filter"
+    assert selection_for("docker/prometheus/alerts.yml")[0].startswith("promtool"), "a YAML file has no module tests"

@@ -36,3 +36,11 @@ def test_1f1b_alternates_one_backward_one_forward_after_its_warm_up():
         ("B", 2),
         ("B", 3),
     ]
+
+
+@pytest.mark.parametrize("stages, micro_batches, bubble", [(1, 8, 0.0), (2, 8, 1 / 9), (4, 8, 3 / 11), (8, 1, 7 / 8)])
+def test_the_theoretical_bubble_is_s_minus_1_over_m_plus_s_minus_1(stages, micro_batches, bubble):
+    # the line the bubble demo and docs/performance compare the measured idle share with
+    from app.parallel.pipeline.stages import theoretical_bubble
+
+    assert theoretical_bubble(stages, micro_batches) == pytest.approx(bubble)

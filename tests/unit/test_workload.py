@@ -200,6 +200,25 @@ def test_samples_that_do_not_stack_into_a_batch_are_one_line_at_start_up():
     assert "\n" not in str(e.value)
 
 
+class TensorOnlyData:
+    """A map-style data set whose samples are one tensor each, no target: a common slip in a user's data set."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.zeros(2, 32)  # indexable as if it were a pair: only the type check can tell
+
+
+def test_a_sample_that_is_not_an_input_target_pair_is_one_line_at_start_up():
+    cfg = config(["--wrapper", "none"], {"DDP_DATA": "tests.unit.test_workload:TensorOnlyData"})
+    with pytest.raises(ConfigError) as e:
+        check_workload(cfg, world_size=1, grad_accum_steps=1)
+    assert str(e.value) == (
+        "data='tests.unit.test_workload:TensorOnlyData': a sample is a Tensor, not an (input, target) tensor pair"
+    )
+
+
 class Stream:
     """A re-iterable stream (``__iter__`` only, no ``__len__``): 40 samples of mini_mlp's shapes."""
 
