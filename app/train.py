@@ -67,9 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     stop.timeout_s = cfg.stop_timeout_seconds
 
     # torch and everything built on it, only now: a bad flag above fails before this seconds-long import.
-    from app.worker.checkpoint.checkpointer import CheckpointMismatch, CheckpointWriteError
-    from app.worker.dist import RendezvousError, cleanup_distributed, lost_peer
-    from app.worker.trainer import TrainingDiverged
+    from app.worker.dist import RendezvousError
 
     clock.mark("trainer imports")
     try:
@@ -91,11 +89,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return FAILED
     clock.mark("process group")
+    return train_to_the_end(cfg, resolved.sources, ctx, world, grad_accum_steps, stop, metrics, clock, healer)
+
+
+def train_to_the_end(cfg, sources, ctx, world, grad_accum_steps, stop, metrics, clock, healer) -> int:
+    """The loop in its process group, and how it ended as an exit code; the group and the endpoint torn down."""
+    from app.worker.checkpoint.checkpointer import CheckpointMismatch, CheckpointWriteError
+    from app.worker.dist import cleanup_distributed, lost_peer
+    from app.worker.trainer import TrainingDiverged
+
     # torch.optim's seconds-long import of torch._dynamo skipped (TRAINER_DEFER_DYNAMO=0: imported as torch does).
     # After the process group: init_process_group touches torch._dynamo whenever a module of that name is there.
     try:
         defer_dynamo_import(compiling=cfg.compile != "none")  # compile: the real one, imported below
-        return train(cfg, resolved.sources, ctx, world, grad_accum_steps, stop, metrics, clock, healer)
+        return train(cfg, sources, ctx, world, grad_accum_steps, stop, metrics, clock, healer)
     except (ConfigError, CheckpointMismatch, TorchChanged) as e:  # TorchChanged: a torch the stand-in does not know
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return BAD_CONFIG

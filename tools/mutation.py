@@ -71,11 +71,21 @@ VERDICTS = ("equivalent", "real")
 NOT_RUN = ("not applied", "error", "unconfirmed", "not run (budget)")
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """PyYAML keeps the last of two equal keys without a word: a judgement written twice would hide the first."""
+
+    def construct_mapping(self, node, deep=False):
+        keys = [str(self.construct_object(k, deep=deep)) for k, _ in node.value]
+        if twice := sorted({k for k in keys if keys.count(k) > 1}):
+            raise SystemExit(f"mutation: {', '.join(twice)} judged twice (line {node.start_mark.line + 1}): keep one")
+        return super().construct_mapping(node, deep)
+
+
 def load_triage(path: Path = TRIAGE) -> dict[str, dict]:
     """``{id: {"verdict": "equivalent" | "real", "reason": ..., ...}}``; a bad entry is a one-line error."""
     if not path.exists():
         return {}
-    entries = (yaml.safe_load(path.read_text()) or {}).get("mutants") or {}
+    entries = (yaml.load(path.read_text(), Loader=_UniqueKeys) or {}).get("mutants") or {}
     for key, e in entries.items():
         if not isinstance(e, dict) or e.get("verdict") not in VERDICTS or not e.get("reason"):
             raise SystemExit(f"mutation: {path.name}: {key}: needs verdict ({' or '.join(VERDICTS)}) and a reason")

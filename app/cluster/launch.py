@@ -293,15 +293,7 @@ def launch(argv: list[str] | None = None) -> int:
     if env_file := describe_env_file(os.environ):  # never read silently: which file, and what it carried
         log.info("%s", env_file)
     try:
-        check_torch()  # the version app.torch_patches was written for, before any patch below
-        _, high = nnodes_range(args.nnodes)
-        workers = expected_workers(high)
-        config = check_trainer_config(args)
-        if config is not None:
-            check_checkpoint_dir(config.checkpoint_dir)
-        store = store_address(args)
-        if store:
-            wait_for_store(*store, settings.store_wait_seconds)
+        high, workers, config, store = preflight(args, settings)
     except (LaunchError, TorchChanged) as e:
         log.error("%s", e)
         if e.code == BAD_CONFIG:
@@ -340,6 +332,21 @@ def launch(argv: list[str] | None = None) -> int:
     job.finish(config.steps if config is not None else None)
     log.info("the workers finished: exit 0")
     return OK
+
+
+def preflight(args, settings: LaunchConfig):
+    """What must hold before any rendezvous: the torch, the world's range, WORKERS, the trainer's settings and its
+    checkpoint directory, the store answering. Returns (MAX nodes, WORKERS or None, TrainConfig or None, store)."""
+    check_torch()  # the version app.torch_patches was written for, before any patch below
+    _, high = nnodes_range(args.nnodes)
+    workers = expected_workers(high)
+    config = check_trainer_config(args)
+    if config is not None:
+        check_checkpoint_dir(config.checkpoint_dir)
+    store = store_address(args)
+    if store:
+        wait_for_store(*store, settings.store_wait_seconds)
+    return high, workers, config, store
 
 
 def run_rejoining(args, reporter: Reporter, store: tuple[str, int] | None) -> None:

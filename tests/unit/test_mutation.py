@@ -190,6 +190,14 @@ def test_the_committed_triage_file_loads():
     assert all(e["verdict"] in ("equivalent", "real") for e in load_triage().values())
 
 
+def test_a_mutant_judged_twice_in_the_triage_file_is_one_line_not_the_last_entry_silently(tmp_path):
+    entry = "    verdict: equivalent\n    reason: r\n"
+    triage = tmp_path / "triage.yaml"
+    triage.write_text("mutants:\n  aaaa:\n" + entry + "  bbbb:\n" + entry + "  aaaa:\n" + entry)
+    with pytest.raises(SystemExit, match=r"^mutation: aaaa judged twice \(line 2\): keep one$"):
+        load_triage(triage)
+
+
 def test_what_a_selection_leaves_running_is_ended_with_it(tmp_path):
     """A timed-out or finished selection's leftover processes (a hung test's rank processes) are killed."""
     from tools.mutation import run_group
