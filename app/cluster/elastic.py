@@ -116,6 +116,29 @@ class Sightings:
         return self.clock() - newest >= self.settle_s
 
 
+def heal_exit_barrier(config, run_id: str, local_world_size: int, timeout_s: float) -> bool:
+    """heal=in_place: wait at heal_store for the launchers of every container of the trainers' newest world (as
+    agreed there, after any heal: a lost container's launcher never comes, a newcomer's comes though it never
+    entered torch's rendezvous). True once that barrier is done (passed, or timed out: a warning, as torch's, and the
+    trainers' own exit code stands); False: not for this job (heal=restart, no world at the store, the store
+    unreachable), so the caller's own barrier runs, if it has one."""
+    if config is None or config.heal != "in_place":
+        return False
+    from app.worker.heal import exit_barrier
+
+    try:
+        containers = exit_barrier(config.heal_store, run_id, local_world_size, timeout_s)
+    except TimeoutError as e:
+        log.warning("exit barrier at heal_store=%s: %s", config.heal_store, e)
+        return True
+    except Exception:  # noqa: BLE001 - torch's own barrier then: the slower, never the wrong ending
+        log.debug("cannot reach the healed world at %s", config.heal_store, exc_info=True)
+        return False
+    if containers is not None:
+        log.info("the exit barrier at heal_store waited for the %d container(s) of the trainers' world", containers)
+    return containers is not None
+
+
 class Reporter:
     """Reads the rendezvous state at the store (torch's own c10d backend) to say who is in each world."""
 
@@ -272,25 +295,8 @@ class Reporter:
         return summary_line(flight)
 
     def heal_exit_barrier(self, local_world_size: int, timeout_s: float) -> bool:
-        """heal=in_place: wait at heal_store for the launchers of every container of the trainers' newest world (as
-        agreed there, after any heal: a lost container's launcher never comes, a newcomer's comes though it never
-        entered torch's rendezvous). False: torch's own barrier instead (heal=restart, or no world at the store)."""
-        cfg = self.config
-        if cfg is None or cfg.heal != "in_place":
-            return False
-        from app.worker.heal import exit_barrier
-
-        try:
-            containers = exit_barrier(cfg.heal_store, self.run_id, local_world_size, timeout_s)
-        except TimeoutError as e:  # as torch's barrier: a warning, and the trainers' own exit code stands
-            log.warning("exit barrier at heal_store=%s: %s", cfg.heal_store, e)
-            return True
-        except Exception:  # noqa: BLE001 - torch's own barrier then: the slower, never the wrong ending
-            log.debug("cannot reach the healed world at %s", cfg.heal_store, exc_info=True)
-            return False
-        if containers is not None:
-            log.info("the exit barrier at heal_store waited for the %d container(s) of the trainers' world", containers)
-        return containers is not None
+        """heal=in_place: the exit barrier at heal_store (``heal_exit_barrier``); False: torch's own instead."""
+        return heal_exit_barrier(self.config, self.run_id, local_world_size, timeout_s)
 
     def leaving(self, remaining: int, budget: int) -> None:
         log.info("leaving the world to re-form it: %s; restarts left %d of %d", self.leave_reason, remaining, budget)

@@ -40,14 +40,20 @@ def fork_trainers(args, fork: bool = True) -> bool:
         return False
     if not runs_the_trainer(args):
         return False
-    import torch
-
-    if torch.version.cuda is not None or torch.version.hip is not None:
+    if not forkable_torch():
         return False
     # With --run-path, torchrun's entrypoint is run_script_path(training_script, *its arguments), in the worker.
     torch_patches.set_run_script_path(run_trainer)
     args.run_path, args.start_method = True, "fork"
     return True
+
+
+def forkable_torch() -> bool:
+    """A build of torch without CUDA or ROCm: a process that touched a GPU cannot be forked (counting the devices
+    does), so a GPU build starts each trainer as a new interpreter."""
+    import torch
+
+    return torch.version.cuda is None and torch.version.hip is None
 
 
 def run_trainer(module: str, *argv: str) -> None:

@@ -27,7 +27,7 @@ import signal
 import subprocess
 import sys
 
-from app.cluster.forked_trainer import TRAINER, run_trainer
+from app.cluster.forked_trainer import TRAINER, forkable_torch, run_trainer
 from app.cluster.job_state import JobState
 from app.exit_codes import BAD_CONFIG, FAILED, OK
 from app.worker.config.launch import LaunchConfig
@@ -86,13 +86,11 @@ def join_live_world(args, config, settings: LaunchConfig, job: JobState, size: i
 
 
 def finished(args, config, job: JobState) -> int:
-    from app.worker.heal import exit_barrier
+    from app.cluster.elastic import heal_exit_barrier
 
-    try:
-        containers = exit_barrier(config.heal_store, args.rdzv_id, 1, EXIT_BARRIER_SECONDS)
-        log.info("the exit barrier at heal_store waited for the %d container(s) of the trainers' world", containers)
-    except Exception as e:  # noqa: BLE001 - as torch's barrier: a warning, the trainer's exit code stands
-        log.warning("exit barrier at heal_store=%s: %s", config.heal_store, e)
+    # The survivors' agents use the same barrier; a newcomer has no torch barrier to fall back on.
+    if not heal_exit_barrier(config, args.rdzv_id, 1, EXIT_BARRIER_SECONDS):
+        log.warning("exit barrier at heal_store=%s: no world there to wait for", config.heal_store)
     job.finish(config.steps)
     log.info("the workers finished: exit 0")
     return OK
@@ -125,7 +123,7 @@ def start_trainer(args, fork: bool) -> int:
     does for torchrun's path) where it can be, else a new interpreter. No WORLD_SIZE: it is a newcomer."""
     env = {"TORCHELASTIC_RUN_ID": args.rdzv_id, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "PET_NNODES": args.nnodes}
     argv = list(args.training_script_args)
-    if not (fork and forkable()):
+    if not (fork and forkable_torch()):
         command = [sys.executable, "-u", "-m", TRAINER, *argv]
         return subprocess.Popen(command, env={**os.environ, **env}).pid
     sys.stdout.flush()
@@ -148,13 +146,6 @@ def start_trainer(args, fork: bool) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-
-
-def forkable() -> bool:
-    """A build of torch without CUDA or ROCm: a process that touched a GPU cannot be forked (forked_trainer's note)."""
-    import torch
-
-    return torch.version.cuda is None and torch.version.hip is None
 
 
 def wait_forwarding_signals(pid: int) -> tuple[int, str | None]:
