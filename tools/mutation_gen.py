@@ -14,6 +14,7 @@ or to another file (the DDP split, the config package) keeps its triage judgemen
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 import random
 import re
@@ -345,12 +346,15 @@ def own_tests(path: str, root: Path = REPO) -> tuple[list[str], list[str]]:
     module = ".".join(p.with_suffix("").parts[:-1] if p.stem == "__init__" else p.with_suffix("").parts)
     imports = re.compile(rf"\b{re.escape(module)}\b|from {re.escape(module.rpartition('.')[0])} import .*\b{p.stem}\b")
     unit = [f"tests/unit/test_{name}.py", f"tests/unit/test_{name}_*.py"]
-    unit += [
-        str(t.relative_to(root))
-        for t in sorted((root / "tests/unit").glob("test_*.py"))
-        if p.stem != "__init__" and imports.search(t.read_text())
-    ]
+    if p.stem != "__init__":
+        unit += [test for test, text in _unit_test_texts(root) if imports.search(text)]
     return list(dict.fromkeys(unit)), [f"tests/integration/test_{name}.py"]
+
+
+@functools.lru_cache(maxsize=4)
+def _unit_test_texts(root: Path) -> tuple[tuple[str, str], ...]:
+    """Every unit test file under ``root`` and its text, read once a run (``own_tests`` asks for every mutant)."""
+    return tuple((str(t.relative_to(root)), t.read_text()) for t in sorted((root / "tests/unit").glob("test_*.py")))
 
 
 def expand(tests: tuple[str, ...], root: Path) -> list[str]:
