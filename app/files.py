@@ -12,6 +12,7 @@ Torch-free: the launcher calls it before, or without, importing torch.
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -33,9 +34,11 @@ def write_atomically(path: str | os.PathLike, write: Callable[[IO[bytes]], Any])
     file as it was and no temporary file behind. Returns what ``write`` returned.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # beside it: os.replace must not cross file systems
+    # Beside it: os.replace must not cross file systems. The pid alone does not make the name unique: containers that
+    # share a volume run their launchers as the same pid, and two of them write the job's finish record at once.
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "xb") as f:  # x: never into another writer's file
             result = write(f)
             f.flush()
             os.fsync(f.fileno())  # the bytes on disk before the rename makes them visible

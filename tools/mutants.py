@@ -124,7 +124,7 @@ MUTANTS: list[Mutant] = [
         "ckpt-written-in-place",
         "the checkpoint is written straight to its final name: a crash mid-write leaves a torn newest file",
         "app/files.py",
-        'tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")',
+        'tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")',
         "tmp = path",
         T("tests/unit/test_files.py", "tests/unit/test_checkpoint.py"),
     ),

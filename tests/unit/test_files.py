@@ -48,3 +48,21 @@ def test_a_reader_never_sees_half_a_file_while_it_is_written(tmp_path):
 def test_text_is_written_as_utf8(tmp_path):
     write_text_atomically(tmp_path / "a.txt", "größe ✓")
     assert (tmp_path / "a.txt").read_bytes() == "größe ✓".encode()
+
+
+def test_two_writers_of_one_file_at_once_each_write_whole_though_they_share_a_pid(tmp_path):
+    # Two containers on one volume run their launchers as the same pid and record the job's finish together; a
+    # temporary name made of the pid alone had the second writer truncate the first's file and the first's rename fail,
+    # or leave a record of both texts mixed, which the next start read as no record at all.
+    path = tmp_path / "finished.json"
+    first, second = '{"time": 1764931234.5, "step": 6}', '{"time": 1764931234.25, "step": 6}'
+
+    def first_writer(f):
+        f.write(first[:10].encode())
+        write_text_atomically(path, second)  # the other writer starts and ends in the middle of this one's write
+        assert path.read_text() == second
+        f.write(first[10:].encode())
+
+    write_atomically(path, first_writer)
+    assert path.read_text() == first, "the last rename wins, whole"
+    assert os.listdir(tmp_path) == [path.name], "no temporary file left beside it"
