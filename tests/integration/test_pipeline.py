@@ -172,6 +172,29 @@ def test_data_x_pipeline_two_replicas_of_two_stages(schedule):
     assert [r["stage"] for r in results] == [0, 1, 0, 1]
 
 
+def a_worker_step(rank: int, world: int) -> tuple:
+    """One step of the worker's ``--parallel pipeline`` kind (``PipelineStep``) with 2 stages on ``world`` ranks."""
+    from app.worker.config import TrainConfig
+    from app.worker.dist import DistContext
+    from app.worker.metrics import NoMetrics
+    from app.worker.steps import build_step
+
+    cfg = TrainConfig(steps=1, parallel="pipeline", pipeline_stages=2, metrics_port=0, micro_batch=16)
+    step = build_step(cfg, DistContext(rank, rank, world, torch.device("cpu"), "gloo"), 1, NoMetrics())
+    outcome = step.train_step(step.batches.next_micro_batches(), agree_nonfinite=lambda bad: bad)
+    return outcome.syncs, outcome.samples, step.global_batch, step.describe_batch(), step.final_checksum()
+
+
+def test_the_worker_step_counts_one_gradient_sync_per_step_only_with_replicas():
+    # ddp_gradient_syncs_total counts what the step kind says: one all-reduce of each stage's gradient between its
+    # replicas per step (not one per micro-batch), none without replicas. The start line names the replicas.
+    with_replicas = run_world(a_worker_step, 4)
+    assert [r[:4] for r in with_replicas] == [(1, 8, 32, "16 samples x 2 replicas")] * 4
+    assert len({r[4] for r in with_replicas}) == 1  # the merged whole model's checksum, the same on every rank
+    alone = run_world(a_worker_step, 2)
+    assert [r[:4] for r in alone] == [(0, 8, 16, "16 samples x 1 replicas")] * 2
+
+
 def merged_state_dict(rank: int, world: int) -> dict:
     from app.parallel.pipeline.stages import build_pipeline_stage, merge_state_dicts
     from app.worker.models import DeepMLP
