@@ -255,7 +255,7 @@ def test_merged_stage_state_dicts_load_into_the_bare_model_and_back():
 
 
 def bad_inputs(rank: int, world: int) -> list[str]:
-    from app.parallel.pipeline.stages import build_pipeline_stage
+    from app.parallel.pipeline.stages import build_pipeline_groups, build_pipeline_stage
     from app.worker.models import DeepMLP, MiniMLP
 
     def message(fn) -> str:
@@ -276,6 +276,10 @@ def bad_inputs(rank: int, world: int) -> list[str]:
         message(
             lambda: build_pipeline_stage(MiniMLP(), stage_index=rank, num_stages=2, n_microbatches=2, schedule="zb")
         ),
+        message(lambda: build_pipeline_stage(MiniMLP(), stage_index=rank, num_stages=2, n_microbatches=0)),
+        message(lambda: build_pipeline_stage(MiniMLP(), stage_index=rank, num_stages=3, n_microbatches=4)),
+        message(lambda: build_pipeline_groups(3)),
+        message(lambda: build_pipeline_groups(1)),
     ]
 
 
@@ -285,6 +289,10 @@ def test_bad_input_is_one_line_naming_the_fix():
     assert "a pipeline needs >= 2 stages, got 1" in messages[1]
     assert "1f1b needs n_microbatches >= stages (1 < 2)" in messages[2]
     assert "schedule='zb': choose one of gpipe, 1f1b" in messages[3]
+    assert messages[4] == "n_microbatches must be >= 1, got 0"
+    assert messages[5] == "the pipeline group has 2 ranks for 3 stages: one stage per rank"
+    assert messages[6] == "world size 2 is not a multiple of 3 stages: use 3 x replicas ranks"
+    assert messages[7].startswith("a pipeline needs >= 2 stages, got 1: run data parallel")
     assert all("\n" not in m for m in messages)
 
 
