@@ -53,6 +53,12 @@ def front(rank: int, world: int) -> dict:
     out["off"] = (off.will_sync_module_buffers(), off.broadcast_buffers)
     off.broadcast_buffers = True  # the deprecated name sets the same switch
     out["off"] += (off.forward_sync_buffers,)
+    # device_ids names the one device the module lives on (a GPU; "meta" stands in for one here, init_sync off:
+    # nothing on it can be sent). Another device is refused, naming the fix.
+    meta = nn.Linear(2, 2, device="meta")
+    on_it = DistributedDataParallel(meta, device_ids=["meta"], init_sync=False)
+    out["device_ids"] = (on_it.device_ids, on_it.output_device, on_it.device)
+    out["elsewhere"] = refusal(lambda: DistributedDataParallel(meta, device_ids=["cpu"], init_sync=False))
     late = DistributedDataParallel(nn.Linear(2, 2))
     late._set_static_graph()
     joined_group = late.join_process_group is late.process_group
@@ -74,5 +80,10 @@ def test_the_wrappers_front_refuses_caps_and_syncs_buffers_as_pytorchs():
         assert r["syncs"] == [True, False, True]
         assert r["no_buffers"] is False
         assert r["off"] == (False, False, True)
+        assert r["device_ids"] == ([None], None, torch.device("meta"))
+        assert r["elsewhere"] == (
+            "ValueError: device_ids=['cpu']: the module lives on meta; move it first (model.to(cpu)) or pass "
+            "device_ids=[None]"
+        )
         assert r["static"] == (True, True, torch.device("cpu"), True)  # (what torch's Join reads, as PyTorch's)
     assert (DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES) == (25, 2**20)

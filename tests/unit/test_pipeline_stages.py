@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from app.diagnostics.recorder import RECORDER
+from app.parallel.pipeline.schedule import OverlappedSchedule
 from app.parallel.pipeline.stages import build_pipeline_stage
 from app.world import run_world
 
@@ -33,6 +34,8 @@ def one_step(rank: int, world: int, schedule: str) -> dict:
         "open": [e[5] for e in entries if e[7] is None],
         "loss_share": [(e[1], e[5]) for e in entries if e[8] is None],
         "runner": (runner.stage_index, runner.num_stages, runner.n_microbatches, runner.schedule_name),
+        # The default engine: every receive posted ahead (PyTorch's own loop is the baseline, overlap=False).
+        "engine": (type(runner.schedule).__name__, isinstance(runner.schedule, OverlappedSchedule)),
     }
 
 
@@ -43,6 +46,7 @@ def test_a_stages_step_reports_its_bubble_and_records_every_hand_off(schedule):
     for rank, r in enumerate(ranks):
         result = r["result"]
         assert r["runner"] == (rank, 2, MICRO, schedule)
+        assert r["engine"] == ("OverlappedSchedule", True)
         # The bubble is the share of the step's wall time not spent computing: send_recv / (compute + send_recv).
         wall = result.compute_seconds + result.send_recv_seconds
         assert 0 < result.bubble_ratio < 1
