@@ -4,6 +4,8 @@ and ``_set_static_graph``."""
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch import nn
 
@@ -59,6 +61,9 @@ def front(rank: int, world: int) -> dict:
     on_it = DistributedDataParallel(meta, device_ids=["meta"], init_sync=False)
     out["device_ids"] = (on_it.device_ids, on_it.output_device, on_it.device)
     out["elsewhere"] = refusal(lambda: DistributedDataParallel(meta, device_ids=["cpu"], init_sync=False))
+    # Ranks that wrap different models (rank 1's layer one output wider): one line on every rank, with this rank's
+    # parameter count, elements and the fingerprint of its shapes and dtypes that was compared.
+    out["different"] = refusal(lambda: DistributedDataParallel(nn.Linear(2, 2 + rank)))
     late = DistributedDataParallel(nn.Linear(2, 2))
     late._set_static_graph()
     joined_group = late.join_process_group is late.process_group
@@ -67,7 +72,13 @@ def front(rank: int, world: int) -> dict:
 
 
 def test_the_wrappers_front_refuses_caps_and_syncs_buffers_as_pytorchs():
-    for r in run_world(front, 2):
+    for rank, r in enumerate(run_world(front, 2)):
+        shapes = [((2 + rank, 2), "torch.float32"), ((2 + rank,), "torch.float32")]
+        fingerprint = hashlib.sha256(repr(shapes).encode()).digest()[:7].hex()
+        assert r["different"] == (
+            f"RuntimeError: ranks wrap different models: 2 parameters, {(2 + rank) * 3} elements, layout fingerprint "
+            f"{fingerprint} here, but the ranks disagree; build the same model on every rank"
+        )
         assert r["no_trainable"] == (
             "ValueError: the module has no parameter that requires a gradient: there is nothing for "
             "DistributedDataParallel to synchronise; run it unwrapped"
