@@ -9,7 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.parallel.accum import StepRecipe, accumulation_step
+from app.parallel.accum import (
+    StepRecipe,
+    accumulation_step,
+    effective_batch_size,
+    grad_accum_steps_for,
+    micro_batch_sizes,
+    split_global_batch,
+)
 
 
 def model_and_grads(grad: float) -> tuple[nn.Linear, torch.optim.SGD]:
@@ -74,3 +81,13 @@ def test_a_step_reports_its_samples_mean_loss_and_no_sync_for_a_bare_module():
     assert torch.equal(grads[1], 2 * grads[0])
     with pytest.raises(ValueError, match="at least one micro-batch"):
         accumulation_step(model, opt, [], F.mse_loss)
+
+
+def test_the_accumulation_steps_of_a_fixed_global_batch_are_the_largest_shares():
+    # 65 samples over 2 ranks: shares 33 and 32; in micro-batches of at most 32 rank 0 needs 2, rank 1 one. The
+    # count is the largest share's (rank 0's), as its docstring says.
+    assert [split_global_batch(65, 2, r) for r in range(2)] == [(0, 33), (33, 32)]
+    assert [micro_batch_sizes(n, 32) for n in (33, 32)] == [[17, 16], [32]]
+    assert grad_accum_steps_for(65, 2, 32) == 2
+    assert grad_accum_steps_for(64, 2, 32) == 1
+    assert effective_batch_size(micro_batch=8, grad_accum_steps=3, world_size=2) == 48
