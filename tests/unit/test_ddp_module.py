@@ -60,6 +60,8 @@ def front(rank: int, world: int) -> dict:
     meta = nn.Linear(2, 2, device="meta")
     on_it = DistributedDataParallel(meta, device_ids=["meta"], init_sync=False)
     out["device_ids"] = (on_it.device_ids, on_it.output_device, on_it.device)
+    with torch.no_grad():  # a forward's inputs are moved to that device first, as PyTorch's DDP moves them
+        out["moved"] = on_it(torch.ones(1, 2)).device
     out["elsewhere"] = refusal(lambda: DistributedDataParallel(meta, device_ids=["cpu"], init_sync=False))
     # Ranks that wrap different models (rank 1's layer one output wider): one line on every rank, with this rank's
     # parameter count, elements and the fingerprint of its shapes and dtypes that was compared.
@@ -92,6 +94,7 @@ def test_the_wrappers_front_refuses_caps_and_syncs_buffers_as_pytorchs():
         assert r["no_buffers"] is False
         assert r["off"] == (False, False, True)
         assert r["device_ids"] == ([None], None, torch.device("meta"))
+        assert r["moved"] == torch.device("meta")
         assert r["elsewhere"] == (
             "ValueError: device_ids=['cpu']: the module lives on meta; move it first (model.to(cpu)) or pass "
             "device_ids=[None]"
