@@ -172,6 +172,29 @@ def test_data_x_pipeline_two_replicas_of_two_stages(schedule):
     assert [r["stage"] for r in results] == [0, 1, 0, 1]
 
 
+def a_worker_step(rank: int, world: int) -> tuple:
+    """One step of the worker's ``--parallel pipeline`` kind (``PipelineStep``) with 2 stages on ``world`` ranks."""
+    from app.worker.config import TrainConfig
+    from app.worker.dist import DistContext
+    from app.worker.metrics import NoMetrics
+    from app.worker.steps import build_step
+
+    cfg = TrainConfig(steps=1, parallel="pipeline", pipeline_stages=2, metrics_port=0, micro_batch=16)
+    step = build_step(cfg, DistContext(rank, rank, world, torch.device("cpu"), "gloo"), 1, NoMetrics())
+    outcome = step.train_step(step.batches.next_micro_batches(), agree_nonfinite=lambda bad: bad)
+    return outcome.syncs, outcome.samples, step.global_batch, step.describe_batch(), step.final_checksum()
+
+
+def test_the_worker_step_counts_one_gradient_sync_per_step_only_with_replicas():
+    # ddp_gradient_syncs_total counts what the step kind says: one all-reduce of each stage's gradient between its
+    # replicas per step (not one per micro-batch), none without replicas. The start line names the replicas.
+    with_replicas = run_world(a_worker_step, 4)
+    assert [r[:4] for r in with_replicas] == [(1, 8, 32, "16 samples x 2 replicas")] * 4
+    assert len({r[4] for r in with_replicas}) == 1  # the merged whole model's checksum, the same on every rank
+    alone = run_world(a_worker_step, 2)
+    assert [r[:4] for r in alone] == [(0, 8, 16, "16 samples x 1 replicas")] * 2
+
+
 def merged_state_dict(rank: int, world: int) -> dict:
     from app.parallel.pipeline.stages import build_pipeline_stage, merge_state_dicts
     from app.worker.models import DeepMLP
@@ -232,7 +255,7 @@ def test_merged_stage_state_dicts_load_into_the_bare_model_and_back():
 
 
 def bad_inputs(rank: int, world: int) -> list[str]:
-    from app.parallel.pipeline.stages import build_pipeline_stage
+    from app.parallel.pipeline.stages import build_pipeline_groups, build_pipeline_stage
     from app.worker.models import DeepMLP, MiniMLP
 
     def message(fn) -> str:
@@ -253,6 +276,10 @@ def bad_inputs(rank: int, world: int) -> list[str]:
         message(
             lambda: build_pipeline_stage(MiniMLP(), stage_index=rank, num_stages=2, n_microbatches=2, schedule="zb")
         ),
+        message(lambda: build_pipeline_stage(MiniMLP(), stage_index=rank, num_stages=2, n_microbatches=0)),
+        message(lambda: build_pipeline_stage(MiniMLP(), stage_index=rank, num_stages=3, n_microbatches=4)),
+        message(lambda: build_pipeline_groups(3)),
+        message(lambda: build_pipeline_groups(1)),
     ]
 
 
@@ -262,6 +289,10 @@ def test_bad_input_is_one_line_naming_the_fix():
     assert "a pipeline needs >= 2 stages, got 1" in messages[1]
     assert "1f1b needs n_microbatches >= stages (1 < 2)" in messages[2]
     assert "schedule='zb': choose one of gpipe, 1f1b" in messages[3]
+    assert messages[4] == "n_microbatches must be >= 1, got 0"
+    assert messages[5] == "the pipeline group has 2 ranks for 3 stages: one stage per rank"
+    assert messages[6] == "world size 2 is not a multiple of 3 stages: use 3 x replicas ranks"
+    assert messages[7].startswith("a pipeline needs >= 2 stages, got 1: run data parallel")
     assert all("\n" not in m for m in messages)
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from app.parallel.model_parallel import split_model
 from app.parallel.pipeline import SequenceStage, check_sequence, merge_state_dicts, model_sequence, stage_ranges
+from app.parallel.pipeline.split import split_names
 from app.worker.models import DeepMLP, MiniMLP
 from tests.models_user import ResidualNet, StackNet, flat_mlp
 
@@ -90,3 +91,33 @@ def test_a_split_that_cannot_work_is_one_line(num_stages, split, says):
     with pytest.raises(ValueError) as e:
         stage_ranges(model_sequence(flat_mlp()), num_stages, split)
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+class _Masked(nn.Module):
+    """A child that needs more than the previous one's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(self.a(x), x)  # (an nn.Linear given two inputs: what a mask argument looks like to the chain)
+
+
+def test_the_check_leaves_the_models_mode_as_it_was_and_names_a_child_that_needs_more():
+    for training in (True, False):
+        model = DeepMLP(width=8, depth=3).train(training)
+        check_sequence(model, model_sequence(model), torch.randn(2, 8))
+        assert model.training is training and all(m.training is training for m in model.modules())
+    model = _Masked().train()
+    with pytest.raises(ValueError, match=r"^_Masked is not the sequence of its children \(a, b\): calling them in "):
+        check_sequence(model, model_sequence(model), torch.randn(2, 32))
+    assert model.training
+
+
+def test_a_split_is_named_back_by_where_its_stages_begin_and_a_long_sequence_is_shortened_in_a_message():
+    sequence = model_sequence(DeepMLP(width=8, depth=5))  # net.0 .. net.8
+    assert split_names(sequence, stage_ranges(sequence, 3, ["net.4", "net.6"])) == ["net.4", "net.6"]
+    assert split_names(sequence, [(0, 9)]) == []
+    with pytest.raises(ValueError, match=r"sequence \(net\.0, net\.1, net\.2 \.\. net\.8\): name one of those$"):
+        stage_ranges(sequence, 2, ["net.9"])

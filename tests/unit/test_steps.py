@@ -97,3 +97,19 @@ def test_an_fp16_overflow_in_one_ranks_shard_skips_that_step_on_every_rank():
     # Sharded gradients: only the rank holding the inf can see it. The step kind's scaler must agree over the world,
     # or that rank skips while the others step, and the ranks train different models from then on.
     assert run_world(overflow_in_one_shard, 2, "zero2") == [[False, True, False], [False, True, False]]
+
+
+def test_the_failure_drills_loss_is_nan_and_what_a_kind_is_built_from_is_frozen():
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from app.worker.steps.base import StepInputs, nan_loss
+
+    out, y = torch.zeros(2, 3), torch.ones(2, 3)
+    assert math.isnan(nan_loss(F.mse_loss)(out, y).item()) and F.mse_loss(out, y).item() == 1.0
+    cfg = TrainConfig(steps=1, wrapper="none", metrics_port=0)
+    inputs = StepInputs(cfg, DistContext(0, 0, 1, torch.device("cpu"), "gloo"), torch.nn.Linear(2, 2), F.mse_loss, 1)
+    assert inputs.metrics is None  # the kinds that need metrics are given them
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        inputs.grad_accum_steps = 2  # shared by the step kind and the Trainer: nobody changes it after the build
