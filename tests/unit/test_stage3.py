@@ -1,0 +1,139 @@
+"""ZeRO stage 3's promises (app/parallel/zero/stage3.py) seen on a small world: which units a setting names and
+where each parameter goes, what is gathered while each unit computes (``prefetch``), and the streamed checksum's
+one gather per unit. The walks against one process, our DDP and PyTorch's FSDP are in tests/integration/test_fsdp.py.
+
+    .venv/bin/python -m pytest tests/unit/test_stage3.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.parallel import checksum
+from app.parallel.zero import stage3
+from app.parallel.zero.stage3 import FullyShardedDataParallel, assign_parameters, resolve_units
+from app.world import run_world
+
+DEPTH = 5
+
+
+def stack() -> nn.Sequential:
+    """Five Linear(8, 8) with tanh between: five units (a Tanh has no parameters, so no unit)."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(DEPTH):
+        layers += [nn.Linear(8, 8), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
+class Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)) for _ in range(2))
+        self.head = nn.Linear(4, 2)
+        self.blocks[1][1].weight = self.blocks[0][1].weight  # tied across two units that do not nest
+        self.head.bias.requires_grad_(False)
+
+
+def test_no_units_named_are_each_child_of_the_root_and_each_item_of_a_list_child():
+    assert list(resolve_units(Nested(), None)) == ["blocks.0", "blocks.1", "head"]
+
+
+def test_units_are_the_modules_a_name_or_a_class_names():
+    model = Nested()
+    assert list(resolve_units(model, "head")) == ["head"]
+    assert list(resolve_units(model, ["blocks.1", "head"])) == ["blocks.1", "head"]
+    assert list(resolve_units(model, nn.Sequential)) == ["blocks.0", "blocks.1"]
+
+
+@pytest.mark.parametrize(
+    ("units", "says"),
+    [
+        (["blocks.7"], "units: 'blocks.7' names no submodule of Nested"),
+        ([3], "units: 3 is neither a submodule name nor an nn.Module class"),
+        ([nn.Conv2d], "units=[<class 'torch.nn.modules.conv.Conv2d'>] names no submodule of Nested: nothing to shard"),
+    ],
+)
+def test_units_naming_nothing_are_a_one_line_error(units, says):
+    with pytest.raises(ValueError) as info:
+        resolve_units(Nested(), units)
+    assert str(info.value) == says
+
+
+def test_each_trainable_parameter_goes_to_its_innermost_unit_a_tied_one_to_the_root_a_frozen_one_nowhere():
+    model = Nested()
+    units = resolve_units(model, ["blocks.0", "blocks.1", "blocks.1.0", "head"])
+    names = {id(p): n for n, p in model.named_parameters()}
+    got = {unit: [names[id(p)] for p in params] for unit, params in assign_parameters(model, units).items()}
+    assert got == {
+        "": ["blocks.0.1.weight"],  # tied: blocks.0 and blocks.1 both hold it, and neither holds the other
+        "blocks.0": ["blocks.0.0.weight", "blocks.0.0.bias", "blocks.0.1.bias"],
+        "blocks.1": ["blocks.1.1.bias"],
+        "blocks.1.0": ["blocks.1.0.weight", "blocks.1.0.bias"],  # inside blocks.1, and the inner one wins
+        "head": ["head.weight"],  # head.bias is frozen: replicated, never sharded
+    }
+
+
+@pytest.mark.parametrize("option", ["compute_dtype", "reduce_dtype"])
+def test_a_dtype_other_than_the_floating_point_ones_is_a_one_line_error(option):
+    with pytest.raises(ValueError) as info:
+        FullyShardedDataParallel(stack(), **{option: torch.int8})
+    assert str(info.value) == f"{option}=torch.int8: choose None, torch.float32, torch.bfloat16 or torch.float16"
+
+
+def gathered_while_each_unit_computes(rank, world, prefetch, reshard):
+    wrapped = FullyShardedDataParallel(stack(), prefetch=prefetch, reshard_after_forward=reshard)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    seen: list[list[int]] = []
+    for i, sub in enumerate(m for m in wrapped.module if isinstance(m, nn.Linear)):
+        # Registered after the wrapper's own pre-hook: runs once this unit is gathered and its prefetch launched.
+        sub.register_forward_pre_hook(
+            lambda *_, i=i: seen.append([k for k, u in enumerate(wrapped.units) if u.gathered])
+        )
+    for step in range(2):
+        seen.clear()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        F.mse_loss(wrapped(x), x).backward()
+        opt.step()
+        opt.zero_grad()
+    return seen
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_while_a_unit_computes_its_next_prefetch_units_are_gathered_and_no_more(prefetch):
+    # The second step's forward (the first had no order to prefetch by): unit k computes with units k..k+prefetch
+    # gathered (the next ones launched while it runs, the earlier ones freed after their forward): prefetch + 1.
+    for seen in run_world(gathered_while_each_unit_computes, 2, prefetch, True):
+        assert seen == [list(range(k, min(k + prefetch + 1, DEPTH))) for k in range(DEPTH)], (prefetch, seen)
+
+
+def streamed_checksum(rank, world):
+    wrapped = FullyShardedDataParallel(stack())
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    F.mse_loss(wrapped(x), x).backward()
+    opt.step()
+    gathers, plain = [], stage3.recorded.all_gather_into_tensor
+    stage3.recorded.all_gather_into_tensor = lambda *a, **k: (gathers.append(a[2]), plain(*a, **k))[1]
+    try:
+        digest = wrapped.parameter_checksum()
+    finally:
+        stage3.recorded.all_gather_into_tensor = plain
+    whole = wrapped.full_state_dict()
+    h = hashlib.sha256()
+    for name, _ in stack().named_parameters():
+        checksum.update(h, whole[name]) if rank == 0 else None
+    return digest, h.hexdigest() if rank == 0 else None, gathers, len(wrapped.units)
+
+
+def test_the_streamed_checksum_gathers_each_unit_once_and_is_the_whole_models():
+    # One unit at a time, each all-gathered once: a rank never holds the whole model, and the collectives are as
+    # many as the units (a unit gathered again for each of its parameters would be twice the traffic).
+    (digest0, whole, gathers, units), (digest1, _, _, _) = run_world(streamed_checksum, 2)
+    assert digest0 == digest1 == whole
+    assert gathers == [f"FSDP unit {k}" for k in range(0, 2 * DEPTH, 2)] and units == DEPTH
