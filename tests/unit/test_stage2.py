@@ -29,6 +29,9 @@ def test_a_flat_shard_pads_to_a_multiple_of_the_world_and_each_rank_owns_one_equ
     assert [x.pieces() for x in shards] == [[(0, 0, 3, 0)], [(0, 3, 4, 0), (1, 0, 2, 1)], [(1, 2, 3, 0)]]
     exact = FlatShard(params, ["w", "b"], 0, 7)  # no padding when the world divides the total
     assert (exact.shard_numel, exact.padded) == (1, 7)
+    # A chunk that ends where a parameter starts holds nothing of it (no empty piece).
+    pieces = [FlatShard(params, ["w", "b"], rank, 7).pieces() for rank in range(7)]
+    assert pieces == [[(0, k, k + 1, 0)] for k in range(4)] + [[(1, k, k + 1, 0)] for k in range(3)]
 
 
 class Work:
