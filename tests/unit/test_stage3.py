@@ -137,3 +137,32 @@ def test_the_streamed_checksum_gathers_each_unit_once_and_is_the_whole_models():
     (digest0, whole, gathers, units), (digest1, _, _, _) = run_world(streamed_checksum, 2)
     assert digest0 == digest1 == whole
     assert gathers == [f"FSDP unit {k}" for k in range(0, 2 * DEPTH, 2)] and units == DEPTH
+
+
+seen: list = []  # (input dtype, index dtype) as each TwoOutputs forward got them
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, *, index):
+        seen.append((x.dtype, index.dtype))
+        return {"y": self.fc(x), "argmax": self.fc(x).argmax(-1)}
+
+
+def outputs_in_compute_dtype(rank, world, compute_dtype):
+    seen.clear()
+    wrapped = FullyShardedDataParallel(TwoOutputs(), compute_dtype=compute_dtype)
+    out = wrapped(torch.randn(2, 4), index=torch.arange(2))
+    return seen[0], out["y"].dtype, out["argmax"].dtype
+
+
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16])
+def test_a_low_precision_unit_computes_in_its_dtype_and_hands_back_fp32_floats_and_integers_as_they_are(compute_dtype):
+    # Inputs (positional and keyword) cast to the compute dtype when floating point; the output's floats back to
+    # fp32, what the loss and the user's code expect; integer tensors neither way.
+    for (x_dtype, index_dtype), y_dtype, argmax_dtype in run_world(outputs_in_compute_dtype, 2, compute_dtype):
+        assert (x_dtype, index_dtype) == (compute_dtype or torch.float32, torch.int64)
+        assert (y_dtype, argmax_dtype) == (torch.float32, torch.int64)
