@@ -86,15 +86,18 @@ def test_a_dtype_other_than_the_floating_point_ones_is_a_one_line_error(option):
     assert str(info.value) == f"{option}=torch.int8: choose None, torch.float32, torch.bfloat16 or torch.float16"
 
 
+def _gathered_and_in_flight(units) -> tuple[list[int], list[int]]:
+    """The units gathered (or being gathered), and those whose all-gather is launched and not yet waited for."""
+    return [k for k, u in enumerate(units) if u.gathered], [k for k, u in enumerate(units) if u.work is not None]
+
+
 def gathered_while_each_unit_computes(rank, world, prefetch, reshard):
     wrapped = FullyShardedDataParallel(stack(), prefetch=prefetch, reshard_after_forward=reshard)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     seen: list[list[int]] = []
-    for i, sub in enumerate(m for m in wrapped.module if isinstance(m, nn.Linear)):
+    for sub in (m for m in wrapped.module if isinstance(m, nn.Linear)):
         # Registered after the wrapper's own pre-hook: runs once this unit is gathered and its prefetch launched.
-        sub.register_forward_pre_hook(
-            lambda *_, i=i: seen.append([k for k, u in enumerate(wrapped.units) if u.gathered])
-        )
+        sub.register_forward_pre_hook(lambda *_: seen.append(_gathered_and_in_flight(wrapped.units)))
     for step in range(2):
         seen.clear()
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
@@ -107,9 +110,11 @@ def gathered_while_each_unit_computes(rank, world, prefetch, reshard):
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_while_a_unit_computes_its_next_prefetch_units_are_gathered_and_no_more(prefetch):
     # The second step's forward (the first had no order to prefetch by): unit k computes with units k..k+prefetch
-    # gathered (the next ones launched while it runs, the earlier ones freed after their forward): prefetch + 1.
+    # gathered (the earlier ones freed after their forward): prefetch + 1.
+    # The prefetched ones are launched, not waited for: their all-gathers run while unit k computes.
     for seen in run_world(gathered_while_each_unit_computes, 2, prefetch, True):
-        assert seen == [list(range(k, min(k + prefetch + 1, DEPTH))) for k in range(DEPTH)], (prefetch, seen)
+        expected = [list(range(k, min(k + prefetch + 1, DEPTH))) for k in range(DEPTH)]
+        assert seen == [(e, e[1:]) for e in expected], (prefetch, seen)
 
 
 def streamed_checksum(rank, world):
@@ -166,3 +171,46 @@ def test_a_low_precision_unit_computes_in_its_dtype_and_hands_back_fp32_floats_a
     for (x_dtype, index_dtype), y_dtype, argmax_dtype in run_world(outputs_in_compute_dtype, 2, compute_dtype):
         assert (x_dtype, index_dtype) == (compute_dtype or torch.float32, torch.int64)
         assert (y_dtype, argmax_dtype) == (torch.float32, torch.int64)
+
+
+class Tied(nn.Module):
+    """A weight two units share: it lives in the root unit, whole from a forward to the end of its backward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def an_evaluation_between_backward_and_step(rank, world, reshard):
+    """Train, evaluate under no_grad after the backward and before the step (units left gathered), step, and
+    train again: the wrapper's outputs against one process's, every step."""
+    model = Tied()
+    plain = Tied()
+    wrapped = FullyShardedDataParallel(model, reshard_after_forward=reshard)
+    opts = torch.optim.SGD(wrapped.parameters(), lr=0.1), torch.optim.SGD(plain.parameters(), lr=0.1)
+    worst = 0.0
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))  # the same on both ranks
+        outs = [net(x) for net in (wrapped, plain)]
+        worst = max(worst, (outs[0] - outs[1]).abs().max().item())
+        for out in outs:
+            F.mse_loss(out, x).backward()
+        with torch.no_grad():
+            wrapped(x)  # an evaluation: nothing frees what it gathered until the next forward
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return worst
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_a_forward_after_a_step_computes_with_the_stepped_parameters_whatever_was_left_gathered(reshard):
+    # The root unit (the tied weight), and every unit when not resharded, stay gathered after a forward without
+    # backward; the next forward must gather them again, or it computes with the values before the step.
+    for worst in run_world(an_evaluation_between_backward_and_step, 2, reshard):
+        assert worst <= 1e-6, worst
