@@ -114,3 +114,55 @@ def mixed_dtypes(rank, world):
 def test_trainable_parameters_of_two_dtypes_are_refused_in_one_line():
     for message in run_world(mixed_dtypes, 2):
         assert message == "ShardedGradDataParallel: trainable parameters must share one dtype (one flat buffer)"
+
+
+class SlowWork:
+    """A gloo work that reports itself done only once waited for: a network slower than the backward, so that what
+    is in flight is what the wrapper keeps in flight, not what gloo happened to finish."""
+
+    def __init__(self, work, alive: list):
+        self.work, self.alive = work, alive
+        alive.append(self)
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        self.work.wait()
+        if self in self.alive:
+            self.alive.remove(self)
+
+
+def reduce_scatters_in_flight(rank, world, slow):
+    from app.parallel.zero import stage2
+
+    alive, most, plain = [], [], stage2.recorded.all_reduce
+    if slow:
+
+        def launch(*args, **kwargs):
+            work = SlowWork(plain(*args, **kwargs), alive)
+            most.append(len(alive))
+            return work
+
+        stage2.recorded.all_reduce = launch
+    try:
+        wrapped = ShardedGradDataParallel(stack(), bucket_cap_mb=0.0001)
+        opt = wrapped.build_optimizer(torch.optim.AdamW, lr=0.01)
+        for step in range(2):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            F.mse_loss(wrapped(x), x).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        stage2.recorded.all_reduce = plain
+    return most, [p.detach().clone() for p in wrapped.parameters()]
+
+
+def test_backward_keeps_one_reduce_scatter_in_flight_beside_the_bucket_filling():
+    # Each reduce-scatter in flight holds a bucket's flat gradient: one at a time (REDUCE_SCATTERS_IN_FLIGHT) is
+    # what keeps a rank's gradient memory at about two buckets beside its shard. When a bucket fills, the one before
+    # it is still in flight, and is waited for first; the values are the same however slow the network.
+    (most, params), _ = run_world(reduce_scatters_in_flight, 2, True)
+    assert most == [1, 2, 2] * 2, most  # at each launch: the new one, and the one before it not yet waited for
+    (_, fast), _ = run_world(reduce_scatters_in_flight, 2, False)
+    assert all(torch.equal(p, q) for p, q in zip(params, fast))
