@@ -143,3 +143,46 @@ def test_each_rank_owns_its_partition_and_every_rank_names_the_same_owner_of_eac
     # 64 -> rank 0; 16 -> 1; 8 -> 1; 2 -> 1 (24 < 64)
     assert mine0 == ["0.weight"] and mine1 == ["1.weight", "0.bias", "1.bias"]
     assert owner0 == owner1 == {"0.weight": 0, "0.bias": 1, "1.weight": 1, "1.bias": 1}
+
+
+def broadcasts_in_flight(rank, world):
+    """One step with 64-byte broadcast buckets; at each launch, how many broadcasts are launched and not yet
+    waited for (each holds a flat copy of its bucket)."""
+    from app.parallel.zero import stage1
+
+    alive, most = [], []
+    plain_broadcast, plain_cap = stage1.recorded.broadcast, stage1.BROADCAST_BUCKET_BYTES
+
+    class Tracked:
+        def __init__(self, work):
+            self.work = work
+            alive.append(self)
+
+        def wait(self):
+            self.work.wait()
+            alive.remove(self)
+
+    def launch(*args, **kwargs):
+        work = Tracked(plain_broadcast(*args, **kwargs))
+        most.append(len(alive))
+        return work
+
+    stage1.recorded.broadcast, stage1.BROADCAST_BUCKET_BYTES = launch, 64
+    try:
+        model = _model()
+        reference = copy.deepcopy(model)
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+        plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+        _step(model, zero, 0)
+        _step(reference, plain, 0)
+    finally:
+        stage1.recorded.broadcast, stage1.BROADCAST_BUCKET_BYTES = plain_broadcast, plain_cap
+    equal = all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    return most, alive, equal
+
+
+def test_the_step_keeps_at_most_two_broadcast_buckets_in_flight_and_every_parameter_arrives():
+    # Two flats alive at once whatever the model's size: one per bucket would hold a second copy of the model.
+    for most, left, equal in run_world(broadcasts_in_flight, 2):
+        assert len(most) == 4 and max(most) == 2 and most[0] == 1, most  # 4 parameters of 12 to 96 bytes, a bucket each
+        assert left == [] and equal
