@@ -290,3 +290,53 @@ def test_a_ranks_shard_is_cut_into_files_of_at_most_shard_file_bytes_and_loads_w
         assert [s["part"] for s in mine] == list(range(len(mine)))
     assert [len([s for s in shards if s["rank"] == r]) for r in (0, 1)] == [2, 2]  # one file a rank by default
     assert all(s["file"].endswith(f"-{s['part']}.pt" if s["part"] else ".pt") for s in shards)
+
+
+def save_the_disk_refuses(rank, world, directory, failing_rank, into_existing):
+    import errno
+    import os
+
+    wrapped, opt = wrap(2)
+    train(wrapped, opt, rank)
+    target = Path(directory) / "save"
+    if into_existing == "empty":  # a directory someone made for it: it stays
+        target.mkdir(exist_ok=True)
+    elif into_existing:
+        save_sharded(target, wrapped, opt, extra={"step": 1})
+    torch.distributed.barrier()
+    before = sorted(p.name for p in target.iterdir()) if target.exists() else None
+    plain = zero_checkpoint.write_atomically
+
+    def full(path, write):
+        if rank == failing_rank or (failing_rank == "manifest" and Path(path).name == "manifest.json"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return plain(path, write)
+
+    zero_checkpoint.write_atomically = full
+    try:
+        save_sharded(target, wrapped, opt, extra={"step": 2})
+    except zero_checkpoint.ShardWriteError as e:
+        torch.distributed.barrier()
+        return str(e), e.where, e.cause, before, sorted(p.name for p in target.iterdir()) if target.exists() else None
+    finally:
+        zero_checkpoint.write_atomically = plain
+    return None
+
+
+@pytest.mark.parametrize(("failing_rank", "into_existing"), [(1, False), (1, "empty"), (1, True), ("manifest", True)])
+def test_a_save_the_disk_refuses_raises_on_every_rank_and_leaves_nothing_of_itself(
+    failing_rank, into_existing, tmp_path
+):
+    results = run_world(save_the_disk_refuses, 2, str(tmp_path), failing_rank, into_existing)
+    assert results[0][:3] == results[1][:3]  # the same error on every rank: the first rank's file and cause
+    message, where, cause, before, after = results[0]
+    assert cause == "No space left on device (ENOSPC)"
+    if failing_rank == 1:
+        assert where.startswith(str(tmp_path / "save" / "shard-00001-of-00002-")) and where.endswith(".pt (rank 1)")
+    else:
+        assert where == f"{tmp_path / 'save' / 'manifest.json'} (rank 0)"
+    assert message == f"{where}: cannot write ({cause}); no manifest written, the previous checkpoint is whole"
+    # Nothing of the failed save is left: no directory it created, no shard beside the previous checkpoint's.
+    assert after == before
+    if into_existing is True:
+        consolidate(tmp_path / "save")  # the previous checkpoint still loads whole
