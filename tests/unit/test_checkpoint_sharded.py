@@ -340,3 +340,40 @@ def test_a_save_the_disk_refuses_raises_on_every_rank_and_leaves_nothing_of_itse
     assert after == before
     if into_existing is True:
         consolidate(tmp_path / "save")  # the previous checkpoint still loads whole
+
+
+def a_rank_holding_nothing(rank, world, directory):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1, bias=False)  # one parameter: rank 1's partition is empty
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=0.01)
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    save_sharded(directory, DDP(model), opt, extra={"step": 1})
+    other = nn.Linear(3, 1, bias=False)
+    other_opt = ZeroRedundancyOptimizer(other.parameters(), optimizer_class=torch.optim.AdamW, lr=0.01)
+    load_sharded(directory, DDP(other), other_opt)
+    return torch.equal(model.weight, other.weight), len(opt.owned_parameters())
+
+
+def test_a_rank_that_holds_no_piece_still_writes_its_file_and_the_world_loads(tmp_path):
+    results = run_world(a_rank_holding_nothing, 2, str(tmp_path))
+    assert results == [(True, 1), (True, 0)]
+    shards = read_manifest(tmp_path)["shards"]
+    assert [(s["rank"], s["pieces"]) for s in sorted(shards, key=lambda s: s["rank"])] == [
+        (0, {"weight": [0, 3]}),
+        (1, {}),
+    ]
+
+
+def test_shards_that_cover_an_element_twice_or_not_at_all_are_a_damaged_checkpoint(tmp_path):
+    run_world(consolidated, 2, 2, str(tmp_path))
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    first = min(manifest["shards"], key=lambda s: s["rank"])
+    manifest["shards"].append(first)  # rank 0's file listed twice: every element of it covered twice
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DamagedCheckpoint, match=r"the shards do not cover every element of '[ab]\.\w+' exactly once"):
+        consolidate(tmp_path)
+    manifest["shards"] = manifest["shards"][1:-1]  # and now without it
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DamagedCheckpoint, match="exactly once"):
+        consolidate(tmp_path)
