@@ -179,6 +179,9 @@ def test_a_long_list_of_mismatches_names_the_first_three_and_counts_the_rest():
         "w.pt does not fit the model (missing: 0.weight, 0.bias, 1.weight and 3 more; unexpected: x); "
         "give weights of this model"
     )
+    three = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, bias=False))
+    with pytest.raises(WeightsError, match=r"\(missing: 0\.weight, 0\.bias, 1\.weight\); give"):
+        load_model_state(three, {}, "w.pt")
 
 
 def test_the_saved_hyperparameters_come_back_per_group_where_the_groups_match_and_else_the_optimizers_own():
