@@ -166,3 +166,33 @@ def test_backward_keeps_one_reduce_scatter_in_flight_beside_the_bucket_filling()
     assert most == [1, 2, 2] * 2, most  # at each launch: the new one, and the one before it not yet waited for
     (_, fast), _ = run_world(reduce_scatters_in_flight, 2, False)
     assert all(torch.equal(p, q) for p, q in zip(params, fast))
+
+
+READERS = {  # each given the wrapper and a state dict of its model taken before training
+    "parameters": lambda w, saved: list(w.parameters()),
+    "state_dict": lambda w, saved: w.state_dict(),
+    "bare_state_dict": lambda w, saved: w.module.state_dict(),
+    "flat_shards": lambda w, saved: w.flat_shards(),
+    "load_state_dict": lambda w, saved: w.module.load_state_dict(saved),
+}
+
+
+def a_read_after_a_step(rank, world, reader):
+    wrapped = ShardedGradDataParallel(stack(), bucket_cap_mb=0.0001, overlap_gather=True)
+    opt = wrapped.build_optimizer(torch.optim.AdamW, lr=0.01)
+    seen, saved = [], {k: v.clone() for k, v in wrapped.module.state_dict().items()}
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        F.mse_loss(wrapped(x), x).backward()
+        opt.step()
+        opt.zero_grad()
+        before = wrapped.gathers_in_flight
+        READERS[reader](wrapped, saved)
+        seen.append((before, wrapped.gathers_in_flight))
+    return seen
+
+
+def test_a_read_through_the_wrapper_or_of_the_bare_models_state_waits_for_the_gathers_in_flight():
+    for reader in READERS:
+        for seen in run_world(a_read_after_a_step, 2, reader):
+            assert seen == [(3, 0), (3, 0)], (reader, seen)
