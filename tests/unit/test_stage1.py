@@ -186,3 +186,41 @@ def test_the_step_keeps_at_most_two_broadcast_buckets_in_flight_and_every_parame
     for most, left, equal in run_world(broadcasts_in_flight, 2):
         assert len(most) == 4 and max(most) == 2 and most[0] == 1, most  # 4 parameters of 12 to 96 bytes, a bucket each
         assert left == [] and equal
+
+
+def consolidated_onto(rank, world, to):
+    model = _model()
+    reference = copy.deepcopy(model)
+    zero = ZeroRedundancyOptimizer(_groups(model), optimizer_class=torch.optim.AdamW, lr=0.1)
+    plain = torch.optim.AdamW(_groups(reference), lr=0.1)
+    for step in range(2):
+        _step(model, zero, step)
+        _step(reference, plain, step)
+    if to is None:
+        zero.consolidate_state_dict()
+    else:
+        zero.consolidate_state_dict(to=to)
+    try:
+        whole = zero.state_dict()
+    except RuntimeError as e:
+        return str(e)
+    want = plain.state_dict()
+    same_state = sorted(whole["state"]) == sorted(want["state"]) and all(
+        torch.allclose(whole["state"][i][k], want["state"][i][k], atol=1e-7)
+        for i in want["state"]
+        for k in want["state"][i]
+    )
+    return same_state, whole["param_groups"] == want["param_groups"]
+
+
+@pytest.mark.parametrize("to", [None, 0, 1])
+def test_the_whole_state_is_consolidated_onto_the_rank_asked_in_pytorchs_format_and_elsewhere_is_an_error(to):
+    # The rank consolidated onto gets the plain optimizer's state dict (state by index, each group's hyperparameters
+    # and parameter indices); every other rank's state_dict() says what to call first. Default: rank 0.
+    results = run_world(consolidated_onto, 2, to)
+    onto = to or 0
+    assert results[onto] == (True, True), results
+    assert results[1 - onto] == (
+        "ZeroRedundancyOptimizer.state_dict(): call consolidate_state_dict(to=rank) on every rank first, "
+        "then state_dict() on that rank"
+    )
