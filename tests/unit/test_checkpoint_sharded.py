@@ -89,8 +89,12 @@ def stage_and_load(rank, world, stage, directory):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_save_loads_back_its_parameters_buffers_frozen_parameters_and_extra(stage, tmp_path):
-    (found, saved, loaded, extra), _ = run_world(stage_and_load, 2, stage, str(tmp_path))
+    (found, saved, loaded, extra), other_rank = run_world(stage_and_load, 2, stage, str(tmp_path))
     assert found == stage
+    # Every rank whole again (stage 3: rank 0 gathers the whole state, rank 1 gets none): what it saved.
+    assert other_rank[1].keys() == other_rank[2].keys() and other_rank[3] == extra
+    assert all(torch.equal(other_rank[1][k], other_rank[2][k]) for k in other_rank[1])
+    assert (other_rank[1] == {}) == (stage == 3)
     assert extra == {"step": 2, "note": "x"}
     assert saved.keys() == loaded.keys() == Model().state_dict().keys()
     assert all(torch.equal(saved[k], loaded[k]) for k in saved), stage
