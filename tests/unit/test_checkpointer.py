@@ -236,3 +236,26 @@ def test_the_warning_for_an_unfinished_save_names_it(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         assert ckpt._resume_from(found) is None
     assert f"skipping {found.path}: no manifest.json, its save did not finish; trying the previous one" in caplog.text
+
+
+def three_saves(rank, world, directory, parallel):
+    model, opt, _ = build(parallel, 0, 0.01)
+    ckpt = checkpointer(directory, rank, world, model, opt, Position(2))
+    ckpt.keep = 2
+    returned = [ckpt.save(step) for step in (2, 4, 6)]
+    return [(str(r[0]), r[1] >= 0) if r is not None else None for r in returned], ckpt.last_good()
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "zero2"])
+def test_a_save_returns_its_path_on_rank_0_and_keeps_the_newest_n(parallel, tmp_path):
+    (returned0, last_good), (returned1, _) = run_world(three_saves, 2, str(tmp_path), parallel)
+    names = [f"step-{s:08d}.pt" if parallel == "ddp" else f"sharded-step-{s:08d}/manifest.json" for s in (2, 4, 6)]
+    assert returned0 == [(str(tmp_path / n), True) for n in names]
+    assert returned1 == [None, None, None]
+    assert [f.path.name for f in find_checkpoints(tmp_path)] == [Path(n).parts[0] for n in names[:0:-1]]
+    assert last_good == f"Last good checkpoint kept: {tmp_path / names[-1]}."
+    if parallel == "zero2":  # what a plain checkpoint holds beside the model, in the manifest's extra
+        extra = json.loads((tmp_path / names[-1]).read_text())["extra"]
+        want = {"step": 6, "model_name": "mlp", "parallel": "zero2", "world_size": 2, "generation": 1}
+        assert {k: extra[k] for k in want} == want and extra["global_batch"] == 16
+        assert extra["data"] == {"epoch": 0, "offset": 2} and len(extra["rng"]["cpu"]) == 2
