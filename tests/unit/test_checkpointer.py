@@ -259,3 +259,47 @@ def test_a_save_returns_its_path_on_rank_0_and_keeps_the_newest_n(parallel, tmp_
         want = {"step": 6, "model_name": "mlp", "parallel": "zero2", "world_size": 2, "generation": 1}
         assert {k: extra[k] for k in want} == want and extra["global_batch"] == 16
         assert extra["data"] == {"epoch": 0, "offset": 2} and len(extra["rng"]["cpu"]) == 2
+
+
+def a_full_disk(rank, world, directory, parallel):
+    import errno
+    import os
+
+    from app.parallel.zero import checkpoint as zero_checkpoint
+    from app.worker.checkpoint import checkpointer as module
+    from app.worker.checkpoint.checkpointer import CheckpointWriteError
+
+    model, opt, _ = build(parallel, 0, 0.01)
+    ckpt = checkpointer(directory, rank, world, model, opt, Position(2))
+    ckpt.save(2)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    plain = module.save_checkpoint, zero_checkpoint.write_atomically
+    module.save_checkpoint = full
+    zero_checkpoint.write_atomically = full if rank == 1 else plain[1]
+    try:
+        ckpt.save(4)
+    except CheckpointWriteError as e:
+        return str(e)
+    finally:
+        module.save_checkpoint, zero_checkpoint.write_atomically = plain
+    return None
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "zero2"])
+def test_a_save_the_disk_refuses_is_one_error_on_every_rank_naming_the_cause_and_the_last_good_checkpoint(
+    parallel, tmp_path
+):
+    messages = run_world(a_full_disk, 2, str(tmp_path), parallel)
+    assert messages[0] == messages[1]
+    kept = "step-00000002.pt" if parallel == "ddp" else "sharded-step-00000002/manifest.json"
+    start = f"checkpoint_dir {tmp_path} could not take the checkpoint of step 4: No space left on device (ENOSPC)"
+    assert messages[0].startswith(start), messages[0]
+    assert messages[0].endswith(
+        f"Free space or fix the permissions, or point checkpoint_dir elsewhere. Last good checkpoint kept: "
+        f"{tmp_path / kept}."
+    )
+    if parallel == "zero2":  # and the file of the rank that failed first
+        assert f", writing {tmp_path / 'sharded-step-00000004'}/shard-00001-of-00002-" in messages[0]
