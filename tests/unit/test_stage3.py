@@ -214,3 +214,31 @@ def test_a_forward_after_a_step_computes_with_the_stepped_parameters_whatever_wa
     # backward; the next forward must gather them again, or it computes with the values before the step.
     for worst in run_world(an_evaluation_between_backward_and_step, 2, reshard):
         assert worst <= 1e-6, worst
+
+
+def bytes_of_a_step(rank, world, reshard, compute_dtype):
+    wrapped = FullyShardedDataParallel(stack(), reshard_after_forward=reshard, compute_dtype=compute_dtype)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    seen = []
+    for step in range(2):
+        before = dict(wrapped.comm_bytes)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        F.mse_loss(wrapped(x), x).backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append({k: wrapped.comm_bytes[k] - before[k] for k in before})
+    return seen, wrapped.max_units_gathered
+
+
+@pytest.mark.parametrize(
+    ("reshard", "compute_dtype", "gathers", "gathered_bytes"),
+    [(True, None, 2, 4), (False, None, 1, 4), (True, torch.bfloat16, 2, 2)],
+)
+def test_a_step_gathers_each_unit_twice_or_once_unresharded_and_reduce_scatters_it_once_in_fp32(
+    reshard, compute_dtype, gathers, gathered_bytes
+):
+    # Five units of 72 parameters (Linear(8, 8)): gathered for forward and again for backward (once when kept whole
+    # in between), in the compute dtype; each gradient reduce-scattered once, in fp32 (reduce_dtype's default).
+    for seen, most in run_world(bytes_of_a_step, 2, reshard, compute_dtype):
+        assert seen == [{"all_gather": gathers * DEPTH * 72 * gathered_bytes, "reduce_scatter": DEPTH * 72 * 4}] * 2
+        assert most == (1 if reshard else DEPTH)
