@@ -196,3 +196,30 @@ def test_a_read_through_the_wrapper_or_of_the_bare_models_state_waits_for_the_ga
     for reader in READERS:
         for seen in run_world(a_read_after_a_step, 2, reader):
             assert seen == [(3, 0), (3, 0)], (reader, seen)
+
+
+def bytes_of_a_step(rank, world, accumulate):
+    wrapped = ShardedGradDataParallel(stack(), bucket_cap_mb=0.0001)
+    opt = wrapped.build_optimizer(torch.optim.AdamW, lr=0.01)
+    seen = []
+    for step in range(2):
+        before = dict(wrapped.comm_bytes)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        if accumulate:
+            with wrapped.no_sync():  # the first micro-batch: nothing sent, p.grad accumulates
+                F.mse_loss(wrapped(x), x).backward()
+            seen.append(dict(wrapped.comm_bytes) == before)
+        F.mse_loss(wrapped(x), x).backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append({k: wrapped.comm_bytes[k] - before[k] for k in before})
+    return seen, wrapped.bucket_sizes, wrapped.require_backward_grad_sync
+
+
+def test_a_step_reduce_scatters_and_gathers_every_bucket_once_and_no_sync_sends_nothing():
+    for accumulate in (False, True):
+        for seen, sizes, sync_after in run_world(bytes_of_a_step, 2, accumulate):
+            assert sizes == [72 * 4] * 3  # a layer a bucket: 72 fp32 parameters, no padding on 2 ranks
+            step = {"reduce_scatter": sum(sizes), "all_gather": sum(sizes)}
+            assert seen == ([True, step] * 2 if accumulate else [step] * 2), seen
+            assert sync_after  # no_sync() gives back what it found
