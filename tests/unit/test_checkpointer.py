@@ -303,3 +303,32 @@ def test_a_save_the_disk_refuses_is_one_error_on_every_rank_naming_the_cause_and
     )
     if parallel == "zero2":  # and the file of the rank that failed first
         assert f", writing {tmp_path / 'sharded-step-00000004'}/shard-00001-of-00002-" in messages[0]
+
+
+def an_older_plain_checkpoint_under_zero2(rank, world, directory):
+    from app.worker.checkpoint.files import load_checkpoint, save_checkpoint
+
+    model, opt, _ = build("ddp", 0, 0.01)
+    checkpointer(directory, rank, world, model, opt, Position(2)).save(2)
+    torch.distributed.barrier()
+    if rank == 0:  # as an older trainer wrote it: without the names of its optimizer's parameters
+        path = Path(directory) / "step-00000002.pt"
+        state = load_checkpoint(path)
+        state = {k: v for k, v in state.items() if k not in ("param_names", "digest", "format")}
+        path.unlink()
+        save_checkpoint(directory, state, keep=3)
+    torch.distributed.barrier()
+    model, opt, _ = build("zero2", 1, 0.01)
+    try:
+        checkpointer(directory, rank, world, model, opt, Position()).resume()
+    except CheckpointMismatch as e:
+        return str(e)
+    return None
+
+
+def test_a_plain_checkpoint_a_zero_stage_cannot_cut_is_a_mismatch_that_says_to_resume_with_ddp(tmp_path):
+    for message in run_world(an_older_plain_checkpoint_under_zero2, 2, str(tmp_path)):
+        assert message == (
+            f"checkpoint_dir={str(tmp_path)!r}: step-00000002.pt cannot resume under parallel=zero2: it does not name "
+            f"its optimizer's parameters (saved by an older trainer); resume with parallel=ddp"
+        )
