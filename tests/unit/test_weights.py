@@ -169,3 +169,44 @@ def test_an_optimizer_state_by_name_comes_back_to_a_plain_optimizer_as_it_was():
     assert sorted(got) == sorted(want) == list(range(len(names)))
     for i in want:
         assert all(torch.equal(want[i][k], got[i][k]) for k in want[i]), names[i]
+
+
+def test_a_long_list_of_mismatches_names_the_first_three_and_counts_the_rest():
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)])  # 6 tensors, none of them in the file
+    with pytest.raises(WeightsError) as e:
+        load_model_state(model, {"x": torch.zeros(1)}, "w.pt")
+    assert str(e.value) == (
+        "w.pt does not fit the model (missing: 0.weight, 0.bias, 1.weight and 3 more; unexpected: x); "
+        "give weights of this model"
+    )
+    three = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, bias=False))
+    with pytest.raises(WeightsError, match=r"\(missing: 0\.weight, 0\.bias, 1\.weight\); give"):
+        load_model_state(three, {}, "w.pt")
+
+
+def test_the_saved_hyperparameters_come_back_per_group_where_the_groups_match_and_else_the_optimizers_own():
+    from app.worker.checkpoint.weights import consolidated_from_plain, plain_optimizer_state
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    names = [n for n, _ in model.named_parameters()]
+    two = torch.optim.AdamW(
+        [{"params": model[0].parameters(), "lr": 0.1}, {"params": model[1].parameters(), "weight_decay": 0.5}], lr=0.2
+    )
+    whole = consolidated_from_plain({"model": model.state_dict(), "optimizer": two.state_dict(), "param_names": names})
+    assert whole.optimizer == {} and whole.extra == {}
+    again = torch.optim.AdamW(
+        [{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.9, weight_decay=0.0
+    )
+    groups = plain_optimizer_state(whole, model, again)["param_groups"]
+    assert [(g["lr"], g["weight_decay"], g["params"]) for g in groups] == [(0.1, 0.01, [0, 1]), (0.2, 0.5, [2, 3])]
+    one = torch.optim.AdamW(model.parameters(), lr=0.9)  # another number of groups: its own hyperparameters
+    assert [(g["lr"], g["params"]) for g in plain_optimizer_state(whole, model, one)["param_groups"]] == [
+        (0.9, [0, 1, 2, 3])
+    ]
+
+
+def test_a_plain_checkpoint_that_does_not_name_its_parameters_cannot_be_cut_into_shards():
+    from app.worker.checkpoint.weights import consolidated_from_plain
+
+    with pytest.raises(WeightsError, match=r"^it does not name its optimizer's parameters \(saved by an older"):
+        consolidated_from_plain({"model": {}, "optimizer": {"state": {}, "param_groups": []}})

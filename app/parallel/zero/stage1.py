@@ -48,7 +48,9 @@ BROADCAST_BUCKET_BYTES = 25 * 2**20
 def refuse_unshardable(optimizer_class: type) -> None:
     """Raise a one-line ValueError if ``optimizer_class`` cannot be run on a partition of the parameters."""
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise ValueError(f"optimizer_class={optimizer_class!r}: pass a torch.optim.Optimizer subclass (the class)")
+        # An instance's repr is its every group over several lines: its class's name keeps the error one line.
+        given = getattr(optimizer_class, "__name__", f"an instance of {type(optimizer_class).__name__}")
+        raise ValueError(f"optimizer_class={given}: pass a torch.optim.Optimizer subclass (the class)")
     if issubclass(optimizer_class, _NOT_SHARDABLE):
         raise ValueError(
             f"optimizer_class={optimizer_class.__name__} cannot be sharded: it needs every parameter at once "
