@@ -147,3 +147,26 @@ def test_a_stop_signal_reaches_the_trainer_and_is_named(tmp_path):
         if child.poll() is None:
             child.kill()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+@pytest.mark.parametrize(
+    ("trainer_args", "code", "recorded"),
+    [
+        (["--help"], 0, "finished"),  # a trainer that ends 0 (its help: the cheapest real app.train that does)
+        (["--parallel", "nope"], 2, "refused"),  # its config error: one line, exit 2
+    ],
+)
+def test_a_newcomers_launcher_ends_with_its_trainers_exit_code(world, job, trainer_args, code, recorded, caplog):
+    """The container's exit code is its trainer's (app.train run as a newcomer: no WORLD_SIZE), and the launcher
+    records the ending a restart of the container must know: the job finished, or this configuration refused."""
+    from app.cluster.newcomer import join_live_world
+    from app.worker.config.launch import LaunchConfig
+
+    world.quorum.store.add(world.quorum.key("exit/n"), 1)  # the other container's launcher, at the exit barrier
+    launch_args = SimpleNamespace(rdzv_id="job1", nnodes="1:4", training_script_args=trainer_args)
+    with caplog.at_level(logging.INFO, logger=LOG):
+        got = join_live_world(launch_args, config(world.address), LaunchConfig(fork=False), job, size=2, high=4)
+    assert got == code, caplog.text
+    assert "joining its live world of 2 at heal_store" in caplog.text
+    assert (job.finished_since_arrival() is not None) == (recorded == "finished")
+    assert (job.refused_before() is not None) == (recorded == "refused")
