@@ -170,3 +170,13 @@ def test_a_newcomers_launcher_ends_with_its_trainers_exit_code(world, job, train
     assert "joining its live world of 2 at heal_store" in caplog.text
     assert (job.finished_since_arrival() is not None) == (recorded == "finished")
     assert (job.refused_before() is not None) == (recorded == "refused")
+
+
+def test_a_store_that_does_not_say_is_torchruns_path_with_its_traceback_at_debug(world, caplog):
+    """heal_store answers with something no heal wrote (here: a generation that is not a number): the container
+    goes through torchrun's rendezvous, and LOGLEVEL=DEBUG shows why, traceback included."""
+    world.quorum.store.set(world.quorum.key("generation"), "not a number")
+    with caplog.at_level(logging.DEBUG, logger=LOG):
+        assert live_world_to_join(args(), config(world.address)) is None
+    [record] = [r for r in caplog.records if r.getMessage() == f"cannot read heal_store={world.address}"]
+    assert record.levelno == logging.DEBUG and record.exc_info[0] is ValueError
