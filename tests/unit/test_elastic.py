@@ -227,3 +227,45 @@ def test_heal_in_places_exit_barrier_says_how_many_containers_it_waited_for_and_
         assert heal_exit_barrier(config, "job", local_world_size=2, timeout_s=5) is True
     assert "the exit barrier at heal_store waited for the 2 container(s) of the trainers' world" in caplog.text
     assert heal_exit_barrier(None, "job", 2, 5) is False  # the launcher checked no config: torch's barrier
+
+
+# A launcher whose node sits in the rendezvous' redundancy list (the world full at MAX), in a process of its own:
+# the watch ends that process (os._exit), as it ends the container.
+SPARE = """
+import os, pickle, sys
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+from app.cli import setup_logging
+from app.cluster.elastic import Reporter
+from app.worker.config.launch import LaunchConfig
+
+setup_logging("launch")
+server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+reporter = Reporter(("127.0.0.1", server.port), "job", None, settings=LaunchConfig(redundant_grace_seconds=0))
+state = _RendezvousState()
+state.redundancy_list = {_NodeDesc("another-container", 7, 0), _NodeDesc(reporter.me, os.getpid(), reporter.local_id)}
+C10dRendezvousBackend(server, "job").set_state(pickle.dumps(state))
+reporter.watch_redundancy(3, refuse=lambda reason: print("refused:", reason, flush=True))
+print("the watch returned", flush=True)
+"""
+
+
+def test_a_container_left_spare_past_the_grace_is_refused_and_ends_with_exit_2():
+    """One container more than --nnodes' MAX waits in torch's redundancy list; past LAUNCH_REDUNDANT_GRACE_SECONDS
+    its launcher records the refusal (a restart of it ends at once) and ends 2 with one line saying what to scale to."""
+    from tests.trainer_run import REPO, clean_env
+
+    env = {**clean_env(), "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-c", SPARE], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stdout.splitlines() == [
+        "refused: one container more than the world's maximum of 3 workers (MAX_WORKERS)"
+    ]
+    errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and errors[0].endswith(
+        "this container is one more than the world's maximum of 3 workers (MAX_WORKERS): it would wait idle; "
+        "scale to at most 3 (docker compose up -d --scale worker=3 --no-recreate)"
+    ), result.stderr
