@@ -408,9 +408,7 @@ def test_a_lone_survivor_forms_the_next_world_and_publishes_it(store_address, mo
         dist.destroy_process_group()
 
 
-def test_the_first_world_after_a_heal_asks_for_the_generation_after_the_newest(
-    store_address, monkeypatch, restore_logging
-):
+def test_a_heal_asks_for_the_generation_after_the_newest_published(store_address, monkeypatch, restore_logging):
     """A member left out of world g (too late to its agreement) asks for g + 1, never for a generation already
     taken: the newest published one decides, whatever this member saw last."""
     import torch
