@@ -586,3 +586,19 @@ def test_a_member_too_late_for_a_world_joins_the_next_one_with_its_members(store
     assert world2 == [Member("a", 3, 0), Member("late", 3, -1)]
     assert formed == [(2, world2)]
     assert time.monotonic() - started < 30  # not its 60 s deadline
+
+
+def test_rank_0s_poll_says_1_once_a_newcomer_asks_for_the_world_after_its_own(store_address):
+    """What rank 0's step control carries to every rank: 0 while nobody asks in, 1 once a newcomer registers for
+    the world after the one that trains now (not for one already formed)."""
+    from app.worker.heal import Healer
+
+    q = _quorum(store_address, "a")
+    q.enter("a", publish=True)
+    healer = Healer(TrainConfig(), q, joining=False)
+    healer.generation = 2
+    assert healer._poll() == 0
+    q.store.add(q.key("q2/n"), 1)  # a registration for world 2, which formed already
+    assert healer._poll() == 0
+    q.store.add(q.key("q3/n"), 1)
+    assert healer._poll() == 1
