@@ -602,3 +602,36 @@ def test_rank_0s_poll_says_1_once_a_newcomer_asks_for_the_world_after_its_own(st
     assert healer._poll() == 0
     q.store.add(q.key("q3/n"), 1)
     assert healer._poll() == 1
+
+
+def test_the_first_world_publishes_itself_for_newcomers_under_rank_0s_id(store_address, caplog):
+    """``attach`` in the first world (a real gloo group of one): its members are every rank's id with the steps it
+    starts from, the incarnation is named by rank 0's id, and generation 0 and the live incarnation are published
+    (a newcomer finds both); rank 0 polls for newcomers. A newcomer's ``attach`` instead takes the state and says
+    which world it joined, at which step."""
+    import torch.distributed as dist
+
+    from app.worker.heal import Healer
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        q = _quorum(store_address, "first-id")
+        healer = Healer(TrainConfig(), q, joining=False)
+        trainer = _trainer(1, step_index=6, position=0)
+        trainer.ctx.world_size = 1
+        healer.attach(trainer)
+        assert healer.members == [Member("first-id", 6, 0)]
+        reader = _quorum(store_address, "")
+        assert reader.current() == "first-id"
+        reader.enter("first-id")
+        assert reader.generation() == 0 and reader.published(0) == [Member("first-id", 6, 0)]
+        assert trainer.control.poll == healer._poll
+
+        newcomer = Healer(TrainConfig(), _quorum(store_address, "new"), joining=True)
+        newcomer.members = [Member("first-id", 6, 0)]  # as _form left them: the world it was taken into
+        joined = _trainer(2, step_index=0, position=0)
+        with caplog.at_level("WARNING", logger="app.train"):
+            newcomer.attach(joined)
+        assert joined.step_index == 6 and "rank 0 joined a world of 1 at step 6" in caplog.text
+    finally:
+        dist.destroy_process_group()
