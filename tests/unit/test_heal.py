@@ -274,7 +274,7 @@ def test_every_member_of_the_last_world_takes_the_same_world_in_rank_order(store
     """Three survivors that all register agree on one world: the most steps first, then by old rank; a newcomer
     that asked in is last; each candidate reads the one winning proposal."""
     ids = ["a", "b", "c", "new"]
-    quorums = [_quorum(store_address, i) for i in ids]
+    quorums = [_quorum(store_address, i, beat=True) for i in ids]  # alive however late a thread starts
     for q in quorums:
         q.enter("a")
     me = [Member("a", 4, 0), Member("b", 5, 1), Member("c", 4, 2), Member("new", -1, -1)]
@@ -310,7 +310,7 @@ def test_a_member_whose_heartbeat_stands_still_is_left_out_of_the_next_world(sto
     from app.worker import heal
 
     monkeypatch.setattr(heal, "STALE_SECONDS", 0.3)
-    quorums = [_quorum(store_address, i) for i in "ab"]
+    quorums = [_quorum(store_address, i, beat=True) for i in "ab"]  # alive however late a thread starts
     answers = _agree_all(quorums, 1, [Member("a", 4, 0), Member("b", 4, 1)], previous=["a", "b", "gone"])
     assert answers == {i: [Member("a", 4, 0), Member("b", 4, 1)] for i in "ab"}
 
@@ -540,11 +540,17 @@ def test_a_healed_member_takes_the_newest_step_rewinds_its_data_and_reseeds(stor
         assert trainer.step_index == 4 and trainer.step.batches.position == 40
         assert torch.initial_seed() == 11 + 0 + 1_000_003 * 4
         assert trainer.control.poll == healer._poll
-        healer.members, healer.data_state = [Member("a", 4, 0), Member("b", 3, 1)], None  # steps differ: rank 0 sends
+        # The steps differ (b's last collective failed where a's completed, and a failed in its next step): rank 0
+        # sends its state, and rewinds its own data to where its failed step began, as every member does.
+        healer.members = [Member("a", 4, 0), Member("b", 3, 1)]
+        healer.data_state, trainer.step.batches.position = {"position": 40}, 44
         before = [p.detach().clone() for p in trainer.step.model.parameters()]
         healer._sync_state(trainer)
         assert trainer.step_index == 4 and trainer.step.batches.position == 40
         assert all(torch.equal(a, b) for a, b in zip(before, trainer.step.model.parameters(), strict=True))
+        healer.data_state, trainer.step.batches.position = None, 44  # failed between steps: nothing to rewind
+        healer._sync_state(trainer)
+        assert trainer.step.batches.position == 44
         other = _trainer(1, step_index=5, position=44, rank=1)
         other.ctx.rank = 1
         healer.members, healer.data_state = [Member("a", 4, 0)], None
