@@ -641,3 +641,35 @@ def test_the_first_world_publishes_itself_for_newcomers_under_rank_0s_id(store_a
         assert joined.step_index == 6 and "rank 0 joined a world of 1 at step 6" in caplog.text
     finally:
         dist.destroy_process_group()
+
+
+def test_a_newcomer_joins_a_world_that_has_committed_no_step_yet(store_address, monkeypatch):
+    """A world at its very start (its members at step 0) is a live world with a state to give: a newcomer asking in
+    then is taken in, not told that the world's ranks are gone."""
+    import threading
+
+    from app.worker import heal
+
+    rank0 = _quorum(store_address, "a", beat=True)
+    rank0.enter("a", publish=True)
+    rank0.publish(0, [Member("a", 0, 0)])
+    newcomer = heal.Healer(_config(store_address, rendezvous_timeout_seconds=60), _quorum(store_address, "new"), True)
+    newcomer.quorum.enter("a")
+    formed: list = []
+    monkeypatch.setattr(newcomer, "_form", lambda generation, members, *_: formed.append((generation, members)))
+    errors: list = []
+
+    def enter() -> None:
+        try:
+            newcomer._enter(Member("new", -1, -1), None, "gloo", 0)
+        except RuntimeError as e:
+            errors.append(e)
+
+    entering = threading.Thread(target=enter, daemon=True)
+    entering.start()
+    deadline = time.monotonic() + 30
+    while not rank0.join_pending(0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    world = rank0.agree(1, Member("a", 0, 0), previous=["a"])
+    entering.join(60)
+    assert errors == [] and world == [Member("a", 0, 0), Member("new", -1, -1)] and formed == [(1, world)]
