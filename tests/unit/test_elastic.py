@@ -227,3 +227,24 @@ def test_heal_in_places_exit_barrier_says_how_many_containers_it_waited_for_and_
         assert heal_exit_barrier(config, "job", local_world_size=2, timeout_s=5) is True
     assert "the exit barrier at heal_store waited for the 2 container(s) of the trainers' world" in caplog.text
     assert heal_exit_barrier(None, "job", 2, 5) is False  # the launcher checked no config: torch's barrier
+
+
+def test_the_reporting_agent_gives_its_trainers_torchs_own_time_to_stop(monkeypatch):
+    """The agent ``install_agent`` has elastic_launch build stops its trainers as torch's does: a re-formation's
+    ``_shutdown()`` (torch calls it with no timeout) waits torch's own grace before SIGKILL, with SIGTERM first."""
+    import inspect
+
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from app.cluster.elastic import install_agent
+
+    monkeypatch.setattr(launcher_api, "LocalElasticAgent", LocalElasticAgent)
+    install_agent(Reporter(None, "job", workers=None))
+    agent = launcher_api.LocalElasticAgent
+    assert issubclass(agent, LocalElasticAgent) and agent is not LocalElasticAgent
+    ours, torchs = (
+        inspect.signature(agent._shutdown).parameters,
+        inspect.signature(LocalElasticAgent._shutdown).parameters,
+    )
+    assert ours["timeout"].default == torchs["timeout"].default and ours["death_sig"].default == signal.SIGTERM
