@@ -643,7 +643,7 @@ def copy_tree(dst: Path) -> None:
         if not src.is_file():  # deleted in the work tree but still in the index
             continue
         (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, dst / rel)
+        shutil.copy2(src, dst / rel, follow_symlinks=False)  # k8s/*.yaml are links (tests/unit/test_k8s.py)
 
 
 def env_for(copy: Path) -> dict[str, str]:

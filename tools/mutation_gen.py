@@ -271,6 +271,18 @@ AREAS: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     (("app/cluster/memory*",), ("tests/unit/test_memory*.py", "tests/unit/test_launch*.py")),
     (("app/cluster/compose_env*",), ("tests/unit/test_compose_env*.py", "tests/unit/test_xdist_groups*.py")),
     (
+        # the launcher's heal=in_place path: a container that comes to a live world runs its trainer as a newcomer
+        # (newcomer.py) and launch() ends with that container's code, which only a launcher against real ranks shows
+        ("app/cluster/launch*", "app/cluster/newcomer*"),
+        (
+            "tests/unit/test_first_world*.py",
+            "tests/unit/test_launch*.py",
+            "tests/unit/test_job_state*.py",
+            "tests/integration/test_launch*.py",
+            "tests/integration/test_heal*.py::test_a_launcher_that_comes_to_a_live_world_joins_it_as_a_newcomer",
+        ),
+    ),
+    (
         ("app/cluster/*",),
         (
             "tests/unit/test_first_world*.py",  # app/cluster/elastic.py's hold for a full first world

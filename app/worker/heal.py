@@ -417,12 +417,13 @@ class Healer:
         """Rank 0 (the most steps committed) sends its state when the members' steps differ or one is new; every
         member rewinds its data to where its step began and reseeds as a resume onto another world size does."""
         step, ctx = trainer.step, trainer.ctx
-        if len({m.step for m in self.members}) > 1:
+        sent = len({m.step for m in self.members}) > 1
+        if sent:
             state = [source_state(trainer, self.data_state)] if ctx.rank == 0 else [None]
             dist.broadcast_object_list(state, src=0)
             if ctx.rank != 0:
                 load_source_state(trainer, state[0])
-        elif self.data_state is not None:
+        if self.data_state is not None and not (sent and ctx.rank != 0):  # the source rewinds too: it sent this one
             step.batches.load_state_dict(self.data_state)
         trainer.step_index = self.members[0].step
         torch.manual_seed(self.cfg.seed + ctx.rank + 1_000_003 * trainer.step_index)

@@ -34,3 +34,21 @@ def test_a_master_port_outside_0_to_65535_is_one_line_naming_it(monkeypatch):
         init_distributed(5, force_cpu=True, world=WorldEnv())
     assert "127.0.0.1:70000 (MASTER_ADDR:MASTER_PORT)" in str(e.value)
     assert "65535" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_rank_that_reaches_the_endpoint_at_its_deadline_still_gets_a_moment_to_form_the_group(monkeypatch):
+    """The group gets the rest of the one deadline, but never less than a moment: a rank that reached the endpoint
+    at the very end of its timeout (here: a timeout of 0) still forms a world that is ready for it."""
+    from app.net import free_port
+    from app.worker import dist
+    from app.worker.config import WorldEnv
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setattr(dist, "RENDEZVOUS_GRACE_SECONDS", 60.0)  # the guard that ends the process: not in a test
+    ctx = dist.init_distributed(0, force_cpu=True, world=WorldEnv(), collective_timeout_s=60)
+    try:
+        assert (ctx.rank, ctx.world_size, ctx.backend) == (0, 1, "gloo")
+    finally:
+        dist.cleanup_distributed()

@@ -116,3 +116,25 @@ def test_a_record_cut_short_or_not_json_reads_as_no_record(tmp_path):
     state.finish(step=10)  # a good finish record, but this container's arrival record is empty: read as new
     (tmp_path / "job" / "seen" / "node-a").write_text("")
     assert state.finished_since_arrival() is None
+
+
+def test_a_container_that_comes_after_the_finish_runs_a_new_job_and_an_empty_state_dir_keeps_nothing(tmp_path):
+    """A fresh `docker compose up` after a finished run (the same job id, a container recreated with the same name)
+    arrives after the finish record: it is a new run, not a restart to end at once. LAUNCH_STATE_DIR="" keeps none."""
+    import json
+
+    from app.cluster.job_state import JobState
+
+    state = JobState.in_dir(str(tmp_path), "job", "node-a", "settings")
+    state.finish(step=10)
+    (tmp_path / "job" / "finished.json").write_text(json.dumps({"time": 1000.0, "step": 10}))
+    state.arrived()  # now, long after the finish at t=1000
+    assert state.finished_since_arrival() is None
+    (tmp_path / "job" / "seen" / "node-a").write_text("999.5")  # had it come before the finish: a restart
+    assert state.finished_since_arrival() == {"time": 1000.0, "step": 10}
+    (tmp_path / "job" / "seen" / "node-a").write_text("1000.0")  # in the same instant: part of it
+    assert state.finished_since_arrival() == {"time": 1000.0, "step": 10}
+    nothing = JobState.in_dir("", "job", "node-a", "settings")
+    nothing.arrived()
+    nothing.refuse("x")
+    assert nothing.dir is None and nothing.refused_before() is None

@@ -30,3 +30,20 @@ def test_a_bad_value_or_an_unknown_name_is_one_line_naming_the_variable(environ,
     with pytest.raises(ConfigError) as e:
         LaunchConfig.from_environ(environ)
     assert str(e.value).startswith(says) and "\n" not in str(e.value)
+
+
+def test_the_defaults_are_the_ones_docs_cluster_md_gives():
+    """docs/cluster.md names each wait with its default ("`LAUNCH_PEERS_WAIT_SECONDS`, 90"): a launcher run without
+    the variable waits that long; forking the trainer is on unless LAUNCH_FORK=0; nothing is recorded and no peers
+    are waited for unless named."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cluster.md").read_text()
+    documented = {name: float(value) for name, value in re.findall(r"`(LAUNCH_[A-Z_]+)`(?:, | \()(\d+)\)", text)}
+    assert len(documented) >= 4, documented
+    defaults = LaunchConfig()
+    for name, value in documented.items():
+        assert getattr(defaults, name.removeprefix("LAUNCH_").lower()) == value, name
+    assert defaults.fork is True and defaults.peers == "" and defaults.state_dir == ""
+    assert LaunchConfig.from_environ({"LAUNCH_FORK": "1"}).fork is True

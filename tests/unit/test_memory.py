@@ -102,3 +102,17 @@ def test_a_sigkill_or_failure_with_no_kill_counted_is_the_usual_warning(tmp_path
         reporter.workers_failed({0: SimpleNamespace(exitcode=exitcode)})
     assert reporter.out_of_memory is None
     assert "rank 0 (this container" in caplog.text and "killed for memory" not in caplog.text
+
+
+def test_a_count_the_kernel_does_not_let_us_read_is_no_kill_then_or_later(tmp_path):
+    """memory.events there but unreadable (here: not a file) says no kill; once readable with no kill counted, the
+    watch started meanwhile reports none either: only kills counted after its first look are a trainer's."""
+    root = tmp_path / "cg"
+    (root / "memory.events").mkdir(parents=True)
+    assert read_cgroup(root).oom_kills == 0
+    watch = OomWatch(root)
+    (root / "memory.events").rmdir()
+    v2(root, kills=0)
+    assert watch.kills() is None
+    v2(root, kills=1)
+    assert watch.kills().oom_kills == 1

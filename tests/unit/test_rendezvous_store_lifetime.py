@@ -115,3 +115,20 @@ def test_the_store_refuses_a_port_outside_1_to_65535_in_one_line(port, capsys):
 
     assert main(["--host", "127.0.0.1", "--port", port]) == 2
     assert capsys.readouterr().err.strip() == f"error: --port {port} is not a TCP port; give 1-65535"
+
+
+@pytest.mark.parametrize("waiting_in", ["wait_list", "redundancy_list"])
+def test_a_worker_waiting_to_join_or_spare_is_a_worker_that_came(waiting_in, caplog):
+    """A worker that waits for the next round (torch's wait list) or as a spare beyond the maximum (its redundancy
+    list) has reached the store: no "no worker has joined" line, however long it waits."""
+    s = store()
+    state = _RendezvousState()
+    setattr(state, waiting_in, {_NodeDesc("node-a", 100, 0)})
+    C10dRendezvousBackend(s, "job").set_state(pickle.dumps(state))
+    with caplog.at_level(logging.WARNING, logger="rendezvous_store"):
+        stop = watch(s, "job", alone_s=10 * POLL_S)
+        try:
+            assert not stop.wait(40 * POLL_S), "the store left with a worker waiting"
+        finally:
+            stop.set()
+    assert "no worker has joined" not in caplog.text, caplog.text

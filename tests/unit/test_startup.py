@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from app.worker.startup import StartupClock
@@ -117,3 +118,19 @@ def test_a_run_that_compiles_gets_the_real_dynamo_not_the_stand_in():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["False", "False"]  # not deferred, and nothing in torch._dynamo's place
+
+
+def test_a_processs_age_is_the_time_since_the_kernel_started_it():
+    """The "process" phase is this process's age as the kernel keeps it: what ps says (whole seconds), not 0 or a
+    clock of another kind."""
+    import shutil
+
+    from app.worker.startup import process_age_s
+
+    if shutil.which("ps") is None:
+        pytest.skip("no ps here to read the process's age independently")
+    age = process_age_s()
+    elapsed = int(
+        subprocess.run(["ps", "-o", "etimes=", "-p", str(os.getpid())], capture_output=True, text=True).stdout
+    )
+    assert elapsed - 1 <= age <= elapsed + 2, (age, elapsed)
