@@ -348,3 +348,10 @@ def test_validation_is_refused_where_no_rank_holds_the_whole_model(parallel):
     assert refused(eval_every=5, eval_fraction=0.1, parallel=parallel) == (
         f"eval_every=5 works with parallel=ddp, dp, zero1 or zero2 only: set eval_every=0 for {parallel}"
     )
+
+
+def test_a_built_in_model_without_built_in_data_needs_a_data_spec():
+    assert refused(model="deep_mlp") == (
+        'data="": model=deep_mlp has no built-in data set; set data to an import spec '
+        "'package.module:callable' returning (input, target) samples"
+    )

@@ -225,3 +225,16 @@ def test_the_start_up_log_gives_every_setting_its_value_and_source_one_per_line(
     assert f"  {'steps':<{width}} = {9!r:<12} (flag --steps)" in lines
     assert f"  {'seed':<{width}} = {4!r:<12} (env DDP_SEED)" in lines
     assert f"  {'model':<{width}} = {'mini_mlp'!r:<12} (default)" in lines
+
+
+def test_an_optional_count_is_read_as_a_count_and_the_names_follow_the_field():
+    from app.worker.config.load import env_name, flag_name
+
+    assert convert("grad_accum_steps", "3", "env DDP_GRAD_ACCUM_STEPS") == 3
+    assert error(convert, "effective_batch", "3.5", "flag --effective-batch") == (
+        "effective_batch='3.5' (from flag --effective-batch): must be an int"
+    )
+    assert (env_name("grad_accum_steps"), flag_name("grad_accum_steps")) == (
+        "DDP_GRAD_ACCUM_STEPS",
+        "--grad-accum-steps",
+    )

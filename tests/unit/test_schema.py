@@ -270,3 +270,16 @@ def test_each_config_gets_its_own_keyword_mappings():
     one, two = TrainConfig(), TrainConfig()
     one.model_kwargs["hidden"] = 8
     assert two.model_kwargs == {} and TrainConfig().model_kwargs == {}
+
+
+def test_device_cuda_without_a_visible_gpu_is_refused_at_the_world_check(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    import torch
+
+    if torch.cuda.is_available():  # CUDA initialised earlier in this process: the variable comes too late
+        pytest.skip("a GPU is visible to this process")
+    assert refused_world(TrainConfig(device="cuda"), 1) == (
+        "device=cuda: no CUDA device is visible here (torch.cuda.is_available() is False); use device=auto or "
+        "device=cpu, or run on a machine with a GPU"
+    )
+    assert TrainConfig(device="cpu").check_world(1) == 1
