@@ -249,3 +249,16 @@ def test_no_metrics_takes_every_call_the_training_loop_makes_of_train_metrics():
 
     public = {n for n, f in inspect.getmembers(TrainMetrics, inspect.isfunction) if not n.startswith("_")}
     assert public <= {n for n, _ in inspect.getmembers(NoMetrics, inspect.isfunction)}
+
+
+def test_the_clock_is_read_after_cuda_synchronises_and_a_cpu_step_waits_for_nothing():
+    import torch
+
+    from app.worker.metrics import synchronize_for
+
+    assert synchronize_for(torch.device("cpu"))() is None
+    if torch.cuda.is_available():
+        synchronize_for(torch.device("cuda", 0))()  # returns once the device's queued kernels are done
+        return
+    with pytest.raises((AssertionError, RuntimeError)):  # CUDA's own synchronize, which this build lacks
+        synchronize_for(torch.device("cuda", 0))()
