@@ -183,3 +183,20 @@ def test_a_resumed_stream_saved_again_before_a_read_names_the_place_it_was_given
     x, _ = other.next_micro_batches()[0]
     assert torch.equal(x[0], text_files(pattern, seq_len=SEQ)[35][0])  # rank 1's share of step 4: windows 35..39
     assert other.state_dict() == {"epoch": 2, "consumed": 40, "stream": {"window": 40}}
+
+
+def test_a_file_streams_through_in_chunks_of_1_mib_never_whole(tmp_path):
+    # "Files larger than memory stream through": by default 1 MiB is read at a time, and at most the unread tail, the
+    # new chunk and the two joined (about 3 chunks) are held at once, whatever the file's size.
+    import tracemalloc
+
+    (tmp_path / "big.bin").write_bytes(bytes(range(256)) * (8 * 4096))  # 8 MiB
+    stream = token_stream(str(tmp_path / "big.bin"), seq_len=4096)
+    tracemalloc.start()
+    try:
+        windows = sum(1 for _ in stream)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert windows == (8 * 2**20 - 1) // 4096
+    assert 2 * 2**20 < peak < 3.5 * 2**20, peak
