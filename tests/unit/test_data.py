@@ -214,3 +214,14 @@ def test_each_tokens_successors_come_with_the_documented_odds_so_the_loss_floor_
         for i, n in enumerate(sorted((n for (a, _), n in pairs.items() if a == token), reverse=True)):
             ranked[i] += n
     assert [round(n / sum(ranked), 2) for n in ranked] == pytest.approx([0.55, 0.25, 0.15, 0.05], abs=0.01)
+
+
+@pytest.mark.parametrize(("global_batch", "world_size"), [(3, 4), (1001, 1)])
+def test_a_global_batch_below_the_world_or_above_the_data_set_is_refused_naming_both(global_batch, world_size):
+    with pytest.raises(ValueError) as e:
+        GlobalBatches(DATA, global_batch, 8, 0, world_size, 0, CPU)
+    assert str(e.value) == (
+        f"global batch {global_batch} must lie between world_size={world_size} and dataset_size=1000: raise "
+        "dataset_size or change the batch"
+    )
+    assert len(GlobalBatches(DATA, 1000, 8, 0, 1, 0, CPU).next_indices()) == 1000  # the whole set is one batch

@@ -200,3 +200,11 @@ def test_a_file_streams_through_in_chunks_of_1_mib_never_whole(tmp_path):
         tracemalloc.stop()
     assert windows == (8 * 2**20 - 1) // 4096
     assert 2 * 2**20 < peak < 3.5 * 2**20, peak
+
+
+def test_a_token_stream_resumed_in_a_later_file_seeks_past_the_files_before_it(tmp_path):
+    pattern = corpus(tmp_path)  # files of 301, 97 and 450 bytes
+    whole = [x.tolist() for x, _ in token_stream(pattern, seq_len=SEQ)]
+    stream = token_stream(pattern, seq_len=SEQ)
+    stream.load_state_dict({"window": 60})  # byte 480: past the first two files (398 bytes)
+    assert [x.tolist() for x, _ in stream] == whole[60:]

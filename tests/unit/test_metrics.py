@@ -262,3 +262,14 @@ def test_the_clock_is_read_after_cuda_synchronises_and_a_cpu_step_waits_for_noth
         return
     with pytest.raises((AssertionError, RuntimeError)):  # CUDA's own synchronize, which this build lacks
         synchronize_for(torch.device("cuda", 0))()
+
+
+def test_a_steps_throughput_is_its_samples_and_tokens_over_its_seconds():
+    import torch
+
+    from app.worker.metrics import TrainMetrics
+
+    metrics = TrainMetrics(rank=0, local_rank=0, world_size=1, node="0")
+    metrics.observe_throughput(samples=64, tokens_per_sample=32, seconds=0.5, flops=None, device=torch.device("cpu"))
+    s = exposition(metrics)
+    assert (s['ddp_samples_per_second{rank="0"}'], s['ddp_tokens_per_second{rank="0"}']) == (128, 4096)
