@@ -469,3 +469,22 @@ def test_compile_units_that_name_nothing_say_what_the_model_has():
         "compile_units='Conv2d': Conv2d names no module class of MiniMLP (it has Linear, ReLU, Sequential); name "
         "those (with parameters), or leave it empty"
     )
+
+
+def loss_that_warns_and_fails(out, y):
+    warnings.warn("Using a target size that is different to the input size", UserWarning, stacklevel=2)
+    raise ValueError("Target size (torch.Size([2]))\n    must be the same as input size")
+
+
+def test_a_failing_loss_is_one_line_with_its_cause_folded_and_none_of_its_warnings():
+    cfg = config(["--wrapper", "none"], {"DDP_LOSS": "tests.unit.test_workload:loss_that_warns_and_fails"})
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with pytest.raises(ConfigError) as e:
+            check_workload(cfg, world_size=1, grad_accum_steps=1)
+    assert str(e.value) == (
+        "loss='tests.unit.test_workload:loss_that_warns_and_fails' failed on the output [2, 8] float32 of "
+        "model='mini_mlp' and the first samples of data='teacher_classification' (input [2, 32] float32, target [2] "
+        "int64): ValueError: Target size (torch.Size([2])) must be the same as input size"
+    )
+    assert [str(w.message) for w in shown if "target size" in str(w.message)] == []  # it would be a second line
