@@ -207,6 +207,9 @@ def test_every_setting_has_a_flag_whose_help_gives_its_doc_variable_and_default(
         default = "unset" if f.default is None else repr(getattr(defaults, name))
         assert f"--{name.replace('_', '-')} " in text and doc in text, name
         assert f"[env DDP_{name.upper()}; default {default}]" in text, name
+    for flag in ("--steps INT", "--lr FLOAT", "--model STR", "--model-kwargs JSON", "--grad-accum-steps INT"):
+        assert flag in text, flag
+    assert text.startswith("usage: python -m app.train ") and "(or env DDP_CONFIG)" in text
 
 
 def test_the_digest_is_12_hex_digits_that_change_with_any_setting():
