@@ -488,3 +488,11 @@ def test_a_failing_loss_is_one_line_with_its_cause_folded_and_none_of_its_warnin
         "int64): ValueError: Target size (torch.Size([2])) must be the same as input size"
     )
     assert [str(w.message) for w in shown if "target size" in str(w.message)] == []  # it would be a second line
+
+
+def test_the_recorded_model_name_is_the_same_whatever_order_its_keywords_came_in():
+    # A resume compares it with the checkpoint's: the same keywords from a YAML file and from JSON in another order
+    # must not be told apart.
+    one = TrainConfig(model="deep_mlp", data="x:y", model_kwargs={"width": 8, "depth": 2})
+    other = TrainConfig(model="app.worker.models:DeepMLP", data="x:y", model_kwargs={"depth": 2, "width": 8})
+    assert model_name(one) == model_name(other) == 'deep_mlp {"depth": 2, "width": 8}'
