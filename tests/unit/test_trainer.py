@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 import sys
 
 import pytest
@@ -63,7 +64,7 @@ def train(**settings) -> dict:
 
 
 def test_a_run_trains_every_step_checkpoints_at_its_cadence_and_reports_finished(tmp_path):
-    run = train(steps=5, checkpoint_dir=str(tmp_path), checkpoint_every=2, log_every=2)
+    run = train(steps=5, checkpoint_dir=str(tmp_path), checkpoint_every=2, log_every=2, checkpoint_timeout_seconds=9)
     assert run["code"] == 0
     s = run["series"]
     assert (s["ddp_step"], s["ddp_target_steps"], s["ddp_optimizer_steps_total"]) == (5, 5, 5)
@@ -76,7 +77,8 @@ def test_a_run_trains_every_step_checkpoints_at_its_cadence_and_reports_finished
     assert "training mini_mlp from step 0 to 5: " in next(line for line in log if line.startswith("training "))
     assert [line.split(" | ")[0] for line in log if line.startswith("step ")] == ["step 1/5", "step 2/5", "step 4/5",
                                                                                    "step 5/5"]  # fmt: skip
-    assert run["stdout"].startswith("FINISHED rank=0 world_size=1 step=5 checksum=")
+    assert re.fullmatch(r"FINISHED rank=0 world_size=1 step=5 checksum=[0-9a-f]{16}\n", run["stdout"])
+    assert not [line for line in log if line.startswith("checkpoint write took")]  # a write of a few KiB: within 9 s
 
 
 def test_a_resumed_run_continues_from_its_checkpoint_and_says_where_it_came_from(tmp_path):
