@@ -143,3 +143,14 @@ def test_validation_runs_every_eval_every_steps_and_sets_its_gauge():
     assert all(line.endswith("over 64 held-out samples") for line in lines)
     assert run["series"]["ddp_validation_loss"] == pytest.approx(float(lines[-1].split()[4]), rel=1e-5)
     assert "ddp_validation_loss" not in train(steps=2)["series"]
+
+
+def test_a_run_resumed_after_a_crash_counts_the_steps_it_trains_again(tmp_path):
+    # The first run reaches step 3 (its progress noted at each line), its last checkpoint is step 2, and a NaN at
+    # step 4 ends it without a final save: the resumed world trains step 3 again.
+    crashed = train(steps=5, checkpoint_dir=str(tmp_path), checkpoint_every=2, log_every=1, inject_nan_at_step=4)
+    assert crashed["code"].startswith("loss became NaN/inf at step 4")
+    run = train(steps=5, checkpoint_dir=str(tmp_path), checkpoint_every=2, log_every=1)
+    s = run["series"]
+    assert (s["ddp_steps_redone_total"], s["ddp_optimizer_steps_total"], s["ddp_world_generation"]) == (1, 3, 2)
+    assert s["ddp_reformation_seconds"] > 0  # newest checkpoint written -> this world's first step
