@@ -225,3 +225,20 @@ def test_a_global_batch_below_the_world_or_above_the_data_set_is_refused_naming_
         "dataset_size or change the batch"
     )
     assert len(GlobalBatches(DATA, 1000, 8, 0, 1, 0, CPU).next_indices()) == 1000  # the whole set is one batch
+
+
+def test_the_built_in_loss_passes_its_keywords_to_pytorchs_cross_entropy():
+    # loss: cross_entropy with loss_kwargs {label_smoothing: 0.1} (app.worker.workload binds them)
+    import torch.nn.functional as F
+
+    from app.worker.config import TrainConfig
+    from app.worker.data import cross_entropy
+    from app.worker.workload import build_loss
+
+    gen = torch.Generator().manual_seed(1)
+    logits, labels = torch.randn(4, 3, 5, generator=gen), torch.randint(0, 5, (4, 3), generator=gen)
+    smoothed = F.cross_entropy(logits.reshape(-1, 5), labels.reshape(-1), label_smoothing=0.1)
+    torch.testing.assert_close(cross_entropy(logits, labels, label_smoothing=0.1), smoothed)
+    loss = build_loss(TrainConfig(loss="cross_entropy", loss_kwargs={"label_smoothing": 0.1}))
+    torch.testing.assert_close(loss(logits, labels), smoothed)
+    assert not torch.allclose(cross_entropy(logits, labels), smoothed)
