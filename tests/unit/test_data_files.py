@@ -171,3 +171,14 @@ def test_a_token_file_holding_no_tensor_is_one_line_naming_it(tmp_path):
         token_file(str(tmp_path / "t.pt")).describe()
         == f"token file {tmp_path / 't.pt'}: 65 tokens, 1 windows of 64 + 1"
     )
+
+
+def test_a_byte_data_set_names_its_files_and_the_first_12_hex_digits_of_their_sha256(tmp_path):
+    import hashlib
+
+    (tmp_path / "a.txt").write_bytes(b"hello world!")
+    data = text_files(str(tmp_path / "*.txt"), seq_len=3)
+    digest = hashlib.sha256(b"hello world!").hexdigest()[:12]
+    assert data.describe() == (
+        f"1 files matching {[str(tmp_path / '*.txt')]}, sha256 {digest}: 12 tokens, 3 windows of 3 + 1"
+    )

@@ -27,6 +27,7 @@ def _train(rank: int, world: int, settings: dict, stop_first: bool = False) -> d
     from app.worker.steps import build_step
     from app.worker.trainer import Trainer, TrainingDiverged
 
+    save_seconds = settings.pop("save_seconds", None)  # a disk this slow: each write reports this long
     cfg = TrainConfig(**{"metrics_port": 0, "dataset_size": 256, "micro_batch": 8, **settings})
     ctx = DistContext(rank, rank, world, torch.device("cpu"), "gloo")
     metrics = TrainMetrics(rank=rank, local_rank=rank, world_size=world, node="0", host="h")
@@ -44,7 +45,11 @@ def _train(rank: int, world: int, settings: dict, stop_first: bool = False) -> d
     sys.stdout = out
     try:
         step = build_step(cfg, ctx, cfg.check_world(world), metrics)
-        code = Trainer(cfg, ctx, WorldEnv(rank=rank, world_size=world), stop, metrics, step=step).run()
+        trainer = Trainer(cfg, ctx, WorldEnv(rank=rank, world_size=world), stop, metrics, step=step)
+        if save_seconds is not None:
+            write = trainer.checkpointer.save
+            trainer.checkpointer.save = lambda step: (write(step)[0], save_seconds)
+        code = trainer.run()
     except TrainingDiverged as e:
         code = str(e)
     finally:
@@ -109,10 +114,15 @@ def test_a_resume_with_another_global_batch_warns_how_to_keep_it(tmp_path):
 
 
 def test_a_checkpoint_slower_than_its_timeout_is_logged_with_the_fix(tmp_path):
-    run = train(steps=1, checkpoint_dir=str(tmp_path), checkpoint_timeout_seconds=1e-9)
+    run = train(steps=1, checkpoint_dir=str(tmp_path), checkpoint_timeout_seconds=1.5, save_seconds=2.0)
+    ((_, path),) = list_checkpoints(tmp_path)
+    assert f"checkpoint {path} written in 2000 ms" in run["log"]
     slow = [line for line in run["log"] if line.startswith("checkpoint write took ")]
-    assert len(slow) == 1 and "> checkpoint_timeout_seconds=1e-09: raise it" in slow[0]
-    assert run["code"] == 0
+    assert slow == [
+        "checkpoint write took 2.0 s > checkpoint_timeout_seconds=1.5: raise it, and stop_timeout_seconds and "
+        "collective_timeout_seconds above it, or a slow save will pass for a hung rank 0"
+    ]
+    assert run["series"]["ddp_checkpoint_duration_seconds_sum"] == 2.0 and run["code"] == 0
 
 
 def test_a_stop_before_the_last_step_checkpoints_that_step_and_exits_0(tmp_path):
