@@ -8,6 +8,7 @@ import io
 import logging
 import re
 import sys
+import time
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from app.worker.checkpoint.files import list_checkpoints
 from app.world.ranks import run_world
 
 
-def _train(rank: int, world: int, settings: dict, stop_first: bool = False) -> dict:
+def _train(rank: int, world: int, settings: dict, stop_first: bool = False, slow_final: bool = False) -> dict:
     """Run one Trainer to its end in this rank; its exit code, log lines, stdout and ``ddp_*`` series."""
     from prometheus_client import generate_latest
 
@@ -43,13 +44,27 @@ def _train(rank: int, world: int, settings: dict, stop_first: bool = False) -> d
     logger.setLevel(logging.INFO)
     out, stdout = io.StringIO(), sys.stdout
     sys.stdout = out
+    returned = None
     try:
         step = build_step(cfg, ctx, cfg.check_world(world), metrics)
         trainer = Trainer(cfg, ctx, WorldEnv(rank=rank, world_size=world), stop, metrics, step=step)
         if save_seconds is not None:
             write = trainer.checkpointer.save
             trainer.checkpointer.save = lambda step: (write(step)[0], save_seconds)
+        saved = []
+        if slow_final and rank == 0:  # rank 0's last write takes a second longer than the others' part of it
+            write = trainer.checkpointer.save
+
+            def slow_save(step):
+                done = write(step)
+                if step == cfg.steps:
+                    time.sleep(1.0)
+                    saved.append(time.time())
+                return done
+
+            trainer.checkpointer.save = slow_save
         code = trainer.run()
+        returned = time.time()
     except TrainingDiverged as e:
         code = str(e)
     finally:
@@ -60,7 +75,8 @@ def _train(rank: int, world: int, settings: dict, stop_first: bool = False) -> d
         if line.startswith("ddp_") and "_bucket{" not in line:
             name, _, value = line.rpartition(" ")
             series[name.split("{")[0]] = float(value)
-    return {"code": code, "log": lines, "stdout": out.getvalue(), "series": series}
+    return {"code": code, "log": lines, "stdout": out.getvalue(), "series": series, "saved": saved,
+            "returned": returned}  # fmt: skip
 
 
 def train(**settings) -> dict:
@@ -164,3 +180,13 @@ def test_a_run_resumed_after_a_crash_counts_the_steps_it_trains_again(tmp_path):
     s = run["series"]
     assert (s["ddp_steps_redone_total"], s["ddp_optimizer_steps_total"], s["ddp_world_generation"]) == (1, 3, 2)
     assert s["ddp_reformation_seconds"] > 0  # newest checkpoint written -> this world's first step
+
+
+def test_no_rank_reports_finished_before_rank_0s_final_checkpoint_is_written(tmp_path):
+    # The last barrier: every rank leaves together, after rank 0's final save (a peer that left first could be torn
+    # down while rank 0 still writes). Rank 0's final write is made a second slower: rank 1 returns after it all the
+    # same.
+    ranks = run_world(_train, 2, {"steps": 2, "checkpoint_dir": str(tmp_path)}, False, True, timeout=240)
+    assert [r["code"] for r in ranks] == [0, 0]
+    (written,) = ranks[0]["saved"]
+    assert ranks[1]["returned"] >= written
