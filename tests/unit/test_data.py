@@ -195,3 +195,50 @@ def test_a_share_recut_for_another_world_is_the_share_that_world_deals():
         got = (share.rank, share.world_size, share.start, share.local_samples, share.sizes, share.grad_scale)
         assert got == (0, 2, fresh.start, fresh.local_samples, fresh.sizes, fresh.grad_scale)
         assert share.equal_counts is equal
+
+
+def test_each_tokens_successors_come_with_the_documented_odds_so_the_loss_floor_is_1_11_nats():
+    """The module docstring's chain: 4 successors per token at 0.55 / 0.25 / 0.15 / 0.05, whose entropy, 1.11
+    nats, is the floor no model can beat (what docs and benchmarks compare the transformer's loss with)."""
+    import math
+    from collections import Counter
+
+    from app.worker.data import SUCCESSOR_PROBS, markov_sequences
+
+    assert SUCCESSOR_PROBS == (0.55, 0.25, 0.15, 0.05)
+    assert round(-sum(p * math.log(p) for p in SUCCESSOR_PROBS), 2) == 1.11
+    data = markov_sequences(2000, 32, seed=0)
+    pairs = Counter(zip(data.inputs.flatten().tolist(), data.targets.flatten().tolist()))
+    ranked = [0, 0, 0, 0]  # each token's successors, most frequent first, counted over every token
+    for token in {a for a, _ in pairs}:
+        for i, n in enumerate(sorted((n for (a, _), n in pairs.items() if a == token), reverse=True)):
+            ranked[i] += n
+    assert [round(n / sum(ranked), 2) for n in ranked] == pytest.approx([0.55, 0.25, 0.15, 0.05], abs=0.01)
+
+
+@pytest.mark.parametrize(("global_batch", "world_size"), [(3, 4), (1001, 1)])
+def test_a_global_batch_below_the_world_or_above_the_data_set_is_refused_naming_both(global_batch, world_size):
+    with pytest.raises(ValueError) as e:
+        GlobalBatches(DATA, global_batch, 8, 0, world_size, 0, CPU)
+    assert str(e.value) == (
+        f"global batch {global_batch} must lie between world_size={world_size} and dataset_size=1000: raise "
+        "dataset_size or change the batch"
+    )
+    assert len(GlobalBatches(DATA, 1000, 8, 0, 1, 0, CPU).next_indices()) == 1000  # the whole set is one batch
+
+
+def test_the_built_in_loss_passes_its_keywords_to_pytorchs_cross_entropy():
+    # loss: cross_entropy with loss_kwargs {label_smoothing: 0.1} (app.worker.workload binds them)
+    import torch.nn.functional as F
+
+    from app.worker.config import TrainConfig
+    from app.worker.data import cross_entropy
+    from app.worker.workload import build_loss
+
+    gen = torch.Generator().manual_seed(1)
+    logits, labels = torch.randn(4, 3, 5, generator=gen), torch.randint(0, 5, (4, 3), generator=gen)
+    smoothed = F.cross_entropy(logits.reshape(-1, 5), labels.reshape(-1), label_smoothing=0.1)
+    torch.testing.assert_close(cross_entropy(logits, labels, label_smoothing=0.1), smoothed)
+    loss = build_loss(TrainConfig(loss="cross_entropy", loss_kwargs={"label_smoothing": 0.1}))
+    torch.testing.assert_close(loss(logits, labels), smoothed)
+    assert not torch.allclose(cross_entropy(logits, labels), smoothed)

@@ -143,3 +143,42 @@ def test_a_double_star_pattern_reads_files_in_every_folder_below(tmp_path):
         (tmp_path / rel).write_text(rel[-5])
     data = text_files(str(tmp_path / "**" / "*.txt"), seq_len=1)
     assert bytes(data.tokens.tolist()) == b"abc" and "3 files" in data.describe()
+
+
+def test_windows_are_indexed_from_either_end_and_tokens_that_are_no_id_sequence_are_refused():
+    data = TokenWindows(torch.arange(13, dtype=torch.uint8), seq_len=4, source="bytes")  # 3 windows
+    assert data[-1][0].tolist() == data[2][0].tolist() == [8, 9, 10, 11] and data[-3][0].tolist() == [0, 1, 2, 3]
+    assert data[0][0].dtype == torch.int64  # bytes become the ids an Embedding takes
+    for i in (3, -4):
+        with pytest.raises(IndexError, match=rf"^window {i} of 3$"):
+            data[i]
+    assert data.describe() == "bytes: 13 tokens, 3 windows of 4 + 1"
+    with pytest.raises(ValueError, match=r"^bytes: tokens must be a 1-D integer tensor, got torch.int64 \[2, 7\]$"):
+        TokenWindows(torch.zeros(2, 7, dtype=torch.long), seq_len=4, source="bytes")
+    with pytest.raises(ValueError, match=r"^seq_len=0: must be >= 1$"):
+        TokenWindows(torch.arange(13), seq_len=0)
+
+
+def test_a_token_file_holding_no_tensor_is_one_line_naming_it(tmp_path):
+    torch.save({"tokens": torch.arange(17)}, tmp_path / "dict.pt")
+    path = str(tmp_path / "dict.pt")
+    with pytest.raises(ValueError) as e:
+        token_file(path)
+    assert str(e.value) == f"path={path!r}: holds a dict, not a tensor of token ids"
+    torch.save(torch.arange(65), tmp_path / "t.pt")
+    assert len(token_file(str(tmp_path / "t.pt"))) == 1  # the default: windows of 64 + 1
+    assert (
+        token_file(str(tmp_path / "t.pt")).describe()
+        == f"token file {tmp_path / 't.pt'}: 65 tokens, 1 windows of 64 + 1"
+    )
+
+
+def test_a_byte_data_set_names_its_files_and_the_first_12_hex_digits_of_their_sha256(tmp_path):
+    import hashlib
+
+    (tmp_path / "a.txt").write_bytes(b"hello world!")
+    data = text_files(str(tmp_path / "*.txt"), seq_len=3)
+    digest = hashlib.sha256(b"hello world!").hexdigest()[:12]
+    assert data.describe() == (
+        f"1 files matching {[str(tmp_path / '*.txt')]}, sha256 {digest}: 12 tokens, 3 windows of 3 + 1"
+    )

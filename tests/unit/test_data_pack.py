@@ -124,3 +124,29 @@ def test_bad_settings_and_a_one_shot_iterator_are_refused_in_one_line(tmp_path):
         packed_documents((d for d in DOCS), seq_len=4, sep=SEP)
     with pytest.raises(ValueError, match=r"no file matches"):
         packed_files(str(tmp_path / "none*.jsonl"), seq_len=4, sep=SEP)
+
+
+def test_the_smallest_window_and_separator_are_taken_and_what_is_no_integer_refused():
+    assert windows(packed_documents([[5]], seq_len=1, sep=0)) == [([5], [0])]  # seq_len 1, sep token 0
+    for bad in (2.0, "2"):
+        with pytest.raises(ValueError) as e:
+            packed_documents(DOCS, seq_len=4, sep=bad)
+        assert str(e.value) == f"sep={bad!r}: must be a token id, an integer >= 0 (your end-of-document token)"
+    with pytest.raises(ValueError, match=r"^seq_len=4.0: must be an integer >= 1$"):
+        packed_documents(DOCS, seq_len=4.0, sep=SEP)
+
+
+@pytest.mark.parametrize("line", ["[1, -2]", "[1, true]", "[1.0]", "not json", '"12"'])
+def test_a_jsonl_line_of_anything_but_token_ids_is_refused(tmp_path, line):
+    (tmp_path / "docs.jsonl").write_text(f"[0]\n   \n{line}\n")  # a line of spaces is a blank line: no document
+    with pytest.raises(ValueError, match=r"the line at byte 8 is not a JSON list of token ids"):
+        windows(packed_files(str(tmp_path / "docs.jsonl"), seq_len=1, sep=SEP))
+
+
+def test_a_packed_stream_describes_its_source_and_its_windows(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"abc\n")
+    (tmp_path / "b.txt").write_bytes(b"de\n")
+    files = packed_files(str(tmp_path / "*.txt"), seq_len=2, sep=10)
+    assert files.describe() == "2 files of one document per line, 7 bytes, packed with sep=10 into windows of 2 + 1"
+    assert windows(files) == [([97, 98], [98, 99]), ([99, 10], [10, 100]), ([100, 101], [101, 10])]  # abc, de
+    assert packed_documents(DOCS, 3, 0).describe() == "the documents of a list, packed with sep=0 into windows of 3 + 1"

@@ -86,3 +86,125 @@ def test_a_one_shot_generator_is_refused_in_one_line():
         "class whose __iter__ starts the stream over) or give it state_dict()/load_state_dict()"
     )
     assert _as_data_set(Numbers(), "numbers") is not None  # re-iterable: resumed by skipping
+
+
+def test_files_of_one_window_stream_it_and_one_byte_fewer_are_refused(tmp_path):
+    from app.worker.data_stream import TokenStream
+
+    (tmp_path / "a.txt").write_bytes(b"abcdefghi")  # seq_len 8 + 1: exactly one window
+    one = token_stream(str(tmp_path / "a.txt"), seq_len=8)
+    assert one.windows == 1 and [(bytes(x.tolist()), bytes(y.tolist())) for x, y in one] == [(b"abcdefgh", b"bcdefghi")]
+    (tmp_path / "a.txt").write_bytes(b"abcdefgh")
+    with pytest.raises(ValueError, match=r"^1 files hold 8 bytes, fewer than one window of seq_len \+ 1$"):
+        token_stream(str(tmp_path / "a.txt"), seq_len=8)
+    with pytest.raises(ValueError, match=r"^seq_len=0: must be >= 1$"):
+        TokenStream([tmp_path / "a.txt"], seq_len=0)
+
+
+def test_token_stream_reads_every_matching_file_once_in_sorted_order_and_names_a_pattern_that_matches_none(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "b.txt").write_bytes(b"BBBB")
+    (tmp_path / "a.txt").write_bytes(b"AAAA")
+    (tmp_path / "sub" / "c.txt").write_bytes(b"CCC")
+    stream = token_stream([str(tmp_path / "*.txt"), str(tmp_path / "a.txt"), str(tmp_path / "**" / "c.txt")], 2)
+    assert [p.name for p in stream.paths] == ["a.txt", "b.txt", "c.txt"]
+    assert stream.describe() == "3 files, 11 bytes, 5 windows of 2 + 1"
+    assert b"".join(bytes(x.tolist()) for x, _ in stream) == b"AAAABBBBCC"
+    with pytest.raises(ValueError) as e:
+        token_stream(str(tmp_path / "*.bin"))
+    assert str(e.value) == f"paths={[str(tmp_path / '*.bin')]}: no file matches; give existing files or glob patterns"
+
+
+def test_a_token_streams_state_is_the_next_window_and_a_load_seeks_there_once(tmp_path):
+    (tmp_path / "a.txt").write_bytes(bytes(range(41)))
+    stream = token_stream(str(tmp_path / "a.txt"), seq_len=4, chunk_bytes=1)  # chunks below a window: still whole
+    whole = [x.tolist() for x, _ in stream]
+    assert len(whole) == 10 and stream.state_dict() == {"window": 10}
+    it = iter(stream)
+    next(it), next(it), next(it)
+    assert stream.state_dict() == {"window": 3}
+    stream.load_state_dict({"window": 7})
+    assert [x.tolist() for x, _ in stream] == whole[7:]  # the next pass continues there
+    assert [x.tolist() for x, _ in stream] == whole  # and the one after starts over
+
+
+def test_streams_and_map_style_sets_are_told_apart_and_dealt_by_their_own_dealer():
+    from torch.utils.data import IterableDataset
+
+    from app.worker.data import BatchShare, GlobalBatches, teacher_classification
+    from app.worker.data_stream import build_batches, has_state, is_stream, resumable
+
+    class SizedStream(IterableDataset):
+        def __len__(self):
+            return 100
+
+        def __iter__(self):
+            return iter(Numbers())
+
+    data = teacher_classification(64, 0)
+    assert is_stream(Numbers()) and is_stream(SizedStream()) and not is_stream(data) and not is_stream([1, 2])
+    assert not has_state(Numbers())
+    assert resumable(Numbers()) is None and resumable(iter(Numbers())).startswith("a generator is a one-shot")
+    share = BatchShare(12, 2, 2, 5, CPU, torch.float32, equal_counts=True)
+    stream = build_batches(Numbers(), 0, share)
+    assert isinstance(stream, StreamBatches) and stream.sizes == [1, 1]  # 12 over 5 ranks: 3/3/2/2/2, 2 cuts each
+    mapped = build_batches(data, 0, share)
+    assert isinstance(mapped, GlobalBatches) and mapped.sizes == [1, 1]
+    plain = build_batches(Numbers(), 0, BatchShare(12, 2, 2, 5, CPU, torch.float32))
+    assert plain.sizes == [2]
+
+
+def test_a_stream_shorter_than_a_global_batch_and_a_batch_below_the_world_are_refused():
+    with pytest.raises(ValueError, match=r"^global batch 2 must be at least world_size=3$"):
+        StreamBatches(Numbers(), 2, 1, 0, 3, CPU)
+    assert StreamBatches(Numbers(), 3, 1, 0, 3, CPU).global_batch == 3
+    short = StreamBatches(Numbers(), 101, 101, 0, 1, CPU)
+    with pytest.raises(ValueError) as e:
+        short.next_micro_batches()
+    assert str(e.value) == (
+        "the data stream yields 100 samples in a pass, fewer than one global batch of 101; give it more samples, or "
+        "lower micro_batch or effective_batch"
+    )
+    whole = StreamBatches(Numbers(), 100, 50, 0, 1, CPU)  # exactly one pass per step
+    assert [int(x[0, 0]) for x, _ in whole.next_micro_batches()] == [0, 50]
+    assert [int(x[0, 0]) for x, _ in whole.next_micro_batches()] == [0, 50] and whole.epoch == 1
+
+
+def test_a_resumed_stream_saved_again_before_a_read_names_the_place_it_was_given(tmp_path):
+    pattern = corpus(tmp_path)
+    batches = StreamBatches(token_stream(pattern, seq_len=SEQ), 10, 5, 0, 2, CPU)
+    assert batches.stateful and not StreamBatches(Numbers(), 10, 5, 0, 2, CPU).stateful
+    assert batches.state_dict() == {"epoch": 0, "consumed": 0, "stream": None}  # nothing read yet
+    batches.next_micro_batches()
+    assert batches.state_dict() == {"epoch": 0, "consumed": 10, "stream": {"window": 10}}
+    other = StreamBatches(token_stream(pattern, seq_len=SEQ), 10, 5, 1, 2, CPU)
+    other.load_state_dict({"epoch": 2, "consumed": 30, "stream": {"window": 30}})
+    assert other.state_dict() == {"epoch": 2, "consumed": 30, "stream": {"window": 30}}
+    x, _ = other.next_micro_batches()[0]
+    assert torch.equal(x[0], text_files(pattern, seq_len=SEQ)[35][0])  # rank 1's share of step 4: windows 35..39
+    assert other.state_dict() == {"epoch": 2, "consumed": 40, "stream": {"window": 40}}
+
+
+def test_a_file_streams_through_in_chunks_of_1_mib_never_whole(tmp_path):
+    # "Files larger than memory stream through": by default 1 MiB is read at a time, and at most the unread tail, the
+    # new chunk and the two joined (about 3 chunks) are held at once, whatever the file's size.
+    import tracemalloc
+
+    (tmp_path / "big.bin").write_bytes(bytes(range(256)) * (8 * 4096))  # 8 MiB
+    stream = token_stream(str(tmp_path / "big.bin"), seq_len=4096)
+    tracemalloc.start()
+    try:
+        windows = sum(1 for _ in stream)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert windows == (8 * 2**20 - 1) // 4096
+    assert 2 * 2**20 < peak < 3.5 * 2**20, peak
+
+
+def test_a_token_stream_resumed_in_a_later_file_seeks_past_the_files_before_it(tmp_path):
+    pattern = corpus(tmp_path)  # files of 301, 97 and 450 bytes
+    whole = [x.tolist() for x, _ in token_stream(pattern, seq_len=SEQ)]
+    stream = token_stream(pattern, seq_len=SEQ)
+    stream.load_state_dict({"window": 60})  # byte 480: past the first two files (398 bytes)
+    assert [x.tolist() for x, _ in stream] == whole[60:]

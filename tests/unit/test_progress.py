@@ -44,3 +44,26 @@ def test_a_progress_line_averages_its_window_of_steps_to_the_hundredth_of_a_mill
     assert caplog.messages[-1] == (
         "step 3/3 | loss 2.0000 | 320 samples/s | step 200.0 ms | comm 20.00 ms (exposed 3.00 ms)"
     )
+
+
+def test_a_line_without_a_measured_wait_says_n_a_and_a_step_of_no_time_0_samples_per_second(caplog):
+    # PyTorch's DDP cannot tell the exposed wait (None); a clock too coarse to see the step reads 0 seconds.
+    progress = ProgressLog(steps=2, log_every=10, first_step=1)
+    with caplog.at_level(logging.INFO, logger="app.train"):
+        assert progress.record(StepRecord(1, 0.0, 0.0, None, 2.5, samples=64))
+        assert progress.record(StepRecord(2, 0.5, 0.25, None, 1.5, samples=64))  # the last step: a line
+    assert caplog.messages == [
+        "step 1/2 | loss 2.5000 | 0 samples/s | step 0.0 ms | comm 0.00 ms (exposed n/a)",
+        "step 2/2 | loss 1.5000 | 128 samples/s | step 500.0 ms | comm 250.00 ms (exposed n/a)",
+    ]
+
+
+def test_the_summary_gives_the_median_and_the_mean_step_of_the_whole_run(caplog):
+    progress = ProgressLog(steps=4, log_every=100, first_step=1)
+    for i, seconds in enumerate([0.001, 0.002, 0.003, 0.010], start=1):
+        progress.record(StepRecord(i, seconds, 0.0, 0.0, loss=float(i), samples=8))
+    with caplog.at_level(logging.INFO, logger="app.train"):
+        progress.summary()
+    assert caplog.messages == [
+        "summary: steps=4 loss_first=1.0000 loss_last=4.0000 median_step_ms=2.500 mean_step_ms=4.000"
+    ]

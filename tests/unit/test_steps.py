@@ -113,3 +113,27 @@ def test_the_failure_drills_loss_is_nan_and_what_a_kind_is_built_from_is_frozen(
     assert inputs.metrics is None  # the kinds that need metrics are given them
     with pytest.raises(dataclasses.FrozenInstanceError):
         inputs.grad_accum_steps = 2  # shared by the step kind and the Trainer: nobody changes it after the build
+
+
+def test_every_rank_builds_the_same_parameters_from_the_seed_and_another_seed_other_ones():
+    from app.worker.models import parameter_checksum
+
+    def built(seed: int, rank: int) -> str:
+        cfg = TrainConfig(steps=1, wrapper="none", metrics_port=0, seed=seed)
+        torch.manual_seed(1000 + rank)  # whatever each rank's generator held before
+        return parameter_checksum(build_step(cfg, DistContext(rank, rank, 1, torch.device("cpu"), "gloo"), 1,
+                                             NoMetrics()).model)  # fmt: skip
+
+    assert built(3, 0) == built(3, 1) != built(4, 0)
+
+
+def test_the_modules_activation_checkpointing_names_recompute_and_the_log_names_them(caplog):
+    import logging
+
+    from app.parallel.activation_checkpointing import is_checkpointed
+
+    cfg = TrainConfig(steps=1, wrapper="none", metrics_port=0, activation_checkpointing="every:2")
+    with caplog.at_level(logging.INFO, logger="app.train"):
+        step = build_step(cfg, DistContext(0, 0, 1, torch.device("cpu"), "gloo"), 1, NoMetrics())
+    assert "activation checkpointing (every:2): 2 modules, net.1, net.3" in caplog.messages  # every second unit
+    assert [n for n, m in step.model.net.named_children() if is_checkpointed(m)] == ["1", "3"]

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from app.worker.config import ConfigError, load_config
+from app.worker.config import ConfigError, TrainConfig, load_config
 from app.worker.workload import build_dataset, build_loss, build_model, check_workload, model_name
 from tests.trainer_run import clean_env, free_port, run_module
 
@@ -267,3 +267,232 @@ def test_a_pipeline_of_a_model_that_is_not_its_children_in_order_is_refused_at_s
         "parallel=pipeline with model='tests.models_user:ResidualNet': ResidualNet's forward is not its children in "
         "order (inner, head): the chain gives another output;"
     ) and str(e.value).endswith(", or use parallel=ddp"), str(e.value)
+
+
+def test_the_built_in_data_set_is_sized_and_seeded_by_the_settings_and_a_spec_takes_its_own_keywords():
+    from app.worker.workload import data_spec
+
+    assert data_spec(TrainConfig(dataset_size=50, seed=3)) == ("teacher_classification", {"size": 50, "seed": 3})
+    transformer = TrainConfig(model="tiny_transformer", dataset_size=40, seq_len=8, seed=1)
+    assert data_spec(transformer) == ("markov_sequences", {"size": 40, "seed": 1, "seq_len": 8})
+    spec = TrainConfig(data="tests.models_user:ClassificationDataset", data_kwargs={"size": 64})
+    assert data_spec(spec) == ("tests.models_user:ClassificationDataset", {"size": 64})
+
+
+def test_each_built_in_model_brings_its_own_loss_and_a_loss_spec_gets_its_keywords():
+    out, target = torch.tensor([[2.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 1])
+    ce = torch.nn.functional.cross_entropy(out, target)
+    assert build_loss(TrainConfig())(out, target) == ce  # mini_mlp: cross_entropy
+    deep = TrainConfig(model="deep_mlp", data="tests.models_user:ClassificationDataset")
+    assert build_loss(deep)(out, torch.zeros(2, 2)) == torch.nn.functional.mse_loss(out, torch.zeros(2, 2))
+    scaled = TrainConfig(loss="tests.models_user:scaled_cross_entropy", loss_kwargs={"scale": 2.0})
+    assert build_loss(scaled)(out, target) == 2 * ce
+
+
+def test_a_data_set_is_built_once_per_process_and_other_settings_build_another():
+    first = build_dataset(TrainConfig(dataset_size=48, seed=5))
+    assert build_dataset(TrainConfig(dataset_size=48, seed=5)) is first  # the step kind gets the checked object
+    other = build_dataset(TrainConfig(dataset_size=48, seed=6))
+    assert other is not first and not torch.equal(other.inputs, first.inputs)
+    assert len(build_dataset(TrainConfig(dataset_size=40, seed=5))) == 40
+
+
+def test_without_a_held_out_share_the_whole_data_set_trains():
+    from app.worker.workload import build_splits
+
+    data = build_dataset(TrainConfig(dataset_size=64))
+    train, held = build_splits(TrainConfig(dataset_size=64))
+    assert train is data and held is None
+
+
+def test_a_map_style_data_set_is_split_by_position_into_its_first_and_last_samples():
+    from app.worker.workload import build_splits
+
+    cfg = TrainConfig(data="tests.unit.test_workload:RaggedData", eval_fraction=0.25)
+    train, held = build_splits(cfg)
+    assert (list(train.indices), list(held.indices)) == (list(range(30)), list(range(30, 40)))
+    assert torch.equal(held[0][0], RaggedData()[30][0])
+
+
+@pytest.mark.parametrize("fraction, held", [(0.01, 0), (0.99, 40)])
+def test_a_share_that_leaves_either_side_empty_is_one_line(fraction, held):
+    from app.worker.workload import build_splits
+
+    cfg = TrainConfig(data="tests.unit.test_workload:RaggedData", eval_fraction=fraction)
+    with pytest.raises(ConfigError) as e:
+        build_splits(cfg)
+    assert str(e.value) == (
+        f"eval_fraction={fraction} of data='tests.unit.test_workload:RaggedData''s 40 samples holds out {held}; "
+        "choose a fraction that leaves at least one sample on each side"
+    )
+
+
+def unequal_tensors():
+    return torch.zeros(10, 32), torch.zeros(9, dtype=torch.long)
+
+
+def a_number():
+    return 7
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("tests.unit.test_workload:unequal_tensors", "inputs have 10 samples, targets 9"),
+        (
+            "tests.unit.test_workload:a_number",
+            "returned a int, not a map-style data set (__len__, __getitem__), an iterable of (input, target) pairs, "
+            "nor (inputs, targets) tensors",
+        ),
+    ],
+)
+def test_a_data_spec_that_returns_no_data_set_is_one_line(spec, message):
+    with pytest.raises(ConfigError) as e:
+        build_dataset(TrainConfig(data=spec))
+    assert str(e.value) == f"data={spec!r}: {message}"
+
+
+class ShortStream:
+    """A stream of 10 samples: fewer than one global batch of 32."""
+
+    def __iter__(self):
+        return ((torch.zeros(32), torch.tensor(0)) for _ in range(10))
+
+
+class FailingStream:
+    """A stream whose first read fails (its files gone, say)."""
+
+    def __iter__(self):
+        return self._read()
+
+    def _read(self):
+        raise OSError("the bucket is gone")
+        yield  # a generator: the error comes with the first sample, not from iter()
+
+
+class FailingData:
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int):
+        raise KeyError(i)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            "ShortStream",
+            "10 samples, fewer than one global batch of 32; give the data set more samples, or lower "
+            "micro_batch or effective_batch",
+        ),
+        ("FailingStream", "reading the stream raised OSError: the bucket is gone"),
+        ("FailingData", "reading sample 0 raised KeyError: 0"),
+    ],
+)
+def test_data_that_cannot_give_a_first_batch_is_one_line_at_start_up(spec, message):
+    cfg = TrainConfig(data=f"tests.unit.test_workload:{spec}")
+    with pytest.raises(ConfigError) as e:
+        check_workload(cfg, world_size=1, grad_accum_steps=1)
+    assert str(e.value) == f"data='tests.unit.test_workload:{spec}': {message}"
+
+
+def test_a_global_batch_of_exactly_the_data_sets_size_passes():
+    check_workload(TrainConfig(dataset_size=64, micro_batch=16), world_size=2, grad_accum_steps=2)
+    with pytest.raises(
+        ConfigError, match=r"^data='teacher_classification': 64 samples, fewer than one global batch of"
+    ):
+        check_workload(TrainConfig(dataset_size=64, micro_batch=16), world_size=2, grad_accum_steps=3)
+
+
+def mean_as_float(out, y):
+    return float(torch.nn.functional.cross_entropy(out, y))
+
+
+def test_a_loss_that_returns_a_number_not_a_tensor_is_one_line():
+    cfg = TrainConfig(loss="tests.unit.test_workload:mean_as_float", dataset_size=64)
+    with pytest.raises(ConfigError) as e:
+        check_workload(cfg, world_size=1, grad_accum_steps=1)
+    assert str(e.value).startswith("loss='tests.unit.test_workload:mean_as_float': returned float  on the first")
+    assert str(e.value).endswith("not a scalar tensor; reduce it to a mean over the samples")
+
+
+@pytest.mark.parametrize("model", ["mini_mlp", "tiny_transformer"])
+def test_float64_runs_the_model_and_its_float_inputs_in_float64_and_leaves_token_ids_whole(model):
+    # mini_mlp's float features are cast with the model; tiny_transformer's token ids stay integers for its table.
+    check_workload(TrainConfig(model=model, dtype="float64", dataset_size=64, seq_len=8), 1, 1)
+
+
+def test_a_pipeline_is_cut_where_pipeline_split_says_or_balanced_by_parameters():
+    from app.worker.workload import pipeline_split
+
+    model = build_model(TrainConfig())
+    assert pipeline_split(TrainConfig(parallel="pipeline"), model, 3) == ["net.2", "net.4"]
+    assert pipeline_split(TrainConfig(parallel="pipeline", pipeline_split="net.4"), model, 2) == ["net.4"]
+    with pytest.raises(ConfigError) as e:
+        pipeline_split(TrainConfig(parallel="pipeline", pipeline_split="net.9"), model, 2)
+    assert str(e.value).startswith("pipeline_split='net.9' with model='mini_mlp': 'net.9' is not a module of")
+    with pytest.raises(ConfigError) as e:
+        pipeline_split(TrainConfig(parallel="pipeline"), model, 4)
+    assert str(e.value) == (
+        "pipeline_stages=4 with model='mini_mlp': 4 stages but the model's sequence has 3 module(s) with parameters: "
+        "use at most 3 stages"
+    )
+
+
+@pytest.mark.parametrize(
+    "settings, whole",
+    [
+        ({"wrapper": "torch"}, True),
+        ({"wrapper": "torch", "parallel": "zero1"}, True),
+        ({"wrapper": "torch", "parallel": "zero2"}, False),
+        ({"wrapper": "ours"}, False),
+        ({"wrapper": "torch", "compile": "none"}, False),
+    ],
+)
+def test_only_pytorchs_ddp_under_ddp_or_zero1_is_compiled_whole(settings, whole):
+    from app.worker.workload import compiled_units, compiles_wrapper_whole
+
+    cfg = TrainConfig(**{"compile": "aot_eager", **settings})
+    assert compiles_wrapper_whole(cfg) is whole
+    if whole:
+        assert compiled_units(cfg, build_model(cfg)) == {}
+
+
+def test_compile_units_that_name_nothing_say_what_the_model_has():
+    from app.worker.workload import compiled_units
+
+    cfg = TrainConfig(compile="aot_eager", parallel="zero2", compile_units="Conv2d")
+    with pytest.raises(ConfigError) as e:
+        compiled_units(cfg, build_model(cfg))
+    assert str(e.value) == (
+        "compile_units='Conv2d': Conv2d names no module class of MiniMLP (it has Linear, ReLU, Sequential); name "
+        "those (with parameters), or leave it empty"
+    )
+
+
+def loss_that_warns_and_fails(out, y):
+    warnings.warn("Using a target size that is different to the input size", UserWarning, stacklevel=2)
+    raise ValueError("Target size (torch.Size([2]))\n    must be the same as input size")
+
+
+def test_a_failing_loss_is_one_line_with_its_cause_folded_and_none_of_its_warnings():
+    cfg = config(["--wrapper", "none"], {"DDP_LOSS": "tests.unit.test_workload:loss_that_warns_and_fails"})
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with pytest.raises(ConfigError) as e:
+            check_workload(cfg, world_size=1, grad_accum_steps=1)
+    assert str(e.value) == (
+        "loss='tests.unit.test_workload:loss_that_warns_and_fails' failed on the output [2, 8] float32 of "
+        "model='mini_mlp' and the first samples of data='teacher_classification' (input [2, 32] float32, target [2] "
+        "int64): ValueError: Target size (torch.Size([2])) must be the same as input size"
+    )
+    assert [str(w.message) for w in shown if "target size" in str(w.message)] == []  # it would be a second line
+
+
+def test_the_recorded_model_name_is_the_same_whatever_order_its_keywords_came_in():
+    # A resume compares it with the checkpoint's: the same keywords from a YAML file and from JSON in another order
+    # must not be told apart.
+    one = TrainConfig(model="deep_mlp", data="x:y", model_kwargs={"width": 8, "depth": 2})
+    other = TrainConfig(model="app.worker.models:DeepMLP", data="x:y", model_kwargs={"depth": 2, "width": 8})
+    assert model_name(one) == model_name(other) == 'deep_mlp {"depth": 2, "width": 8}'

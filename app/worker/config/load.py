@@ -90,7 +90,7 @@ def convert(name: str, raw: Any, source: str) -> Any:
         if isinstance(raw, (dict, list)):
             raise ValueError
         return str(raw)
-    except ValueError:
+    except (ValueError, TypeError):  # TypeError: a YAML list or mapping where a number belongs
         raise ConfigError(
             f"{name}={raw!r} (from {source}): must be {'an' if kind is int else 'a'} {kind.__name__}"
         ) from None
