@@ -644,6 +644,10 @@ def copy_tree(dst: Path) -> None:
             continue
         (dst / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, dst / rel, follow_symlinks=False)  # k8s/*.yaml are links (tests/unit/test_k8s.py)
+    # A repository of its own, files indexed, no commit: tests that ask git what is tracked (the README's layout
+    # table, tests/unit/test_docs.py) see the same files here as in the checkout, not a failure before any mutant.
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"]):
+        subprocess.run(cmd, cwd=dst, capture_output=True, check=True)
 
 
 def env_for(copy: Path) -> dict[str, str]:
