@@ -332,3 +332,24 @@ def test_a_plain_checkpoint_a_zero_stage_cannot_cut_is_a_mismatch_that_says_to_r
             f"checkpoint_dir={str(tmp_path)!r}: step-00000002.pt cannot resume under parallel=zero2: it does not name "
             f"its optimizer's parameters (saved by an older trainer); resume with parallel=ddp"
         )
+
+
+def fp16_then_other_precisions(rank, world, directory):
+    """An fp16 run's save (its GradScaler at a scale it reached); a resume with a fresh scaler; one with none."""
+    model, opt, _ = build("ddp", 0, 0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.ones(()))  # the scale tensor is made at first use
+    scaler.update(256.0)  # where a run's overflows had brought it
+    checkpointer(directory, rank, world, model, opt, Position(4), grad_scaler=scaler).save(4)
+    fresh = torch.amp.GradScaler("cpu")
+    model, opt, _ = build("ddp", 1, 0.01)
+    checkpointer(directory, rank, world, model, opt, Position(), grad_scaler=fresh).resume()
+    model, opt, _ = build("ddp", 1, 0.01)
+    without = checkpointer(directory, rank, world, model, opt, Position()).resume()  # a bf16 or fp32 resume
+    return fresh.get_scale(), without.step
+
+
+def test_an_fp16_runs_loss_scale_is_resumed_and_a_run_without_a_scaler_ignores_it(tmp_path):
+    # Resumed at the initial scale instead, the first steps after a resume would skip or rescale where the
+    # uninterrupted run did not; a resume in another precision has no scaler to give the state to.
+    assert run_world(fp16_then_other_precisions, 1, str(tmp_path)) == [(256.0, 4)]

@@ -229,6 +229,22 @@ def test_heal_in_places_exit_barrier_says_how_many_containers_it_waited_for_and_
     assert heal_exit_barrier(None, "job", 2, 5) is False  # the launcher checked no config: torch's barrier
 
 
+def test_a_heal_store_out_of_reach_leaves_the_ending_to_torchs_barrier_with_the_cause_at_debug(caplog):
+    import socket
+
+    from app.cluster.elastic import heal_exit_barrier
+
+    with socket.socket() as s:  # a port nothing listens on once it is closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = TrainConfig(heal="in_place", heal_store=f"127.0.0.1:{port}", effective_batch=64)
+    with caplog.at_level(logging.DEBUG, logger=LOG):
+        assert heal_exit_barrier(config, "job", local_world_size=2, timeout_s=0.3) is False
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("cannot reach the healed world")]
+    # LOGLEVEL=DEBUG is where a user looks for why: the record carries the connection's own error.
+    assert record.levelno == logging.DEBUG and record.exc_info and "127.0.0.1" in str(record.exc_info[1])
+
+
 def test_the_reporting_agent_gives_its_trainers_torchs_own_time_to_stop(monkeypatch):
     """The agent ``install_agent`` has elastic_launch build stops its trainers as torch's does: a re-formation's
     ``_shutdown()`` (torch calls it with no timeout) waits torch's own grace before SIGKILL, with SIGTERM first."""

@@ -50,6 +50,8 @@ def broadcast_kinds(rank: int, world: int) -> dict:
     capped = tensors()
     # 64 bytes: the fp32 run (48 + 24 + 28 bytes) is cut where the next tensor would pass the cap.
     capped_sizes = counted_broadcasts(lambda: broadcast_coalesced(capped, 0, None, cap_bytes=64))
+    exact = [torch.full((8,), float(rank)), torch.full((8,), float(rank + 1))]  # 32 + 32 bytes: the cap, exactly
+    exact_sizes = counted_broadcasts(lambda: broadcast_coalesced(exact, 0, None, cap_bytes=64))
     torch.manual_seed(rank)  # a different model on every rank: construction makes them rank 0's
     model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(20)))
     for i in range(30):
@@ -60,6 +62,8 @@ def broadcast_kinds(rank: int, world: int) -> dict:
         "default_sizes": default_sizes,
         "capped": capped,
         "capped_sizes": capped_sizes,
+        "exact": exact,
+        "exact_sizes": exact_sizes,
         "construction": built,
         "model": [t.clone() for t in [*model.parameters(), *model.buffers()]],
     }
@@ -69,7 +73,7 @@ def test_a_broadcast_is_one_flat_collective_per_run_of_one_device_and_dtype_unde
     ranks = run_world(broadcast_kinds, 2)
     for r in ranks:
         # Every rank ends with rank 0's values, each tensor in its shape and dtype.
-        for name in ("default", "capped"):
+        for name in ("default", "capped", "exact"):
             for mine, zeros in zip(r[name], ranks[0][name]):
                 assert mine.dtype == zeros.dtype and torch.equal(mine, zeros), name
         assert all(torch.equal(a, b) for a, b in zip(r["model"], ranks[0]["model"]))
@@ -78,6 +82,7 @@ def test_a_broadcast_is_one_flat_collective_per_run_of_one_device_and_dtype_unde
         assert sorted(r["default_sizes"]) == sorted([(12 + 6 + 7) * 4, (5 + 4) * 8, 2 * 8]), rank
         # Under a 64-byte cap: fp32 12 elements (48 B), then 6 + 7 (52 B); int64 5 + 4 (72 B) cut in two.
         assert sorted(r["capped_sizes"]) == sorted([48, (6 + 7) * 4, 5 * 8, 4 * 8, 2 * 8]), rank
+        assert r["exact_sizes"] == [64], rank  # tensors that fill the cap exactly go out in one broadcast
         # A model of 40 parameters and 30 buffers, far under the default cap (25 MiB): two flat broadcasts at
         # construction, fp32 and int64, not one per tensor.
         assert sorted(r["construction"]) == [30 * 3 * 8, 20 * (16 + 4) * 4], rank
