@@ -75,6 +75,7 @@ RENDERERS = {
     "mutation": render_mutation,
     "mutation-first": render_mutation,  # the first fresh-clone sample, before its survivors had their tests
     "mutation-heldout": render_mutation,  # a sample drawn after every file's selection gained its own tests
+    "mutation-heldout-2": render_mutation,  # a second held-out sample, after the survivors of the first had tests
     "metrics-budget": render_metrics_budget,
     "scaling": render_scaling,
     "zero": render_zero,
